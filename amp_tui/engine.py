@@ -1,0 +1,327 @@
+"""The guarded mixed-precision step, usable on its own from a user's loop.
+
+Order of one iteration, as the seeds teach it:
+zero_grad(set_to_none=True) -> autocast around loss_fn only -> finite-loss check ->
+scaler.scale(loss).backward() -> scaler.unscale_ -> gradient figures -> optional clipping ->
+scaler.step -> scaler.update -> scheduler only when the update was really applied.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from amp_tui import precision
+from amp_tui.probes import LayerFigures, LayerProbe
+
+
+class PrecisionRefused(Exception):
+    """A dtype or scale change that can't be applied; the run goes on unchanged."""
+
+
+class LossError(Exception):
+    """loss_fn returned something that is not a scalar loss."""
+
+
+@dataclass
+class StepResult:
+    step: int                     # 0-based iteration index
+    loss: float                   # mean over micro-batches; NaN/inf when non-finite
+    scale: float | None           # the loss scale used in this step (None: no scaler)
+    skipped: bool                 # the optimizer update was not applied
+    skipped_total: int
+    updates_applied: int
+    dtype: str
+    micro_batches: int
+    nonfinite: str | None = None  # None, "loss" or "gradients"
+    first_nonfinite_layer: str | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    figures: LayerFigures | None = None
+    duration: float = 0.0
+    wall_time: float = field(default_factory=time.time)
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(f"loss_fn returned a {type(loss).__name__}, not a tensor")
+    if loss.numel() != 1:
+        raise LossError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not a scalar "
+                        "(reduce it, e.g. with .mean())")
+    if not loss.is_floating_point():
+        raise LossError(f"loss_fn returned a {loss.dtype} tensor; a loss must be floating point")
+    if not loss.requires_grad:
+        raise LossError("loss_fn returned a tensor that does not require grad: "
+                        "it does not depend on the model's parameters")
+    return loss
+
+
+class GuardedTrainer:
+    """One guarded optimizer update per `step()`; dtype and scale can change between steps."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str = "float16",
+        init_scale: float = 65536.0,
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        probe: bool = True,
+        probe_every: int = 1,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device = torch.device(device)
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.probe = LayerProbe(model) if probe else None
+        self.probe_every = max(1, int(probe_every))
+        if not (init_scale > 0 and math.isfinite(init_scale)):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
+        self.init_scale = float(init_scale)
+        self._fp16_scale = float(init_scale)   # where fp16 starts the next time it is entered
+        self._scale_value: float | None = None  # host copy of the live scaler's scale
+        self.scaler: torch.amp.GradScaler | None = None
+        self.dtype = precision.canonical(dtype)
+        reason = precision.unsupported_reason(self.device, self.dtype)
+        if reason:
+            raise PrecisionRefused(reason)
+        if precision.uses_scaler(self.dtype):
+            self._enter_fp16()
+        self.step_index = 0
+        self.updates_applied = 0
+        self.skipped_total = 0
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    # ---- precision policy ---------------------------------------------------------------
+    @property
+    def layer_names(self) -> list[str]:
+        return self.probe.names if self.probe else []
+
+    @property
+    def scale(self) -> float | None:
+        return self._scale_value if self.scaler is not None else None
+
+    @property
+    def next_fp16_scale(self) -> float:
+        return self._scale_value if self.scaler is not None else self._fp16_scale
+
+    def _enter_fp16(self) -> None:
+        # A fresh scaler: a disabled scaler's state_dict() is {} and can't be loaded back.
+        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=self._fp16_scale)
+        self._scale_value = self._fp16_scale
+
+    def set_dtype(self, dtype: str) -> dict:
+        """Switch autocast dtype at a step boundary; returns {"before", "after"} for the record."""
+        new = precision.canonical(dtype)
+        before = self.describe_precision()
+        if new == self.dtype:
+            return {"before": before, "after": before}
+        reason = precision.unsupported_reason(self.device, new)
+        if reason:
+            raise PrecisionRefused(reason)
+        if self.scaler is not None:
+            self._fp16_scale = self._scale_value
+            self.scaler = None
+            self._scale_value = None
+        self.dtype = new
+        if precision.uses_scaler(new):
+            self._enter_fp16()
+        return {"before": before, "after": self.describe_precision()}
+
+    def set_scale(self, value: float | str) -> dict:
+        """Set the loss scale (a number, or "half"); also the init_scale for the next fp16 entry."""
+        before = self.describe_precision()
+        current = self.next_fp16_scale
+        new = current / 2.0 if value == "half" else float(value)
+        if not (math.isfinite(new) and new > 0):
+            raise PrecisionRefused(f"scale must be a positive finite number, got {value!r}")
+        self.init_scale = new
+        self._fp16_scale = new
+        if self.scaler is not None:
+            self._load_scaler_state({**self.scaler.state_dict(), "scale": new, "_growth_tracker": 0})
+        return {"before": before, "after": self.describe_precision()}
+
+    def _load_scaler_state(self, state: dict) -> None:
+        self.scaler.load_state_dict(state)
+        self._scale_value = float(state["scale"])
+
+    def describe_precision(self) -> dict:
+        return {"dtype": self.dtype, "scale": self.scale, "init_scale": self.init_scale}
+
+    # ---- checkpoint state ---------------------------------------------------------------
+    def scaler_state(self) -> dict | None:
+        if self.scaler is None:
+            return None
+        return dict(self.scaler.state_dict())
+
+    def checkpoint_extra(self) -> dict:
+        return {"init_scale": self.init_scale, "fp16_scale": self.next_fp16_scale,
+                "updates_applied": self.updates_applied, "skipped_total": self.skipped_total}
+
+    def restore_scaler(self, state: dict | None) -> None:
+        """After weights/optimizer were restored: put the checkpoint's scale where it belongs."""
+        if state is None:
+            return
+        if self.scaler is not None:
+            self._load_scaler_state(dict(state))
+        else:
+            self._fp16_scale = float(state["scale"])  # carried until fp16 is entered again
+
+    # ---- the guarded step ---------------------------------------------------------------
+    def probing_next(self) -> bool:
+        return self.probe is not None and self.step_index % self.probe_every == 0
+
+    def step(self, micro_batches: Sequence[Any]) -> StepResult:
+        """One iteration over `micro_batches` (already on the device): one update attempt."""
+        if not micro_batches:
+            raise ValueError("step() needs at least one micro-batch")
+        started = time.perf_counter()
+        probe = self.probe if self.probing_next() else None
+        if probe:
+            probe.begin()
+        try:
+            result = self._step(micro_batches, probe)
+        finally:
+            if probe:
+                probe.end()
+        result.duration = time.perf_counter() - started
+        self.step_index += 1
+        return result
+
+    def _forward(self, batch):
+        enabled = precision.uses_autocast(self.dtype)
+        with torch.autocast(self.device.type, dtype=precision.torch_dtype(self.dtype), enabled=enabled):
+            return _check_loss(self.loss_fn(self.model, batch))
+
+    def _step(self, micro_batches, probe: LayerProbe | None) -> StepResult:
+        opt, scaler = self.optimizer, self.scaler
+        used_scale = self._scale_value if scaler is not None else None
+        opt.zero_grad(set_to_none=True)
+        n = len(micro_batches)
+        losses: list[float] = []
+        bad_batch = None
+        for batch in micro_batches:
+            loss = self._forward(batch)
+            value = float(loss.detach().float())  # the one sync the finite-loss check needs
+            losses.append(value)
+            if not math.isfinite(value):
+                bad_batch = batch
+                break
+            scaled = loss / n if n > 1 else loss
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        mean_loss = sum(losses) / len(losses)
+
+        if bad_batch is not None:
+            # No backward, no update: the guard the seeds ask for. Find where it went wrong.
+            opt.zero_grad(set_to_none=True)
+            figures = probe.collect()[0] if probe else self._diagnose(bad_batch)
+            first = figures.first_nonfinite("act") if figures else None
+            return self._finish(mean_loss, used_scale, skipped=True, nonfinite="loss",
+                                first_layer=self.layer_names[first] if first is not None else None,
+                                figures=figures if probe else None, micro=n)
+
+        if scaler is not None:
+            scaler.unscale_(opt)
+        found_inf = None
+        if probe:
+            probe.record_gradients()
+        if scaler is None:
+            found_inf = (probe.gradient_nonfinite_flag() if probe else
+                         _nonfinite_flag([p.grad for p in self._params if p.grad is not None], self.device))
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+        extra: list[torch.Tensor] = []
+        if scaler is None:
+            # bf16/fp32: nothing skips for us, so check before stepping (one sync).
+            if probe:
+                probe.record_weights()
+            extra = [found_inf] + ([grad_norm] if grad_norm is not None else [])
+            figures, host = probe.collect(extra) if probe else (None, _to_host(extra))
+            skipped = host[0] > 0
+            if not skipped:
+                opt.step()
+        else:
+            if probe:
+                probe.record_weights()
+            scaler.step(opt)  # a fused optimizer is called even on overflow: judge by the scale
+            scaler.update()
+            extra = [scaler._scale] + ([grad_norm] if grad_norm is not None else [])
+            figures, host = probe.collect(extra) if probe else (None, _to_host(extra))
+            new_scale = host[0]
+            skipped = new_scale < used_scale
+            self._scale_value = new_scale
+        if grad_norm is not None:
+            grad_norm = host[1]
+        if not skipped and self.scheduler is not None:
+            self.scheduler.step()
+        first = None
+        if skipped and figures is not None:
+            index = figures.first_nonfinite("grad")
+            first = self.layer_names[index] if index is not None else None
+        return self._finish(mean_loss, used_scale, skipped=skipped,
+                            nonfinite="gradients" if skipped else None, first_layer=first,
+                            figures=figures, micro=n, grad_norm=grad_norm)
+
+    def _finish(self, loss, scale, *, skipped, nonfinite, first_layer, figures, micro, grad_norm=None):
+        if skipped:
+            self.skipped_total += 1
+        else:
+            self.updates_applied += 1
+        lr = self.optimizer.param_groups[0].get("lr")
+        return StepResult(
+            step=self.step_index, loss=loss, scale=scale, skipped=skipped,
+            skipped_total=self.skipped_total, updates_applied=self.updates_applied,
+            dtype=self.dtype, micro_batches=micro, nonfinite=nonfinite,
+            first_nonfinite_layer=first_layer, grad_norm=grad_norm,
+            lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None,
+            figures=figures)
+
+    def _diagnose(self, batch) -> LayerFigures | None:
+        """A second forward pass with probes on, for a bad step that wasn't probed."""
+        if self.probe is None:
+            return None
+        self.probe.begin()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(self.device)):
+                try:
+                    self._forward_unchecked(batch)
+                except Exception:  # noqa: BLE001 - diagnosis must never break the run
+                    pass
+            figures, _ = self.probe.collect()
+        finally:
+            self.probe.end()
+        return figures
+
+    def _forward_unchecked(self, batch):
+        enabled = precision.uses_autocast(self.dtype)
+        with torch.autocast(self.device.type, dtype=precision.torch_dtype(self.dtype), enabled=enabled):
+            return self.loss_fn(self.model, batch)
+
+
+def _rng_devices(device: torch.device) -> list:
+    return [device] if device.type == "cuda" else []
+
+
+def _to_host(scalars: list[torch.Tensor]) -> list[float]:
+    return torch.stack([t.reshape(()).float() for t in scalars]).tolist()
+
+
+def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 on the device when any gradient holds inf/NaN, without leaving the device."""
+    if not grads:
+        return torch.zeros((), device=device)
+    with torch.no_grad():
+        # max|g| via aminmax is NaN or inf exactly when g holds a non-finite value.
+        ext = torch.stack([x.float() for g in grads for x in torch.aminmax(g.detach())])
+        return (~torch.isfinite(ext)).any().float()

@@ -1,0 +1,53 @@
+"""Strict JSON for records that may hold non-finite numbers.
+
+JSON has no NaN or Infinity. A non-finite float is written as the string "NaN", "Infinity" or
+"-Infinity", which every strict parser accepts; readers turn those strings back into floats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+NONFINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def encode_float(x: float | None, digits: int | None = None) -> float | str | None:
+    if x is None:
+        return None
+    x = float(x)
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    if digits is not None:
+        # Magnitudes need a few significant digits, not 17: this keeps records small.
+        return float(f"{x:.{digits}g}")
+    return x
+
+
+def decode_float(v: Any) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        if v in NONFINITE_STRINGS:
+            return NONFINITE_STRINGS[v]
+        raise ValueError(f"not a number: {v!r}")
+    if isinstance(v, bool):
+        raise ValueError(f"not a number: {v!r}")
+    return float(v)
+
+
+def _reject_constant(token: str):
+    raise ValueError(f"non-standard JSON token {token}")
+
+
+def dumps(obj: Any) -> str:
+    # allow_nan=False makes a stray float('nan') an error here instead of a broken file later.
+    return json.dumps(obj, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+
+def loads(text: str) -> Any:
+    """Parse strictly: bare NaN/Infinity tokens are refused."""
+    return json.loads(text, parse_constant=_reject_constant)

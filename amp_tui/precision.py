@@ -1,0 +1,71 @@
+"""Precision policy: dtype names, their ranges, and what a device can run."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DTYPES = ("float16", "bfloat16", "float32")
+
+# Every spelling a user may type, to the canonical torch name used in records.
+_ALIASES = {
+    "fp16": "float16", "float16": "float16", "half": "float16", "f16": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp32": "float32", "float32": "float32", "float": "float32", "f32": "float32",
+}
+
+SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+# The order `d` cycles through in the dashboard.
+CYCLE = {"float16": "bfloat16", "bfloat16": "float32", "float32": "float16"}
+
+# Largest finite value of each dtype: fp16 65504, bf16 ~3.39e38, fp32 ~3.40e38.
+MAX_FINITE = {name: float(torch.finfo(getattr(torch, name)).max) for name in DTYPES}
+# Smallest positive subnormal of fp16 (2**-24): gradients below it flush to zero.
+FP16_TINY = 2.0**-24
+
+
+def canonical(name: str) -> str:
+    """Map fp16/bf16/fp32 and friends to float16/bfloat16/float32, or raise ValueError."""
+    key = str(name).strip().lower().removeprefix("torch.")
+    if key not in _ALIASES:
+        raise ValueError(f"unknown dtype {name!r}: use fp16, bf16 or fp32")
+    return _ALIASES[key]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, canonical(name))
+
+
+def uses_autocast(name: str) -> bool:
+    return canonical(name) != "float32"
+
+
+def uses_scaler(name: str) -> bool:
+    # bf16 has fp32's exponent range: gradients don't underflow, so no loss scaling.
+    return canonical(name) == "float16"
+
+
+def headroom_bits(value: float, dtype: str) -> float | None:
+    """log2(max finite / value): how many doublings are left before overflow; None if unknown."""
+    if value is None or not math.isfinite(value):
+        return None if value is None else -math.inf
+    if value <= 0:
+        return math.inf
+    return math.log2(MAX_FINITE[canonical(dtype)] / value)
+
+
+def unsupported_reason(device: torch.device, dtype: str) -> str | None:
+    """Why `dtype` can't run on `device`, or None when it can."""
+    dtype = canonical(dtype)
+    if dtype == "float32":
+        return None
+    if device.type == "cuda":
+        if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+            return (f"bf16 is not supported on {torch.cuda.get_device_name(device)} "
+                    "(NVIDIA needs Ampere or newer); staying in the current dtype")
+        return None
+    if device.type in ("cpu", "xpu", "mps", "hpu"):
+        return None
+    return f"autocast is not available on device type {device.type!r}"
