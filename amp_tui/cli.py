@@ -1,0 +1,209 @@
+"""The `amp-tui` command line: train, report (and the app factory the tests share)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import sys
+from pathlib import Path
+
+from amp_tui import __version__
+
+EXIT_USAGE = 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
+
+
+def _scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive finite number")
+    return value
+
+
+def _dtype(text: str) -> str:
+    from amp_tui.precision import canonical
+    try:
+        return canonical(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="amp-tui", description="See and steer mixed-precision training live in the terminal.")
+    parser.add_argument("--version", action="version", version=f"amp-tui {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="run a training script under the guarded AMP loop",
+                           description="Run SCRIPT's setup() under the guarded autocast + GradScaler "
+                                       "loop. Arguments after -- go to the script.")
+    train.add_argument("script", type=Path, help="a Python file with a setup() function")
+    train.add_argument("--dtype", type=_dtype, default="float16", help="fp16 (default), bf16 or fp32")
+    train.add_argument("--init-scale", type=_scale, default=65536.0, metavar="X",
+                       help="GradScaler's initial loss scale in fp16 (default 65536)")
+    train.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                       help="iterations to run (default: until stopped)")
+    train.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    train.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
+                       help="where session.jsonl and checkpoints/ go (default runs/<time>-<script>)")
+    train.add_argument("--headless", action="store_true", help="no dashboard: a status line and events")
+    train.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
+                       help="save a checkpoint every N steps")
+    train.add_argument("--probe-every", type=_positive_int, default=1, metavar="N",
+                       help="collect per-layer figures every N steps (default 1)")
+    train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop"), default=None,
+                       help="what a non-finite loss does (default: skip headless, pause in the dashboard)")
+    train.add_argument("--at", action="append", default=[], metavar="STEP:ACTION",
+                       help="schedule an intervention before STEP: dtype=bf16|fp16|fp32, scale=4096, "
+                            "scale=half, save, restore=latest|PATH, pause (repeatable)")
+    train.add_argument("--refresh-rate", type=float, default=20.0, metavar="HZ",
+                       help="dashboard refreshes per second at most (default 20)")
+
+    report = sub.add_parser("report", help="print the summary of a recorded run")
+    report.add_argument("run", type=Path, help="a run directory or a session.jsonl")
+    report.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def _error(message: str, status: int = EXIT_USAGE) -> int:
+    print(f"amp-tui: error: {message}", file=sys.stderr)
+    return status
+
+
+def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: list[str],
+                on_nonfinite_default: str = "skip"):
+    """Load and check the script, then build the Run (no file is written yet).
+
+    Raises ScriptError / DeviceError / CommandError / PrecisionRefused with a message for the user.
+    """
+    from amp_tui.commands import parse_at
+    from amp_tui.devices import resolve_device
+    from amp_tui.run import BatchFeed, Run, RunConfig, preflight
+    from amp_tui.script import load_script
+
+    at = [parse_at(text) for text in args.at]
+    device = resolve_device(args.device)
+    from amp_tui.precision import unsupported_reason
+    reason = unsupported_reason(device, args.dtype)
+    if reason:
+        from amp_tui.engine import PrecisionRefused
+        raise PrecisionRefused(reason)
+    if args.run_dir is not None and (args.run_dir / "session.jsonl").exists():
+        from amp_tui.script import ScriptError
+        raise ScriptError(f"{args.run_dir} already holds a session; choose another --run-dir")
+    setup = load_script(args.script, device=str(device), argv=script_argv, dtype=args.dtype)
+    feed = BatchFeed(setup.batches, device)
+    preflight(setup, feed, device, args.dtype, args.script)
+    config = RunConfig(
+        script=args.script, script_argv=script_argv, dtype=args.dtype, init_scale=args.init_scale,
+        steps=args.steps, run_dir=args.run_dir, checkpoint_every=args.checkpoint_every,
+        probe_every=args.probe_every, on_nonfinite=args.on_nonfinite or on_nonfinite_default,
+        at=at, command_line=command_line)
+    run = Run(config, setup, device, feed)
+    return run, setup.warnings
+
+
+def cmd_train(args, script_argv: list[str], command_line: list[str]) -> int:
+    from amp_tui.commands import CommandError
+    from amp_tui.devices import DeviceError
+    from amp_tui.engine import PrecisionRefused
+    from amp_tui.script import ScriptError
+
+    dashboard = use_dashboard(args)
+    try:
+        run, warnings = prepare_run(args, script_argv, command_line,
+                                    on_nonfinite_default="pause" if dashboard else "skip")
+    except (ScriptError, DeviceError, CommandError, PrecisionRefused) as exc:
+        return _error(str(exc))
+    if dashboard:
+        from amp_tui.ui.app import run_dashboard
+        return run_dashboard(run, warnings, refresh_rate=args.refresh_rate)
+    return run_headless(run, warnings)
+
+
+def use_dashboard(args) -> bool:
+    """The dashboard needs a terminal on both ends; --headless, pipes and CI keep the headless mode."""
+    return not args.headless and sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def run_headless(run, warnings: list[str]) -> int:
+    from rich.console import Console
+
+    from amp_tui.headless import HeadlessPrinter
+    from amp_tui.report import render_summary, summarize
+    from amp_tui.session import read_session
+
+    console = Console(highlight=False, stderr=False)
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/] {warning}", markup=True)
+    interrupts = 0
+
+    def on_signal(signum, _frame):
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts > 1 and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        run.request_stop()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with HeadlessPrinter(console, run.config.steps) as printer:
+            run.observers.append(printer)
+            status = run.run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    render_summary(summarize(read_session(run.session_path)), console)
+    return status
+
+
+def cmd_report(args) -> int:
+    from rich.console import Console
+
+    from amp_tui.report import render_summary, summarize
+    from amp_tui.session import SessionFormatError, read_session
+
+    try:
+        session = read_session(args.run)
+    except SessionFormatError as exc:
+        return _error(str(exc))
+    except OSError as exc:
+        return _error(f"cannot read {args.run}: {exc.strerror or exc}")
+    summary = summarize(session)
+    if args.json:
+        print(json.dumps(summary.as_json(), indent=2, allow_nan=False))
+    else:
+        render_summary(summary, Console(highlight=False))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, script_argv = _split_script_args(argv)
+    args = build_parser().parse_args(ours)
+    if args.command == "train":
+        return cmd_train(args, script_argv, ["amp-tui", *argv])
+    if args.command == "report":
+        return cmd_report(args)
+    return EXIT_USAGE

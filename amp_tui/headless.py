@@ -1,0 +1,92 @@
+"""Headless mode: a live status line, events printed as they happen, a summary at the end."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from amp_tui import precision
+from amp_tui.jsonsafe import decode_float
+
+EVENT_STYLES = {
+    "nonfinite": "yellow", "error": "bold red", "intervention": "cyan",
+    "checkpoint_saved": "green", "checkpoint_restored": "green", "paused": "magenta",
+    "stopping": "magenta",
+}
+
+
+class HeadlessPrinter:
+    """An observer of a Run: redraws the live line at most `rate` times a second."""
+
+    def __init__(self, console: Console, total_steps: int | None, rate: float = 8.0):
+        self.console = console
+        self.total = total_steps
+        self.interval = 1.0 / rate
+        self._last_draw = 0.0
+        self._lock = threading.Lock()
+        self._last: dict | None = None
+        self._start = time.monotonic()
+        self._live: Live | None = None
+        self._suppressed_skips = 0
+
+    def __enter__(self):
+        if self.console.is_terminal:
+            self._live = Live(Text(""), console=self.console, refresh_per_second=8, transient=True)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._live is not None:
+            self._live.__exit__(*exc)
+            self._live = None
+
+    def __call__(self, record: dict) -> None:
+        kind = record.get("type")
+        if kind == "step":
+            with self._lock:
+                self._last = record
+                now = time.monotonic()
+                if self._live is not None and now - self._last_draw >= self.interval:
+                    self._last_draw = now
+                    self._live.update(self.status_line())
+        elif kind == "event":
+            self.print_event(record)
+
+    def print_event(self, record: dict) -> None:
+        style = EVENT_STYLES.get(record.get("kind", ""), "")
+        line = Text(f"step {record.get('step', '?'):>6}  ", style="dim")
+        line.append(f"{record.get('kind', '?'):<20}", style=style)
+        line.append(str(record.get("message", "")))  # literal: no markup from messages
+        self.console.print(line, soft_wrap=True)
+        tb = record.get("traceback")
+        if tb:
+            self.console.print(Text(tb.rstrip(), style="red"))
+
+    def status_line(self) -> Text:
+        r = self._last or {}
+        step = r.get("step", -1) + 1
+        total = f"/{self.total}" if self.total else ""
+        loss = decode_float(r.get("loss"))
+        scale = decode_float(r.get("scale"))
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        text = Text()
+        text.append(f"step {step}{total}", style="bold")
+        text.append(f"  loss {_num(loss)}")
+        text.append(f"  {precision.SHORT.get(r.get('dtype', ''), '?')}", style="cyan")
+        text.append(f"  scale {'-' if scale is None else f'{scale:g}'}")
+        text.append(f"  skipped {r.get('skipped_total', 0)}", style="yellow" if r.get("skipped_total") else "")
+        text.append(f"  {step / elapsed:.1f} it/s", style="dim")
+        return text
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.5g}"

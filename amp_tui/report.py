@@ -1,0 +1,113 @@
+"""The run summary, from a live run's records or from a recording."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from amp_tui.jsonsafe import decode_float
+from amp_tui.session import Session
+
+
+@dataclass
+class Summary:
+    run_dir: str
+    script: str
+    device: str
+    status: str                # finished / stopped / error / running-or-crashed
+    steps: int                 # iterations recorded
+    updates_applied: int
+    skipped: int
+    final_dtype: str | None
+    final_scale: float | None
+    final_loss: float | None
+    nonfinite_events: int
+    interventions: int
+    checkpoints: int
+    errors: list[str] = field(default_factory=list)
+    skipped_lines: int = 0
+    unknown_records: int = 0
+
+    def as_json(self) -> dict:
+        data = asdict(self)
+        from amp_tui.jsonsafe import encode_float
+        data["final_scale"] = encode_float(self.final_scale)
+        data["final_loss"] = encode_float(self.final_loss)
+        return data
+
+
+def summarize(session: Session) -> Summary:
+    steps = session.steps
+    events = session.events
+    last = steps[-1] if steps else None
+    end = session.end
+    header = session.header
+    device = header.get("device") or {}
+    path = session.path
+    run_dir = str(path.parent) if path is not None else ""
+    return Summary(
+        run_dir=run_dir,
+        script=str(header.get("script", "")),
+        device=f"{device.get('backend', '?')} {device.get('name', '')}".strip(),
+        status=(end or {}).get("status", "incomplete"),
+        steps=len(steps),
+        updates_applied=sum(1 for s in steps if not s.get("skipped")),
+        skipped=sum(1 for s in steps if s.get("skipped")),
+        final_dtype=(end or last or {}).get("dtype", header.get("dtype")),
+        final_scale=_final_scale(end, last),
+        final_loss=decode_float(last.get("loss")) if last else None,
+        nonfinite_events=sum(1 for e in events if e.get("kind") == "nonfinite"),
+        interventions=sum(1 for e in events if e.get("kind") == "intervention"),
+        checkpoints=sum(1 for e in events if e.get("kind") == "checkpoint_saved"),
+        errors=[str(e.get("message", "")) for e in events if e.get("kind") == "error"],
+        skipped_lines=session.skipped_lines,
+        unknown_records=session.unknown_records,
+    )
+
+
+def _final_scale(end: dict | None, last: dict | None) -> float | None:
+    if end is not None and "scale" in end:
+        return decode_float(end["scale"])
+    return decode_float(last.get("scale")) if last else None
+
+
+def summary_lines(s: Summary) -> list[tuple[str, str]]:
+    scale = "none (no scaler)" if s.final_scale is None else f"{s.final_scale:g}"
+    rows = [
+        ("run dir", s.run_dir),
+        ("script", s.script),
+        ("device", s.device),
+        ("status", s.status),
+        ("steps", str(s.steps)),
+        ("updates applied", f"{s.updates_applied} of {s.steps}"),
+        ("skipped", str(s.skipped)),
+        ("final dtype", s.final_dtype or "?"),
+        ("final scale", scale),
+        ("final loss", "?" if s.final_loss is None else f"{s.final_loss:.6g}"),
+        ("non-finite events", str(s.nonfinite_events)),
+        ("interventions", str(s.interventions)),
+        ("checkpoints", str(s.checkpoints)),
+    ]
+    if s.errors:
+        rows.append(("errors", str(len(s.errors))))
+    if s.skipped_lines or s.unknown_records:
+        rows.append(("unreadable records", f"{s.skipped_lines} damaged, {s.unknown_records} unknown"))
+    return rows
+
+
+def render_summary(s: Summary, console) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in summary_lines(s):
+        table.add_row(key, Text(value))  # Text(): paths and messages are shown literally
+    console.print(table)
+    for message in s.errors[-3:]:
+        console.print(Text("error: " + message, style="red"))
+
+
+def session_dir(path: Path) -> Path:
+    return path.parent if path.is_file() else path

@@ -1,0 +1,503 @@
+"""A run: the guarded trainer, its batches, the session file, checkpoints and the command loop.
+
+The dashboard and the headless CLI both drive a `Run`; the run knows nothing of either. Observers
+get every record (header, step, event, end) on the training thread and must be quick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+import amp_tui
+from amp_tui import checkpoint as ckpt
+from amp_tui import precision
+from amp_tui.commands import Command, CommandQueue, Outcome
+from amp_tui.devices import describe_device, move_to_device
+from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult
+from amp_tui.script import ScriptError, TrainSetup, describe_exception
+from amp_tui.session import SessionWriter, event_record, step_record
+
+NONFINITE_POLICIES = ("skip", "pause", "stop")
+
+# Exit statuses of a run (the CLI returns them).
+EXIT_OK = 0
+EXIT_ERROR = 1          # the script raised, or the session/checkpoints could not be written
+EXIT_NONFINITE_STOP = 3  # --on-nonfinite stop ended the run
+
+
+@dataclass
+class RunConfig:
+    script: Path
+    script_argv: list[str] = field(default_factory=list)
+    dtype: str = "float16"
+    init_scale: float = 65536.0
+    steps: int | None = None
+    run_dir: Path | None = None
+    checkpoint_every: int | None = None
+    probe_every: int = 1
+    on_nonfinite: str = "skip"
+    at: list[tuple[int, Command]] = field(default_factory=list)
+    command_line: list[str] = field(default_factory=list)
+
+
+def default_run_dir(script: Path, root: Path = Path("runs")) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = root / f"{stamp}-{script.stem}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+class BatchFeed:
+    """Yields batches on the device forever, re-iterating `batches` when it runs out."""
+
+    def __init__(self, batches: Iterable, device: torch.device):
+        self._batches = batches
+        self._device = device
+        self._iter = None
+        self._pending: list = []
+        self.consumed = 0
+
+    def _next_raw(self):
+        if self._pending:
+            return self._pending.pop(0)
+        if self._iter is None:
+            self._iter = iter(self._batches)
+        try:
+            return next(self._iter)
+        except StopIteration:
+            self._iter = iter(self._batches)
+            try:
+                return next(self._iter)
+            except StopIteration:
+                raise ScriptError("'batches' yielded no batch (a generator can't be re-iterated: "
+                                  "return a list or a DataLoader)") from None
+
+    def peek(self):
+        batch = self._next_raw()
+        self._pending.insert(0, batch)
+        return move_to_device(batch, self._device)
+
+    def take(self, count: int) -> list:
+        out = []
+        for _ in range(count):
+            out.append(move_to_device(self._next_raw(), self._device))
+            self.consumed += 1
+        return out
+
+    def skip(self, count: int) -> None:
+        for _ in range(count):
+            self._next_raw()
+            self.consumed += 1
+
+
+def preflight(setup: TrainSetup, feed: BatchFeed, device: torch.device, dtype: str, script: Path) -> None:
+    """Run loss_fn once on the first batch, before any file exists, so a broken script exits 2.
+
+    RNG and train/eval modes are put back, and eval mode keeps BatchNorm statistics unchanged, so
+    the run starts exactly as it would have without this check.
+    """
+    try:
+        batch = feed.peek()
+    except ScriptError:
+        raise ScriptError(f"'batches' from {script.name} is empty") from None
+    modes = [(m, m.training) for m in setup.model.modules()]
+    setup.model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            enabled = precision.uses_autocast(dtype)
+            with torch.autocast(device.type, dtype=precision.torch_dtype(dtype), enabled=enabled):
+                from amp_tui.engine import _check_loss
+                _check_loss(setup.loss_fn(setup.model, batch))
+    except LossError as exc:
+        raise ScriptError(f"{script.name}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's code failed: say where
+        raise ScriptError(f"loss_fn in {script.name} failed on the first batch: "
+                          f"{describe_exception(exc, script)}") from None
+    finally:
+        for module, mode in modes:
+            module.training = mode
+        setup.optimizer.zero_grad(set_to_none=True)
+
+
+class Run:
+    """Owns the trainer and the session; `run()` is the loop (call it on the training thread)."""
+
+    def __init__(self, config: RunConfig, setup: TrainSetup, device: torch.device, feed: BatchFeed):
+        if config.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)}")
+        self.config = config
+        self.setup = setup
+        self.device = device
+        self.feed = feed
+        setup.model.to(device)
+        self.trainer = GuardedTrainer(
+            setup.model, setup.optimizer, setup.loss_fn, device=device, dtype=config.dtype,
+            init_scale=config.init_scale, scheduler=setup.scheduler,
+            max_grad_norm=setup.max_grad_norm, probe_every=config.probe_every)
+        self.accumulate = setup.accumulate
+        self.commands = CommandQueue()
+        self.observers: list[Callable[[dict], None]] = []
+        self.state = "starting"
+        self.exit_status = EXIT_OK
+        self.last_result: StepResult | None = None
+        self.error: str | None = None
+        self.run_dir = config.run_dir or default_run_dir(config.script)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.session_path = self.run_dir / "session.jsonl"
+        self._writer: SessionWriter | None = None
+        self._scheduled: dict[int, list[Command]] = {}
+        for step, command in config.at:
+            self._scheduled.setdefault(step, []).append(command)
+        self._stop_requested = threading.Event()
+        self._single_steps = 0
+        self.nonfinite_events = 0
+        self.started_at = time.time()
+
+    # ---- public, thread-safe ------------------------------------------------------------
+    def submit(self, command: Command) -> None:
+        self.commands.submit(command)
+
+    def request_stop(self) -> None:
+        """Stop at the next step boundary (from any thread, e.g. a signal handler)."""
+        self._stop_requested.set()
+        self.commands.wakeup.set()
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step_index
+
+    # ---- recording ----------------------------------------------------------------------
+    def header(self) -> dict:
+        setup, cfg = self.setup, self.config
+        return {
+            "amp_tui_version": amp_tui.__version__,
+            "torch_version": torch.__version__,
+            "python_version": sys.version.split()[0],
+            "device": describe_device(self.device),
+            "script": str(cfg.script),
+            "argv": list(cfg.script_argv),
+            "command": list(cfg.command_line),
+            "dtype": self.trainer.dtype,
+            "init_scale": self.trainer.init_scale,
+            "steps": cfg.steps,
+            "accumulate": self.accumulate,
+            "max_grad_norm": setup.max_grad_norm,
+            "probe_every": cfg.probe_every,
+            "on_nonfinite": cfg.on_nonfinite,
+            "checkpoint_every": cfg.checkpoint_every,
+            "optimizer": type(setup.optimizer).__name__,
+            "scheduler": type(setup.scheduler).__name__ if setup.scheduler is not None else None,
+            "parameters": sum(p.numel() for p in setup.model.parameters()),
+            "layers": self.trainer.layer_names,
+            "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+
+    def _emit(self, record: dict) -> None:
+        if self._writer is not None and not self._writer.closed:
+            self._writer.write(record)
+        for observer in list(self.observers):
+            try:
+                observer(record)
+            except Exception:  # noqa: BLE001 - a broken observer must not stop training
+                traceback.print_exc(file=sys.stderr)
+
+    def event(self, kind: str, message: str, *, step: int | None = None, **fields: Any) -> dict:
+        record = event_record(self.step if step is None else step, kind, message, **fields)
+        self._emit(record)
+        return record
+
+    def open(self) -> None:
+        """Create the run directory and write the header."""
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.cleanup_temporary_files(self.checkpoint_dir)
+        header = self.header()
+        self._writer = SessionWriter(self.session_path, header)
+        for observer in list(self.observers):
+            observer({"type": "header", **header})
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self) -> int:
+        if self._writer is None:
+            self.open()
+        self._set_state("running")
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - recorded, then the session is closed cleanly
+            self._record_failure(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self.close()
+        return self.exit_status
+
+    def _loop(self) -> None:
+        cfg = self.config
+        while True:
+            for command in self._scheduled.pop(self.step, []):
+                self._apply(command)
+            for command in self.commands.drain():
+                self._apply(command)
+            if self._stop_requested.is_set():
+                if self.state not in ("error",):
+                    self._set_state("stopped")
+                return
+            if cfg.steps is not None and self.step >= cfg.steps:
+                self._set_state("finished")
+                return
+            if self.state == "paused" and self._single_steps == 0:
+                self.commands.wait(0.25)
+                continue
+            if self._single_steps:
+                self._single_steps -= 1
+            self._one_step()
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self._save_checkpoint(source="checkpoint_every")
+
+    def _one_step(self) -> None:
+        step = self.step
+        micro = self.feed.take(self.accumulate)
+        try:
+            result = self.trainer.step(micro)
+        except (LossError, ScriptError) as exc:
+            raise StepFailure(step, f"step {step}: {exc}", exc) from exc
+        except Exception as exc:  # noqa: BLE001
+            where = describe_exception(exc, self.config.script)
+            raise StepFailure(step, f"step {step}: the script raised {where}", exc) from exc
+        self.last_result = result
+        self._emit(step_record(result))
+        if result.nonfinite:
+            self._on_nonfinite(result)
+
+    def _on_nonfinite(self, result: StepResult) -> None:
+        self.nonfinite_events += 1
+        layer = result.first_nonfinite_layer
+        if result.nonfinite == "loss":
+            where = f"; first non-finite output: {layer}" if layer else ""
+            msg = f"non-finite loss ({_fmt(result.loss)}) in {precision.SHORT[result.dtype]}{where}: update skipped"
+        else:
+            where = f"; first non-finite gradient: {layer}" if layer else ""
+            if result.scale is not None:
+                msg = (f"gradients overflowed at scale {result.scale:g}{where}: update skipped, "
+                       f"scale now {self.trainer.scale:g}")
+            else:
+                msg = f"non-finite gradients in {precision.SHORT[result.dtype]}{where}: update skipped"
+        self.event("nonfinite", msg, step=result.step, where=result.nonfinite, layer=layer,
+                   loss=_json_float(result.loss), scale=result.scale, dtype=result.dtype)
+        if result.nonfinite != "loss":
+            return
+        policy = self.config.on_nonfinite
+        if policy == "pause" and self.state == "running":
+            self._single_steps = 0
+            self._set_state("paused")
+            self.event("paused", f"paused after a non-finite loss at step {result.step} "
+                                 "(--on-nonfinite pause): change the dtype, cut the scale or restore",
+                       reason="nonfinite")
+        elif policy == "stop":
+            self.exit_status = EXIT_NONFINITE_STOP
+            self._stop_requested.set()
+            self.event("stopping", f"stopping after a non-finite loss at step {result.step} "
+                                   "(--on-nonfinite stop)", reason="nonfinite")
+
+    # ---- commands -----------------------------------------------------------------------
+    def _apply(self, command: Command) -> None:
+        try:
+            outcome = self._dispatch(command)
+        except Exception as exc:  # noqa: BLE001 - a refused command never stops the run
+            outcome = Outcome(False, f"{command.text()} failed: {exc}")
+            self.event("error", outcome.message, during=command.action, source=command.source)
+        if command.on_done is not None:
+            command.on_done(outcome)
+
+    def _intervention(self, command: Command, before: dict, after: dict, message: str) -> Outcome:
+        self.event("intervention", message, action=command.action, value=_json_value(command.value),
+                   source=command.source, before=before, after=after)
+        return Outcome(True, message)
+
+    def _dispatch(self, command: Command) -> Outcome:
+        action = command.action
+        if action == "dtype":
+            try:
+                change = self.trainer.set_dtype(str(command.value))
+            except PrecisionRefused as exc:
+                self.event("error", f"dtype change refused: {exc}", during="dtype", source=command.source)
+                return Outcome(False, str(exc))
+            b, a = change["before"], change["after"]
+            return self._intervention(command, b, a, f"dtype {precision.SHORT[b['dtype']]} → "
+                                      f"{precision.SHORT[a['dtype']]}" + _scale_note(a))
+        if action == "scale":
+            try:
+                change = self.trainer.set_scale(command.value)
+            except PrecisionRefused as exc:
+                self.event("error", f"scale change refused: {exc}", during="scale", source=command.source)
+                return Outcome(False, str(exc))
+            b, a = change["before"], change["after"]
+            if b["scale"] is not None:
+                text = f"loss scale {b['scale']:g} → {a['scale']:g}"
+            else:
+                text = (f"init_scale {b['init_scale']:g} → {a['init_scale']:g} "
+                        f"(used when fp16 is next entered)")
+            return self._intervention(command, b, a, text)
+        if action == "save":
+            info = self._save_checkpoint(source=command.source)
+            if info is None:
+                return Outcome(False, "checkpoint not saved (see the error event)")
+            return self._intervention(command, {}, {"checkpoint": self._rel(info.path)},
+                                      f"checkpoint saved: {self._rel(info.path)}")
+        if action == "restore":
+            return self._restore(command)
+        if action in ("pause", "resume", "step"):
+            before = {"state": self.state}
+            if action == "pause":
+                self._single_steps = 0
+                self._set_state("paused")
+            elif action == "resume":
+                self._single_steps = 0
+                self._set_state("running")
+            else:
+                if self.state != "paused":
+                    return Outcome(False, "single step works while paused (press space first)")
+                self._single_steps += 1
+            text = {"pause": "paused", "resume": "resumed", "step": f"single step {self.step}"}[action]
+            return self._intervention(command, before, {"state": self.state}, text)
+        if action == "stop":
+            self._intervention(command, {"state": self.state}, {"state": "stopped"}, "stop requested")
+            self._stop_requested.set()
+            return Outcome(True, "stopping at this step boundary")
+        return Outcome(False, f"unknown command {action!r}")
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+
+    def _rel(self, path: Path) -> str:
+        try:
+            return str(Path(path).relative_to(self.run_dir))
+        except ValueError:
+            return str(path)
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def _save_checkpoint(self, *, source: str) -> ckpt.CheckpointInfo | None:
+        t = self.trainer
+        path = ckpt.checkpoint_path(self.checkpoint_dir, self.step)
+        started = time.perf_counter()
+        try:
+            info = ckpt.save_checkpoint(
+                path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+                scaler_state=t.scaler_state(), step=self.step, dtype=t.dtype,
+                extra={**t.checkpoint_extra(), "micro_batches_consumed": self.feed.consumed})
+        except ckpt.CheckpointError as exc:
+            self.event("error", str(exc), during="save", source=source)
+            return None
+        size = os.path.getsize(info.path)
+        self.event("checkpoint_saved", f"checkpoint {self._rel(info.path)} saved at step {self.step} "
+                   f"({size / 1e6:.1f} MB, {time.perf_counter() - started:.2f}s)",
+                   path=self._rel(info.path), checkpoint_step=self.step, dtype=t.dtype, bytes=size,
+                   source=source)
+        return info
+
+    def checkpoints(self) -> list[ckpt.CheckpointInfo]:
+        return ckpt.list_checkpoints(self.checkpoint_dir)
+
+    def _restore(self, command: Command) -> Outcome:
+        target = str(command.value or "latest")
+        if target == "latest":
+            found = self.checkpoints()
+            if not found:
+                self.event("error", "restore refused: this run has no checkpoint yet", during="restore",
+                           source=command.source)
+                return Outcome(False, "no checkpoint yet")
+            path = found[0].path
+        else:
+            path = Path(target).expanduser()
+            if not path.is_absolute() and not path.exists() and (self.run_dir / path).exists():
+                path = self.run_dir / path
+        t = self.trainer
+        try:
+            loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+        except ckpt.CheckpointError as exc:
+            self.event("error", f"restore refused: {exc}", during="restore", source=command.source,
+                       path=str(path))
+            return Outcome(False, str(exc))
+        before = t.describe_precision()
+        loaded.apply(t.model, t.optimizer, t.scheduler)
+        t.restore_scaler(loaded.scaler_state)
+        after = t.describe_precision()
+        ck_step = loaded.step
+        note = f" ({loaded.notice})" if loaded.notice else ""
+        saved = f"saved at step {ck_step}, {loaded.dtype}" if ck_step is not None else "weights only"
+        message = (f"restored {self._rel(path)} ({saved}) before step {self.step}; the step counter "
+                   f"goes on from {self.step}{note}")
+        self.event("checkpoint_restored", message, path=self._rel(path), checkpoint_step=ck_step,
+                   checkpoint_dtype=loaded.dtype, checkpoint_kind=loaded.kind, source=command.source,
+                   before=before, after=after)
+        return Outcome(True, message)
+
+    # ---- ending -------------------------------------------------------------------------
+    def _record_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, StepFailure):
+            message, original, step = exc.message, exc.original, exc.step
+        elif isinstance(exc, KeyboardInterrupt):
+            self._set_state("stopped")
+            self.event("stopping", "interrupted", reason="interrupt")
+            return
+        else:
+            message, original, step = f"{type(exc).__name__}: {exc}", exc, self.step
+        tb = "".join(traceback.format_exception(type(original), original, original.__traceback__))
+        self.error = message
+        self.exit_status = EXIT_ERROR
+        self._set_state("error")
+        self.event("error", message, step=step, during="step", traceback=tb[-20000:])
+
+    def close(self) -> None:
+        if self._writer is None or self._writer.closed:
+            return
+        status = {"finished": "finished", "stopped": "stopped", "error": "error"}.get(self.state, "stopped")
+        t = self.trainer
+        end = {"step": self.step, "status": status, "updates": t.updates_applied,
+               "skipped_total": t.skipped_total, "dtype": t.dtype, "scale": t.scale,
+               "time": round(time.time(), 3), "exit_status": self.exit_status}
+        with contextlib.suppress(OSError):
+            self._writer.close(end)
+        for observer in list(self.observers):
+            with contextlib.suppress(Exception):
+                observer({"type": "end", **end})
+
+
+class StepFailure(Exception):
+    def __init__(self, step: int, message: str, original: BaseException):
+        super().__init__(message)
+        self.step, self.message, self.original = step, message, original
+
+
+def _fmt(x: float) -> str:
+    return "NaN" if math.isnan(x) else ("inf" if x == math.inf else "-inf" if x == -math.inf else f"{x:.4g}")
+
+
+def _json_float(x: float | None):
+    from amp_tui.jsonsafe import encode_float
+    return encode_float(x)
+
+
+def _json_value(v):
+    return v if not isinstance(v, float) else _json_float(v)
+
+
+def _scale_note(after: dict) -> str:
+    return f" (scale {after['scale']:g})" if after.get("scale") is not None else ""

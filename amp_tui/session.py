@@ -1,0 +1,193 @@
+"""The session file: an append-only JSON Lines record of one run.
+
+Line 1 is the header; every other line is one record (`step`, `event`, or `end`). Non-finite numbers
+are written as the strings "NaN", "Infinity", "-Infinity" (see jsonsafe), so every line parses with a
+strict JSON parser. Readers skip a torn last line, damaged lines and unknown record types.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from amp_tui import jsonsafe
+
+FORMAT = "amp-tui-session"
+VERSION = 1
+FIGURE_DIGITS = 5  # significant digits kept for per-layer magnitudes
+KNOWN_TYPES = ("header", "step", "event", "end")
+
+
+class SessionFormatError(Exception):
+    """The file is not a session we can read (not ours, or from a newer version)."""
+
+
+class SessionWriter:
+    """Appends records; flushes at least once a second and at once after every event."""
+
+    def __init__(self, path: Path, header: dict, *, flush_interval: float = 1.0, append: bool = False):
+        self.path = Path(path)
+        self.flush_interval = flush_interval
+        if append:
+            _end_torn_line(self.path)
+        self._file: io.TextIOWrapper = open(self.path, "a" if append else "x", encoding="utf-8")
+        self._last_flush = time.monotonic()
+        if not append:
+            self._write({"type": "header", "format": FORMAT, "version": VERSION, **header}, flush=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+    def _write(self, record: dict, *, flush: bool) -> None:
+        self._file.write(jsonsafe.dumps(record) + "\n")
+        now = time.monotonic()
+        if flush or now - self._last_flush >= self.flush_interval:
+            self._file.flush()
+            self._last_flush = now
+
+    def write(self, record: dict) -> None:
+        self._write(record, flush=record.get("type") != "step")
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            self._last_flush = time.monotonic()
+
+    def close(self, end: dict | None = None) -> None:
+        if self._file.closed:
+            return
+        try:
+            if end is not None:
+                self._write({"type": "end", **end}, flush=True)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+
+
+def _end_torn_line(path: Path) -> None:
+    """A run killed mid-write leaves a torn last line: end it so new records start clean."""
+    with open(path, "rb+") as fh:
+        fh.seek(0, os.SEEK_END)
+        if fh.tell() == 0:
+            return
+        fh.seek(-1, os.SEEK_END)
+        if fh.read(1) != b"\n":
+            fh.write(b"\n")
+
+
+def step_record(result) -> dict:
+    """A StepResult as a `step` record (per-layer figures as compact arrays in layer order)."""
+    enc = jsonsafe.encode_float
+    record: dict[str, Any] = {
+        "type": "step",
+        "step": result.step,
+        "loss": enc(result.loss),
+        "scale": enc(result.scale),
+        "skipped": result.skipped,
+        "skipped_total": result.skipped_total,
+        "updates": result.updates_applied,
+        "dtype": result.dtype,
+        "micro_batches": result.micro_batches,
+        "time": round(result.wall_time, 3),
+        "duration": round(result.duration, 6),
+    }
+    if result.lr is not None:
+        record["lr"] = enc(result.lr)
+    if result.grad_norm is not None:
+        record["grad_norm"] = enc(result.grad_norm, FIGURE_DIGITS)
+    if result.nonfinite:
+        record["nonfinite"] = result.nonfinite
+    if result.figures is not None:
+        f = result.figures
+        record["layers"] = {
+            "act": [enc(v, FIGURE_DIGITS) for v in f.act],
+            "grad": [enc(v, FIGURE_DIGITS) for v in f.grad],
+            "weight": [enc(v, FIGURE_DIGITS) for v in f.weight],
+        }
+    return record
+
+
+def event_record(step: int, kind: str, message: str, **fields: Any) -> dict:
+    return {"type": "event", "step": step, "kind": kind, "message": message,
+            "time": round(time.time(), 3), **fields}
+
+
+@dataclass
+class Session:
+    header: dict
+    records: list[dict] = field(default_factory=list)
+    skipped_lines: int = 0         # damaged or torn lines
+    unknown_records: int = 0       # well-formed records of a type this version doesn't know
+    path: Path | None = None
+
+    @property
+    def steps(self) -> list[dict]:
+        return [r for r in self.records if r.get("type") == "step"]
+
+    @property
+    def events(self) -> list[dict]:
+        return [r for r in self.records if r.get("type") == "event"]
+
+    @property
+    def end(self) -> dict | None:
+        ends = [r for r in self.records if r.get("type") == "end"]
+        return ends[-1] if ends else None
+
+
+def resolve_session_path(target: str | Path) -> Path:
+    """A run directory or a session file -> the session file."""
+    path = Path(target)
+    if path.is_dir():
+        path = path / "session.jsonl"
+    if not path.exists():
+        raise SessionFormatError(f"no session found at {target}")
+    return path
+
+
+def check_header(header: Any, path: Path) -> dict:
+    if not isinstance(header, dict) or header.get("type") != "header" or header.get("format") != FORMAT:
+        raise SessionFormatError(f"{path} is not an amp-tui session (its first line is not a header)")
+    version = header.get("version")
+    if not isinstance(version, int) or version < 1:
+        raise SessionFormatError(f"{path}: header has no valid format version")
+    if version > VERSION:
+        raise SessionFormatError(
+            f"{path} was written by a newer amp-tui (session format {version}; this version reads "
+            f"up to {VERSION}): upgrade amp-tui to read it")
+    return header
+
+
+def parse_record(line: str) -> dict | None:
+    """One line -> a record dict, or None when the line is damaged."""
+    try:
+        record = jsonsafe.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("type"), str) else None
+
+
+def read_session(target: str | Path) -> Session:
+    """Load every valid record; count what had to be skipped instead of failing."""
+    path = resolve_session_path(target)
+    with open(path, "rb") as fh:
+        lines = fh.read().split(b"\n")
+    first = lines[0].decode("utf-8", "replace") if lines else ""
+    header = check_header(parse_record(first), path)
+    session = Session(header=header, path=path)
+    for raw in lines[1:]:
+        if not raw.strip():
+            continue
+        record = parse_record(raw.decode("utf-8", "replace"))
+        if record is None:
+            session.skipped_lines += 1
+        elif record["type"] not in KNOWN_TYPES or record["type"] == "header":
+            session.unknown_records += 1
+        else:
+            session.records.append(record)
+    return session
