@@ -1,0 +1,237 @@
+"""Runs through the CLI and the Run object: records, interventions, policies, errors."""
+
+import json
+import math
+import threading
+
+import pytest
+
+from amp_tui.cli import build_parser, main, prepare_run
+from amp_tui.commands import Command
+from amp_tui.session import read_session
+
+from conftest import strict_lines
+
+OVERFLOW_SCRIPT = '''
+import torch
+from torch import nn
+
+def setup(ctx=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    xs = torch.randn(64, 8)
+    ys = xs.sum(1, keepdim=True) * 300          # a loss of ~1e5-1e6: overflows backward at 65536
+    batches = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, 64, 16)]
+    def loss_fn(model, batch):
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches, "accumulate": ACC}
+'''
+
+
+def run_cli(args, tmp_path, name="run"):
+    run_dir = tmp_path / name
+    status = main(["train", *args, "--headless", "--run-dir", str(run_dir)])
+    return status, run_dir, strict_lines(run_dir / "session.jsonl")
+
+
+def test_every_iteration_writes_one_strict_step_record(mlp_script, tmp_path):
+    status, run_dir, lines = run_cli([str(mlp_script), "--steps", "7"], tmp_path)
+    assert status == 0
+    header = lines[0]
+    assert header["type"] == "header" and header["format"] == "amp-tui-session" and header["version"] == 1
+    assert header["device"]["backend"] == "CPU" and header["device"]["name"]
+    assert header["layers"] == ["0", "2"] and header["dtype"] == "float16" and header["init_scale"] == 65536.0
+    steps = [r for r in lines if r["type"] == "step"]
+    assert [s["step"] for s in steps] == list(range(7))
+    for s in steps:
+        assert set(s) >= {"loss", "scale", "skipped", "skipped_total", "dtype", "layers"}
+        assert len(s["layers"]["act"]) == 2
+    assert lines[-1]["type"] == "end" and lines[-1]["status"] == "finished"
+
+
+def test_skips_halve_the_scale_and_a_small_init_scale_skips_none(write_script, tmp_path):
+    script = write_script(OVERFLOW_SCRIPT.replace("ACC", "1"))
+    _, _, lines = run_cli([str(script), "--steps", "12"], tmp_path, "big")
+    steps = [r for r in lines if r["type"] == "step"]
+    skipped = [s for s in steps if s["skipped"]]
+    assert len(skipped) >= 3
+    for a, b in zip(skipped, skipped[1:]):
+        if b["step"] == a["step"] + 1:
+            assert b["scale"] == a["scale"] / 2
+    assert steps[-1]["skipped_total"] == len(skipped)
+    events = [r for r in lines if r["type"] == "event" and r["kind"] == "nonfinite"]
+    assert [e["step"] for e in events] == [s["step"] for s in skipped]
+    _, _, lines = run_cli([str(script), "--steps", "12", "--init-scale", "4"], tmp_path, "small")
+    assert not any(r["skipped"] for r in lines if r["type"] == "step")
+
+
+def test_at_switches_dtype_mid_run(mlp_script, tmp_path):
+    _, _, lines = run_cli([str(mlp_script), "--steps", "14", "--at", "10:dtype=bf16"], tmp_path)
+    events = [r for r in lines if r["type"] == "event" and r["kind"] == "intervention"]
+    assert len(events) == 1
+    e = events[0]
+    assert e["step"] == 10 and e["action"] == "dtype" and e["source"] == "at"
+    assert e["before"]["dtype"] == "float16" and e["after"]["dtype"] == "bfloat16" and e["after"]["scale"] is None
+    index = lines.index(e)
+    after = [r for r in lines[index:] if r["type"] == "step"]
+    assert [r["step"] for r in after] == [10, 11, 12, 13]
+    assert all(r["dtype"] == "bfloat16" and r["scale"] is None for r in after)
+    assert all(r["dtype"] == "float16" for r in lines[:index] if r["type"] == "step")
+
+
+def test_accumulate_is_recorded(write_script, tmp_path):
+    script = write_script(OVERFLOW_SCRIPT.replace("ACC", "3"))
+    _, _, lines = run_cli([str(script), "--steps", "3", "--init-scale", "1"], tmp_path)
+    assert [r["micro_batches"] for r in lines if r["type"] == "step"] == [3, 3, 3]
+    assert lines[0]["accumulate"] == 3
+
+
+def test_checkpoint_restore_and_refusals_keep_the_run_going(mlp_script, tmp_path):
+    """A saved checkpoint restores; truncated, bit-flipped-header and wrong-shape copies are refused."""
+    run_dir = tmp_path / "run"
+    args = build_parser().parse_args(["train", str(mlp_script), "--steps", "12", "--run-dir", str(run_dir),
+                                      "--at", "4:save", "--at", "10:restore=latest"])
+    run, _ = prepare_run(args, [], [])
+    done = threading.Event()
+
+    def corrupt_when_saved(record):
+        if record.get("kind") == "checkpoint_saved" and not done.is_set():
+            done.set()
+            good = run_dir / record["path"]
+            data = good.read_bytes()
+            (tmp_path / "truncated.safetensors").write_bytes(data[: len(data) // 2])
+            header_len = int.from_bytes(data[:8], "little")
+            flipped = bytearray(data)
+            flipped[8 + header_len // 2] ^= 0x55
+            (tmp_path / "flipped.safetensors").write_bytes(bytes(flipped))
+            for name in ("truncated", "flipped", "wrong_shape"):
+                run.submit(Command("restore", str(tmp_path / f"{name}.safetensors"), "test"))
+    run.observers.append(corrupt_when_saved)
+    # a checkpoint of a differently shaped model
+    import torch
+    from torch import nn
+    from amp_tui.checkpoint import save_checkpoint
+    other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    save_checkpoint(tmp_path / "wrong_shape.safetensors", model=other,
+                    optimizer=torch.optim.SGD(other.parameters(), lr=0.01), scaler_state=None,
+                    step=0, dtype="float32")
+    assert run.run() == 0
+    session = read_session(run_dir)
+    refusals = [e for e in session.events if e["kind"] == "error" and e.get("during") == "restore"]
+    assert len(refusals) == 3
+    text = " | ".join(e["message"] for e in refusals)
+    assert "truncated.safetensors" in text and "flipped.safetensors" in text and "wrong_shape.safetensors" in text
+    assert "shape" in refusals[2]["message"]
+    restored = [e for e in session.events if e["kind"] == "checkpoint_restored"]
+    assert len(restored) == 1 and restored[0]["step"] == 10 and restored[0]["checkpoint_step"] == 4
+    assert [s["step"] for s in session.steps] == list(range(12)), "the run went on through every refusal"
+
+
+def test_nonfinite_policy_stop_and_pause(write_script, tmp_path):
+    script = write_script('''
+import torch
+from torch import nn
+def setup():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(1e5)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+            "loss_fn": lambda m, b: m(b).float().mean(), "batches": [torch.ones(2, 4)]}
+''')
+    status, _, lines = run_cli([str(script), "--steps", "5", "--on-nonfinite", "stop"], tmp_path, "stop")
+    assert status == 3
+    assert [r["step"] for r in lines if r["type"] == "step"] == [0]
+    assert lines[-1]["status"] == "stopped"
+    nonfinite = [r for r in lines if r.get("kind") == "nonfinite"][0]
+    assert nonfinite["where"] == "loss" and nonfinite["layer"] == "0" and nonfinite["loss"] in ("Infinity", "NaN")
+
+    # pause holds the run until a command arrives
+    args = build_parser().parse_args(["train", str(script), "--steps", "3", "--run-dir", str(tmp_path / "p"),
+                                      "--on-nonfinite", "pause"])
+    run, _ = prepare_run(args, [], [])
+    paused = threading.Event()
+    run.observers.append(lambda r: r.get("kind") == "paused" and paused.set())
+    thread = threading.Thread(target=run.run)
+    thread.start()
+    assert paused.wait(30)
+    assert run.step == 1 and run.state == "paused"
+    run.submit(Command("dtype", "bfloat16", "test"))
+    run.submit(Command("resume", None, "test"))
+    thread.join(60)
+    steps = read_session(tmp_path / "p").steps
+    assert [s["dtype"] for s in steps] == ["float16", "bfloat16", "bfloat16"]
+
+
+def test_exception_at_step_k_is_recorded_not_dumped(write_script, tmp_path, capsys):
+    script = write_script('''
+import torch
+from torch import nn
+calls = {"n": 0}
+def setup():
+    model = nn.Linear(4, 1)
+    def loss_fn(m, b):
+        calls["n"] += 1
+        if calls["n"] == 5:   # call 1 is the pre-flight check
+            raise ValueError("bad batch 3")
+        return m(b).pow(2).mean()
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+            "loss_fn": loss_fn, "batches": [torch.ones(2, 4)]}
+''')
+    status, run_dir, lines = run_cli([str(script), "--steps", "10", "--checkpoint-every", "2"], tmp_path)
+    assert status == 1
+    error = [r for r in lines if r.get("kind") == "error"][0]
+    assert error["step"] == 3 and error["during"] == "step"
+    assert "ValueError: bad batch 3 (train_script.py line 10)" in error["message"]
+    assert "Traceback" in error["traceback"]
+    assert lines[-1] == {**lines[-1], "type": "end", "status": "error"}
+    assert (run_dir / "checkpoints" / "step-0000002.safetensors").exists()
+    assert "Traceback (most recent call last)" not in capsys.readouterr().err
+
+
+def test_commands_from_another_thread_apply_at_step_boundaries(mlp_script, tmp_path):
+    args = build_parser().parse_args(["train", str(mlp_script), "--run-dir", str(tmp_path / "r")])
+    run, _ = prepare_run(args, [], [])
+    outcomes = []
+    seen = {"steps": 0}
+
+    def drive(record):
+        if record["type"] == "step":
+            seen["steps"] += 1
+            if seen["steps"] == 2:
+                threading.Thread(target=lambda: [
+                    run.submit(Command("scale", "half", "test", on_done=outcomes.append)),
+                    run.submit(Command("dtype", "float32", "test", on_done=outcomes.append)),
+                    run.submit(Command("save", None, "test", on_done=outcomes.append)),
+                    run.submit(Command("stop", None, "test", on_done=outcomes.append))]).start()
+    run.observers.append(drive)
+    assert run.run() == 0
+    assert [o.ok for o in outcomes] == [True, True, True, True]
+    session = read_session(tmp_path / "r")
+    actions = [e["action"] for e in session.events if e["kind"] == "intervention"]
+    assert actions == ["scale", "dtype", "save", "stop"]
+    scale_event = next(e for e in session.events if e.get("action") == "scale")
+    assert scale_event["before"]["scale"] == 2 * scale_event["after"]["scale"]
+    assert session.end["status"] == "stopped"
+
+
+def test_report_prints_the_summary(mlp_script, tmp_path, capsys):
+    run_cli([str(mlp_script), "--steps", "4", "--at", "2:dtype=bf16"], tmp_path)
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "run"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["steps"] == 4 and data["updates_applied"] + data["skipped"] == 4
+    assert data["final_dtype"] == "bfloat16" and data["final_scale"] is None and data["interventions"] == 1
+    assert main(["report", str(tmp_path / "run" / "session.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "updates applied" in out and "bfloat16" in out
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+
+
+def test_headless_prints_events_and_a_summary(write_script, tmp_path, capsys):
+    script = write_script(OVERFLOW_SCRIPT.replace("ACC", "1"))
+    run_cli([str(script), "--steps", "3"], tmp_path)
+    out = capsys.readouterr().out
+    assert "nonfinite" in out and "gradients overflowed at scale 65536" in out
+    assert "updates applied" in out and "run dir" in out

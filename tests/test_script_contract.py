@@ -1,0 +1,120 @@
+"""Loading a user's script: every problem exits 2 with one clear line, before any run dir exists."""
+
+import subprocess
+import sys
+
+import pytest
+
+from amp_tui.cli import main
+
+BASE = '''
+import torch
+from torch import nn
+
+def parts():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [(torch.randn(8, 4), torch.randn(8, 1))]
+    def loss_fn(model, batch):
+        return nn.functional.mse_loss(model(batch[0]), batch[1])
+    return model, opt, loss_fn, batches
+'''
+
+CASES = {
+    "no setup": ("x = 1\n", "has no setup() function"),
+    "missing key": (BASE + "def setup():\n    m, o, l, b = parts()\n    return {'model': m, 'optimizer': o, 'batches': b}\n",
+                    "returned no 'loss_fn'"),
+    "wrong model type": (BASE + "def setup():\n    m, o, l, b = parts()\n    return {'model': 3, 'optimizer': o, 'loss_fn': l, 'batches': b}\n",
+                         "'model' from train_script.py is a int, not a torch.nn.Module"),
+    "wrong optimizer": (BASE + "def setup():\n    m, o, l, b = parts()\n    return {'model': m, 'optimizer': 'sgd', 'loss_fn': l, 'batches': b}\n",
+                        "not a torch.optim.Optimizer"),
+    "foreign params": (BASE + "def setup():\n    m, o, l, b = parts()\n    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)\n"
+                       "    return {'model': m, 'optimizer': other, 'loss_fn': l, 'batches': b}\n",
+                       "holds a parameter that is not in 'model'"),
+    "non-scalar loss": (BASE + "def setup():\n    m, o, l, b = parts()\n"
+                        "    return {'model': m, 'optimizer': o, 'loss_fn': lambda model, batch: model(batch[0]), 'batches': b}\n",
+                        "not a scalar"),
+    "empty batches": (BASE + "def setup():\n    m, o, l, b = parts()\n    return {'model': m, 'optimizer': o, 'loss_fn': l, 'batches': []}\n",
+                      "'batches' from train_script.py is empty"),
+    "setup raises": (BASE + "def setup():\n    raise RuntimeError('no data here')\n",
+                     "setup() in train_script.py raised RuntimeError: no data here (train_script.py line"),
+    "loss_fn raises": (BASE + "def setup():\n    m, o, l, b = parts()\n    def bad(model, batch):\n        raise KeyError('labels')\n"
+                       "    return {'model': m, 'optimizer': o, 'loss_fn': bad, 'batches': b}\n",
+                       "loss_fn in train_script.py failed on the first batch: KeyError: 'labels'"),
+    "syntax error": ("def setup(:\n", "syntax error at line 1"),
+    "bad accumulate": (BASE + "def setup():\n    m, o, l, b = parts()\n    return {'model': m, 'optimizer': o, 'loss_fn': l, 'batches': b, 'accumulate': 0}\n",
+                       "'accumulate' from train_script.py must be a positive integer"),
+    "returns a list": ("def setup():\n    return [1, 2]\n", "returned list; it must return a dict"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_script_exits_2_with_one_line(case, write_script, tmp_path, capsys, monkeypatch):
+    body, expected = CASES[case]
+    script = write_script(body)
+    monkeypatch.chdir(tmp_path)
+    status = main(["train", str(script), "--headless", "--steps", "2"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("amp-tui: error: ")
+    assert expected in err
+    assert not (tmp_path / "runs").exists(), "no run directory for a bad script"
+
+
+def test_missing_file_exits_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "nope.py", "--headless"]) == 2
+    assert "script not found: nope.py" in capsys.readouterr().err
+
+
+def test_python_m_entry_point_without_setup(write_script, tmp_path):
+    script = write_script("x = 1\n")
+    proc = subprocess.run([sys.executable, "-m", "amp_tui", "train", str(script), "--headless"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "amp-tui: error: train_script.py has no setup() function; the script contract needs one"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_context_and_argv_reach_the_script(write_script, tmp_path, capsys):
+    script = write_script(BASE + '''
+import sys
+seen = {}
+def setup(ctx):
+    seen["device"], seen["argv"], seen["sys.argv"] = ctx.device, ctx.argv, list(sys.argv)
+    (__import__("pathlib").Path(__file__).parent / "seen.txt").write_text(repr(seen))
+    m, o, l, b = parts()
+    return {"model": m, "optimizer": o, "loss_fn": l, "batches": b}
+''')
+    status = main(["train", str(script), "--headless", "--steps", "1", "--run-dir", str(tmp_path / "run"),
+                   "--", "--lr", "3"])
+    assert status == 0
+    seen = (tmp_path / "seen.txt").read_text()
+    assert "'device': 'cpu'" in seen and "'argv': ['--lr', '3']" in seen
+    assert f"'sys.argv': ['{script}', '--lr', '3']" in seen
+
+
+def test_setup_may_return_an_object(write_script, tmp_path):
+    script = write_script(BASE + '''
+from amp_tui import TrainSetup
+def setup():
+    m, o, l, b = parts()
+    return TrainSetup(model=m, optimizer=o, loss_fn=l, batches=b)
+''')
+    assert main(["train", str(script), "--headless", "--steps", "2", "--run-dir", str(tmp_path / "r")]) == 0
+
+
+def test_bad_flags_exit_2(mlp_script, tmp_path, capsys):
+    for flags, expected in ((["--at", "ten:save"], "'ten' is not a step number"),
+                            (["--at", "3:dtype=int8"], "unknown dtype"),
+                            (["--at", "3:explode"], "unknown action"),
+                            (["--device", "tpu"], "unknown device 'tpu'")):
+        assert main(["train", str(mlp_script), "--headless", "--run-dir", str(tmp_path / "r"), *flags]) == 2
+        assert expected in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(SystemExit) as exc:
+        main(["train", str(mlp_script), "--init-scale", "-4"])
+    assert exc.value.code == 2
