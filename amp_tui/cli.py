@@ -34,6 +34,16 @@ def _scale(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a share between 0 and 1 (or a percentage)")
+    return value
+
+
 def _dtype(text: str) -> str:
     from amp_tui.precision import canonical
     try:
@@ -65,13 +75,35 @@ def build_parser() -> argparse.ArgumentParser:
                        help="save a checkpoint every N steps")
     train.add_argument("--probe-every", type=_positive_int, default=1, metavar="N",
                        help="collect per-layer figures every N steps (default 1)")
-    train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop"), default=None,
-                       help="what a non-finite loss does (default: skip headless, pause in the dashboard)")
+    train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback"), default=None,
+                       help="what a non-finite loss does (default: skip headless, pause in the "
+                            "dashboard); fallback moves fp16 -> bf16 -> fp32 when it keeps failing")
     train.add_argument("--at", action="append", default=[], metavar="STEP:ACTION",
                        help="schedule an intervention before STEP: dtype=bf16|fp16|fp32, scale=4096, "
                             "scale=half, save, restore=latest|PATH, pause (repeatable)")
     train.add_argument("--refresh-rate", type=float, default=20.0, metavar="HZ",
                        help="dashboard refreshes per second at most (default 20)")
+    train.add_argument("--fp32-modules", action="append", default=[], metavar="PATTERN",
+                       help="run modules whose name matches PATTERN (fnmatch, e.g. 'blocks.*.attn') "
+                            "with autocast off and float32 inputs (repeatable)")
+    guards = train.add_argument_group("scale guards and the fallback ladder")
+    guards.add_argument("--min-scale", type=_scale, default=None, metavar="X",
+                        help="never let the loss scale fall below X")
+    guards.add_argument("--alert-scale-drops", type=_positive_int, default=5, metavar="N",
+                        help="alert when the scale falls N times in a row (default 5)")
+    guards.add_argument("--alert-skip-share", type=_share, default=0.25, metavar="X",
+                        help="alert when more than X (0-1) of a window's updates are skipped (default 0.25)")
+    guards.add_argument("--alert-window", type=_positive_int, default=100, metavar="N",
+                        help="steps in the skip-share window (default 100)")
+    guards.add_argument("--fallback-after", type=_positive_int, default=3, metavar="K",
+                        help="with --on-nonfinite fallback: move down the ladder after K non-finite "
+                             "steps in a row (default 3)")
+    guards.add_argument("--storm-share", type=_share, default=0.5, metavar="X",
+                        help="... or when X (0-1) of the last --storm-window updates were skipped (default 0.5)")
+    guards.add_argument("--storm-window", type=_positive_int, default=20, metavar="N",
+                        help="steps in the skip-storm window (default 20)")
+    guards.add_argument("--rollback", action="store_true",
+                        help="with --on-nonfinite fallback: restore the newest good checkpoint before moving")
 
     report = sub.add_parser("report", help="print the summary of a recorded run")
     report.add_argument("run", type=Path, help="a run directory or a session.jsonl")
@@ -99,8 +131,9 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
     """
     from amp_tui.commands import parse_at
     from amp_tui.devices import resolve_device
+    from amp_tui.guards import GuardConfig
     from amp_tui.run import BatchFeed, Run, RunConfig, preflight
-    from amp_tui.script import load_script
+    from amp_tui.script import ScriptError, load_script
 
     at = [parse_at(text) for text in args.at]
     device = resolve_device(args.device)
@@ -110,18 +143,33 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         from amp_tui.engine import PrecisionRefused
         raise PrecisionRefused(reason)
     if args.run_dir is not None and (args.run_dir / "session.jsonl").exists():
-        from amp_tui.script import ScriptError
         raise ScriptError(f"{args.run_dir} already holds a session; choose another --run-dir")
     setup = load_script(args.script, device=str(device), argv=script_argv, dtype=args.dtype)
     feed = BatchFeed(setup.batches, device)
+    from amp_tui.local_fp32 import match_modules
+    for pattern in args.fp32_modules:
+        if not match_modules(setup.model, pattern):
+            raise ScriptError(f"--fp32-modules {pattern!r} matches no module of the model "
+                              f"(module names look like {_example_names(setup.model)})")
     preflight(setup, feed, device, args.dtype, args.script)
+    policy = args.on_nonfinite or on_nonfinite_default
+    guard = GuardConfig(
+        min_scale=args.min_scale, alert_scale_drops=args.alert_scale_drops,
+        alert_skip_share=args.alert_skip_share, alert_window=args.alert_window,
+        fallback=policy == "fallback", fallback_after=args.fallback_after,
+        storm_share=args.storm_share, storm_window=args.storm_window, rollback=args.rollback)
     config = RunConfig(
         script=args.script, script_argv=script_argv, dtype=args.dtype, init_scale=args.init_scale,
         steps=args.steps, run_dir=args.run_dir, checkpoint_every=args.checkpoint_every,
-        probe_every=args.probe_every, on_nonfinite=args.on_nonfinite or on_nonfinite_default,
-        at=at, command_line=command_line)
+        probe_every=args.probe_every, on_nonfinite=policy, at=at, command_line=command_line,
+        guard=guard, fp32_modules=list(args.fp32_modules))
     run = Run(config, setup, device, feed)
     return run, setup.warnings
+
+
+def _example_names(model, count: int = 3) -> str:
+    names = [n for n, _ in model.named_modules() if n][:count]
+    return ", ".join(repr(n) for n in names) or "(the model has no submodules)"
 
 
 def cmd_train(args, script_argv: list[str], command_line: list[str]) -> int:

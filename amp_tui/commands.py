@@ -14,7 +14,7 @@ from typing import Callable
 
 from amp_tui import precision
 
-ACTIONS = ("dtype", "scale", "save", "restore", "pause", "resume", "step", "stop")
+ACTIONS = ("dtype", "scale", "save", "restore", "pause", "resume", "step", "stop", "fp32")
 
 
 class CommandError(ValueError):
@@ -47,7 +47,7 @@ class Command:
 
 def parse_action(text: str, source: str = "api") -> Command:
     """`dtype=bf16`, `scale=4096`, `scale=half`, `save`, `restore=latest|PATH`, `pause`, `resume`,
-    `step`, `stop`."""
+    `step`, `stop`, `fp32=MODULE_PATTERN` (toggles local fp32)."""
     raw = text.strip()
     name, _, value = raw.partition("=")
     name = name.strip().lower()
@@ -69,12 +69,16 @@ def parse_action(text: str, source: str = "api") -> Command:
         return Command("scale", number, source)
     if name == "restore":
         return Command("restore", value or "latest", source)
+    if name == "fp32":
+        if not value:
+            raise CommandError(f"{raw!r}: name the module(s), e.g. fp32=blocks.0.attn or fp32='*.attn'")
+        return Command("fp32", value, source)
     if name in ("save", "pause", "resume", "step", "stop"):
         if value:
             raise CommandError(f"{name!r} takes no value (got {raw!r})")
         return Command(name, None, source)
     raise CommandError(f"unknown action {raw!r}: use dtype=…, scale=…, save, restore=…, pause, "
-                       "resume, step or stop")
+                       "resume, step, stop or fp32=MODULE")
 
 
 def parse_at(text: str) -> tuple[int, Command]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from amp_tui import precision
+from amp_tui.diagnose import Diagnosis, diagnose
 from amp_tui.probes import LayerFigures, LayerProbe
 
 
@@ -42,6 +43,7 @@ class StepResult:
     grad_norm: float | None = None
     lr: float | None = None
     figures: LayerFigures | None = None
+    diagnosis: Diagnosis | None = None
     duration: float = 0.0
     wall_time: float = field(default_factory=time.time)
 
@@ -76,6 +78,7 @@ class GuardedTrainer:
         max_grad_norm: float | None = None,
         probe: bool = True,
         probe_every: int = 1,
+        diagnose: bool = True,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -85,6 +88,7 @@ class GuardedTrainer:
         self.max_grad_norm = max_grad_norm
         self.probe = LayerProbe(model) if probe else None
         self.probe_every = max(1, int(probe_every))
+        self.diagnose_bad_steps = diagnose
         if not (init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
         self.init_scale = float(init_scale)
@@ -155,6 +159,11 @@ class GuardedTrainer:
         self.scaler.load_state_dict(state)
         self._scale_value = float(state["scale"])
 
+    def clamp_scale(self, value: float) -> None:
+        """Hold the live scaler at `value` (a --min-scale guard), keeping its growth tracker."""
+        if self.scaler is not None:
+            self._load_scaler_state({**self.scaler.state_dict(), "scale": float(value)})
+
     def describe_precision(self) -> dict:
         return {"dtype": self.dtype, "scale": self.scale, "init_scale": self.init_scale}
 
@@ -222,19 +231,22 @@ class GuardedTrainer:
         mean_loss = sum(losses) / len(losses)
 
         if bad_batch is not None:
-            # No backward, no update: the guard the seeds ask for. Find where it went wrong.
+            # No backward, no update: the guard the seeds ask for. Then find where it went wrong.
             opt.zero_grad(set_to_none=True)
-            figures = probe.collect()[0] if probe else self._diagnose(bad_batch)
-            first = figures.first_nonfinite("act") if figures else None
+            figures = probe.collect()[0] if probe else None
+            diagnosis = self._diagnose([bad_batch], used_scale, backward=False)
+            first = diagnosis.forward_layer if diagnosis else None
+            if first is None and figures is not None:
+                index = figures.first_nonfinite("act")
+                first = self.layer_names[index] if index is not None else None
             return self._finish(mean_loss, used_scale, skipped=True, nonfinite="loss",
-                                first_layer=self.layer_names[first] if first is not None else None,
-                                figures=figures if probe else None, micro=n)
+                                first_layer=first, figures=figures, micro=n, diagnosis=diagnosis)
 
         if scaler is not None:
             scaler.unscale_(opt)
         found_inf = None
         if probe:
-            probe.record_gradients()
+            probe.record_gradients(used_scale)
         if scaler is None:
             found_inf = (probe.gradient_nonfinite_flag() if probe else
                          _nonfinite_flag([p.grad for p in self._params if p.grad is not None], self.device))
@@ -265,15 +277,19 @@ class GuardedTrainer:
             grad_norm = host[1]
         if not skipped and self.scheduler is not None:
             self.scheduler.step()
-        first = None
-        if skipped and figures is not None:
-            index = figures.first_nonfinite("grad")
-            first = self.layer_names[index] if index is not None else None
+        first, diagnosis = None, None
+        if skipped:
+            diagnosis = self._diagnose(micro_batches, used_scale, backward=True)
+            first = diagnosis.backward_layer if diagnosis else None
+            if first is None and figures is not None:
+                index = figures.first_nonfinite("grad")
+                first = self.layer_names[index] if index is not None else None
         return self._finish(mean_loss, used_scale, skipped=skipped,
                             nonfinite="gradients" if skipped else None, first_layer=first,
-                            figures=figures, micro=n, grad_norm=grad_norm)
+                            figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis)
 
-    def _finish(self, loss, scale, *, skipped, nonfinite, first_layer, figures, micro, grad_norm=None):
+    def _finish(self, loss, scale, *, skipped, nonfinite, first_layer, figures, micro, grad_norm=None,
+                diagnosis=None):
         if skipped:
             self.skipped_total += 1
         else:
@@ -285,32 +301,25 @@ class GuardedTrainer:
             dtype=self.dtype, micro_batches=micro, nonfinite=nonfinite,
             first_nonfinite_layer=first_layer, grad_norm=grad_norm,
             lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None,
-            figures=figures)
+            figures=figures, diagnosis=diagnosis)
 
-    def _diagnose(self, batch) -> LayerFigures | None:
-        """A second forward pass with probes on, for a bad step that wasn't probed."""
-        if self.probe is None:
+    def _diagnose(self, micro_batches, scale: float | None, *, backward: bool) -> Diagnosis | None:
+        """The second, checked pass over a bad step's micro-batches (the first that shows it)."""
+        if not self.diagnose_bad_steps:
             return None
-        self.probe.begin()
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(self.device)):
-                try:
-                    self._forward_unchecked(batch)
-                except Exception:  # noqa: BLE001 - diagnosis must never break the run
-                    pass
-            figures, _ = self.probe.collect()
-        finally:
-            self.probe.end()
-        return figures
+        diagnosis = None
+        for batch in micro_batches:
+            diagnosis = diagnose(self.model, lambda: self._forward_unchecked(batch), scale=scale,
+                                 device=self.device, backward=backward)
+            if diagnosis.forward_layer or diagnosis.backward_layer:
+                break
+        self.optimizer.zero_grad(set_to_none=True)
+        return diagnosis
 
     def _forward_unchecked(self, batch):
         enabled = precision.uses_autocast(self.dtype)
         with torch.autocast(self.device.type, dtype=precision.torch_dtype(self.dtype), enabled=enabled):
             return self.loss_fn(self.model, batch)
-
-
-def _rng_devices(device: torch.device) -> list:
-    return [device] if device.type == "cuda" else []
 
 
 def _to_host(scalars: list[torch.Tensor]) -> list[float]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from amp_tui.precision import FP16_TINY
+
 UNMEASURED = None  # a module that did not run, or a parameter without a gradient
 
 
@@ -26,6 +28,10 @@ class LayerFigures:
     weight: list[float | None]
     # Layer indices in the order their forward ran first (for "first non-finite layer").
     order: list[int] = field(default_factory=list)
+    # Share of nonzero gradient elements fp16 would flush to zero (below 2**-24): as they are
+    # (unscaled), and multiplied by the loss scale in use (None without a scaler).
+    underflow: list[float | None] | None = None
+    underflow_scaled: list[float | None] | None = None
 
     def first_nonfinite(self, kind: str = "act") -> int | None:
         values = getattr(self, kind)
@@ -79,6 +85,8 @@ class LayerProbe:
         self._order: list[int] = []
         self._grad: list[torch.Tensor] | None = None
         self._grad_index: list[int] = []
+        self._under: list[torch.Tensor] = []
+        self._scaled = False
         self._weights: list[torch.Tensor] | None = None
 
     @property
@@ -114,8 +122,9 @@ class LayerProbe:
                     self._act[index].append(hi.float())
         return hook
 
-    def record_gradients(self) -> None:
-        """Call after unscale_ (and before clipping): the true gradients' extremes, still on device."""
+    def record_gradients(self, scale: float | None = None) -> None:
+        """Call after unscale_ (and before clipping): the true gradients' extremes and underflow
+        counts, still on the device."""
         grads, index = [], []
         for i, p in enumerate(self._params):
             if p.grad is not None:
@@ -123,6 +132,14 @@ class LayerProbe:
                 index.append(i)
         with torch.no_grad():
             self._grad = [x.float() for g in grads for x in torch.aminmax(g.detach())]
+            self._under = []
+            for g in grads:
+                a = g.detach().abs()
+                zeros = a.numel() - torch.count_nonzero(a)
+                # nonzero, unscaled below 2**-24, scaled below 2**-24 (comparisons count zeros too)
+                self._under += [a.numel() - zeros, (a < FP16_TINY).sum() - zeros]
+                self._under.append((a < FP16_TINY / scale).sum() - zeros if scale else zeros * 0)
+        self._scaled = scale is not None
         self._grad_index = index
 
     def gradient_nonfinite_flag(self) -> torch.Tensor:
@@ -145,7 +162,9 @@ class LayerProbe:
             act_counts = [len(a) for a in self._act]
             flat_act = [t for a in self._act for t in a]
             grads = self._grad or []
-            parts = [t.reshape(()).float() for t in extra] + flat_act + grads + weights
+            under = self._under if self._grad else []
+            # float64: element counts above 2**24 must stay exact
+            parts = [t.reshape(()).double() for t in [*extra, *flat_act, *grads, *weights, *under]]
             host = torch.stack(parts).tolist() if parts else []
         self.end()
         n_extra = len(extra)
@@ -159,13 +178,22 @@ class LayerProbe:
             param_grad[i] = _absmax(host[pos + 2 * k:pos + 2 * k + 2])
         pos += len(grads)
         param_weight = [_absmax(host[pos + 2 * i:pos + 2 * i + 2]) for i in range(len(self._params))]
+        pos += len(weights)
+        counts: list[list[float] | None] = [None] * len(self._params)
+        for k, i in enumerate(self._grad_index if under else []):
+            counts[i] = host[pos + 3 * k:pos + 3 * k + 3]
+        underflow = _underflow_shares(counts, self._layer_params, 1) if under else None
+        underflow_scaled = (_underflow_shares(counts, self._layer_params, 2)
+                            if under and self._scaled else None)
         figures = LayerFigures(
             act=act,
             grad=[_group_max(param_grad, idx) for idx in self._layer_params],
             weight=[_group_max(param_weight, idx) for idx in self._layer_params],
             order=list(self._order),
+            underflow=underflow,
+            underflow_scaled=underflow_scaled,
         )
-        self._act, self._grad, self._weights = [], None, None
+        self._act, self._grad, self._weights, self._under = [], None, None, []
         return figures, extra_host
 
 
@@ -184,3 +212,13 @@ def _absmax(values: list[float]) -> float:
 def _group_max(values: list[float | None], indices: list[int]) -> float | None:
     picked = [values[i] for i in indices if values[i] is not None]
     return _absmax(picked) if picked else None
+
+
+def _underflow_shares(counts: list[list[float] | None], layers: list[list[int]], which: int):
+    """Per layer: flushed-to-zero count / nonzero count over the layer's parameters."""
+    out: list[float | None] = []
+    for idx in layers:
+        rows = [counts[i] for i in idx if counts[i] is not None]
+        nonzero = sum(r[0] for r in rows)
+        out.append(sum(r[which] for r in rows) / nonzero if nonzero else None)
+    return out

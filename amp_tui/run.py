@@ -27,10 +27,12 @@ from amp_tui import precision
 from amp_tui.commands import Command, CommandQueue, Outcome
 from amp_tui.devices import describe_device, move_to_device
 from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult
+from amp_tui.guards import GuardConfig, PrecisionGuard
+from amp_tui.local_fp32 import LocalFp32, ModuleMatchError
 from amp_tui.script import ScriptError, TrainSetup, describe_exception
 from amp_tui.session import SessionWriter, event_record, step_record
 
-NONFINITE_POLICIES = ("skip", "pause", "stop")
+NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback")
 
 # Exit statuses of a run (the CLI returns them).
 EXIT_OK = 0
@@ -51,6 +53,8 @@ class RunConfig:
     on_nonfinite: str = "skip"
     at: list[tuple[int, Command]] = field(default_factory=list)
     command_line: list[str] = field(default_factory=list)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    fp32_modules: list[str] = field(default_factory=list)
 
 
 def default_run_dir(script: Path, root: Path = Path("runs")) -> Path:
@@ -151,6 +155,10 @@ class Run:
             init_scale=config.init_scale, scheduler=setup.scheduler,
             max_grad_norm=setup.max_grad_norm, probe_every=config.probe_every)
         self.accumulate = setup.accumulate
+        self.guard = PrecisionGuard(config.guard)
+        self.local_fp32 = LocalFp32(setup.model, device.type)
+        for pattern in config.fp32_modules:
+            self.local_fp32.add(pattern)  # ModuleMatchError names a pattern that matches nothing
         self.commands = CommandQueue()
         self.observers: list[Callable[[dict], None]] = []
         self.state = "starting"
@@ -205,6 +213,8 @@ class Run:
             "scheduler": type(setup.scheduler).__name__ if setup.scheduler is not None else None,
             "parameters": sum(p.numel() for p in setup.model.parameters()),
             "layers": self.trainer.layer_names,
+            "fp32_modules": self.local_fp32.names,
+            "guards": {k: v for k, v in vars(cfg.guard).items()},
             "started": datetime.now().astimezone().isoformat(timespec="seconds"),
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -285,12 +295,43 @@ class Run:
         self._emit(step_record(result))
         if result.nonfinite:
             self._on_nonfinite(result)
+        self._apply_guards(result)
+
+    def _apply_guards(self, result: StepResult) -> None:
+        t = self.trainer
+        bf16_ok = precision.unsupported_reason(self.device, "bfloat16") is None
+        decisions = self.guard.observe(result, t.scale, bf16_ok)
+        if decisions.clamp_scale is not None:
+            t.clamp_scale(decisions.clamp_scale)
+        for alert in decisions.alerts:
+            self.event("alert", f"{alert.message}. Likely cause: {alert.cause}. Fix: {alert.fix}",
+                       step=result.step, reason=alert.reason, cause=alert.cause, fix=alert.fix)
+        move = decisions.move
+        if move is None:
+            return
+        if move.rollback_before is not None:
+            good = [c for c in self.checkpoints() if c.step is not None and c.step <= move.rollback_before]
+            if good:
+                self._apply(Command("restore", str(good[0].path), "fallback"))
+            else:
+                self.event("alert", f"--rollback: no checkpoint saved at or before step "
+                           f"{move.rollback_before}; moving on without one", reason="no_checkpoint",
+                           cause="no checkpoint yet", fix="use --checkpoint-every N")
+        before = t.describe_precision()
+        t.set_dtype(move.to_dtype)
+        self.event("intervention", f"fallback {precision.SHORT[before['dtype']]} → "
+                   f"{precision.SHORT[move.to_dtype]}: {move.reason}", step=self.step, action="dtype",
+                   value=move.to_dtype, source="fallback", reason=move.reason, before=before,
+                   after=t.describe_precision())
 
     def _on_nonfinite(self, result: StepResult) -> None:
         self.nonfinite_events += 1
         layer = result.first_nonfinite_layer
+        diagnosis = result.diagnosis
         if result.nonfinite == "loss":
             where = f"; first non-finite output: {layer}" if layer else ""
+            if diagnosis is not None and diagnosis.input_nonfinite:
+                where += " (its input was already non-finite)"
             msg = f"non-finite loss ({_fmt(result.loss)}) in {precision.SHORT[result.dtype]}{where}: update skipped"
         else:
             where = f"; first non-finite gradient: {layer}" if layer else ""
@@ -300,10 +341,11 @@ class Run:
             else:
                 msg = f"non-finite gradients in {precision.SHORT[result.dtype]}{where}: update skipped"
         self.event("nonfinite", msg, step=result.step, where=result.nonfinite, layer=layer,
-                   loss=_json_float(result.loss), scale=result.scale, dtype=result.dtype)
+                   loss=_json_float(result.loss), scale=result.scale, dtype=result.dtype,
+                   **(diagnosis.as_fields() if diagnosis is not None else {}))
         if result.nonfinite != "loss":
             return
-        policy = self.config.on_nonfinite
+        policy = self.config.on_nonfinite  # "skip" and "fallback" just go on (the guard decides)
         if policy == "pause" and self.state == "running":
             self._single_steps = 0
             self._set_state("paused")
@@ -363,6 +405,8 @@ class Run:
                                       f"checkpoint saved: {self._rel(info.path)}")
         if action == "restore":
             return self._restore(command)
+        if action == "fp32":
+            return self._toggle_fp32(command)
         if action in ("pause", "resume", "step"):
             before = {"state": self.state}
             if action == "pause":
@@ -382,6 +426,20 @@ class Run:
             self._stop_requested.set()
             return Outcome(True, "stopping at this step boundary")
         return Outcome(False, f"unknown command {action!r}")
+
+    def _toggle_fp32(self, command: Command) -> Outcome:
+        pattern = str(command.value)
+        before = {"fp32_modules": self.local_fp32.names}
+        try:
+            from amp_tui.local_fp32 import match_modules
+            already = set(match_modules(self.trainer.model, pattern)) & set(self.local_fp32.names)
+            changed = self.local_fp32.remove(pattern) if already else self.local_fp32.add(pattern)
+        except ModuleMatchError as exc:
+            self.event("error", str(exc), during="fp32", source=command.source)
+            return Outcome(False, str(exc))
+        verb = "back to autocast" if already else "now in fp32"
+        return self._intervention(command, before, {"fp32_modules": self.local_fp32.names},
+                                  f"{', '.join(changed) or pattern} {verb}")
 
     def _set_state(self, state: str) -> None:
         self.state = state

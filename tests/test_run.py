@@ -179,7 +179,8 @@ def setup():
     return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
             "loss_fn": loss_fn, "batches": [torch.ones(2, 4)]}
 ''')
-    status, run_dir, lines = run_cli([str(script), "--steps", "10", "--checkpoint-every", "2"], tmp_path)
+    status, run_dir, lines = run_cli([str(script), "--steps", "10", "--checkpoint-every", "2", "--init-scale", "1"],
+                                   tmp_path)
     assert status == 1
     error = [r for r in lines if r.get("kind") == "error"][0]
     assert error["step"] == 3 and error["during"] == "step"
