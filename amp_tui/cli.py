@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run SCRIPT's setup() under the guarded autocast + GradScaler "
                                        "loop. Arguments after -- go to the script.")
     train.add_argument("script", type=Path, help="a Python file with a setup() function")
-    train.add_argument("--dtype", type=_dtype, default="float16", help="fp16 (default), bf16 or fp32")
+    train.add_argument("--dtype", type=_dtype, default=None,
+                       help="fp16 (default), bf16 or fp32 (resuming: the checkpoint's dtype)")
     train.add_argument("--init-scale", type=_scale, default=65536.0, metavar="X",
                        help="GradScaler's initial loss scale in fp16 (default 65536)")
     train.add_argument("--steps", type=_positive_int, default=None, metavar="N",
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
                        help="where session.jsonl and checkpoints/ go (default runs/<time>-<script>)")
     train.add_argument("--headless", action="store_true", help="no dashboard: a status line and events")
+    train.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                       help="continue RUN_DIR from its newest valid checkpoint, appending to its session")
     train.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
                        help="save a checkpoint every N steps")
     train.add_argument("--probe-every", type=_positive_int, default=1, metavar="N",
@@ -132,26 +135,37 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
     from amp_tui.commands import parse_at
     from amp_tui.devices import resolve_device
     from amp_tui.guards import GuardConfig
+    from amp_tui.checkpoint import list_checkpoints
     from amp_tui.run import BatchFeed, Run, RunConfig, preflight
     from amp_tui.script import ScriptError, load_script
 
     at = [parse_at(text) for text in args.at]
     device = resolve_device(args.device)
+    run_dir = args.run_dir
+    if args.resume is not None:
+        if run_dir is not None and run_dir.resolve() != args.resume.resolve():
+            raise ScriptError("--resume RUN_DIR continues that run in place; drop --run-dir")
+        run_dir = args.resume
+        if not (run_dir / "session.jsonl").is_file():
+            raise ScriptError(f"--resume {run_dir}: no session.jsonl there")
+    elif run_dir is not None and (run_dir / "session.jsonl").exists():
+        raise ScriptError(f"{run_dir} already holds a session; choose another --run-dir (or --resume it)")
+    candidates = list_checkpoints(run_dir / "checkpoints") if args.resume is not None else []
+    dtype = args.dtype or next((c.dtype for c in candidates if c.dtype), None) or "float16"
     from amp_tui.precision import unsupported_reason
-    reason = unsupported_reason(device, args.dtype)
+    reason = unsupported_reason(device, dtype)
     if reason:
         from amp_tui.engine import PrecisionRefused
         raise PrecisionRefused(reason)
-    if args.run_dir is not None and (args.run_dir / "session.jsonl").exists():
-        raise ScriptError(f"{args.run_dir} already holds a session; choose another --run-dir")
-    setup = load_script(args.script, device=str(device), argv=script_argv, dtype=args.dtype)
+    setup = load_script(args.script, device=str(device), argv=script_argv, dtype=dtype)
+    resume_from = _newest_valid_checkpoint(candidates, setup, run_dir) if args.resume is not None else None
     feed = BatchFeed(setup.batches, device)
     from amp_tui.local_fp32 import match_modules
     for pattern in args.fp32_modules:
         if not match_modules(setup.model, pattern):
             raise ScriptError(f"--fp32-modules {pattern!r} matches no module of the model "
                               f"(module names look like {_example_names(setup.model)})")
-    preflight(setup, feed, device, args.dtype, args.script)
+    preflight(setup, feed, device, dtype, args.script)
     policy = args.on_nonfinite or on_nonfinite_default
     guard = GuardConfig(
         min_scale=args.min_scale, alert_scale_drops=args.alert_scale_drops,
@@ -159,12 +173,30 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         fallback=policy == "fallback", fallback_after=args.fallback_after,
         storm_share=args.storm_share, storm_window=args.storm_window, rollback=args.rollback)
     config = RunConfig(
-        script=args.script, script_argv=script_argv, dtype=args.dtype, init_scale=args.init_scale,
-        steps=args.steps, run_dir=args.run_dir, checkpoint_every=args.checkpoint_every,
+        script=args.script, script_argv=script_argv, dtype=dtype, init_scale=args.init_scale,
+        steps=args.steps, run_dir=run_dir, checkpoint_every=args.checkpoint_every,
         probe_every=args.probe_every, on_nonfinite=policy, at=at, command_line=command_line,
-        guard=guard, fp32_modules=list(args.fp32_modules))
+        guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from)
     run = Run(config, setup, device, feed)
     return run, setup.warnings
+
+
+def _newest_valid_checkpoint(candidates, setup, run_dir: Path) -> Path:
+    """The newest checkpoint that passes every check against this script's model (a partly written
+    or corrupted one is skipped, with its reason kept for the error message)."""
+    from amp_tui.checkpoint import CheckpointError, read_checkpoint
+    from amp_tui.script import ScriptError
+    reasons = []
+    for info in candidates:
+        if info.kind != "full":
+            continue
+        try:
+            read_checkpoint(info.path, model=setup.model, optimizer=setup.optimizer, scheduler=setup.scheduler)
+            return info.path
+        except CheckpointError as exc:
+            reasons.append(str(exc))
+    detail = f" (newest refused: {reasons[0]})" if reasons else ""
+    raise ScriptError(f"--resume {run_dir}: no valid checkpoint in {run_dir / 'checkpoints'}{detail}")
 
 
 def _example_names(model, count: int = 3) -> str:
@@ -209,16 +241,23 @@ def run_headless(run, warnings: list[str]) -> int:
 
     def on_signal(signum, _frame):
         nonlocal interrupts
-        interrupts += 1
-        if interrupts > 1 and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        run.request_stop()
+        if signum == signal.SIGINT:
+            interrupts += 1
+            if interrupts > 1:
+                raise KeyboardInterrupt  # the second Ctrl+C forces the exit
+            run.request_stop(reason="interrupted (Ctrl+C)")
+        else:
+            # SIGHUP (the SSH connection dropped) or SIGTERM: keep the progress, then exit.
+            run.request_stop(checkpoint=True, reason=signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         with HeadlessPrinter(console, run.config.steps) as printer:
             run.observers.append(printer)
             status = run.run()
+    except KeyboardInterrupt:
+        console.print("forced exit (second Ctrl+C); the session is closed")
+        return 130
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

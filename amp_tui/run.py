@@ -55,6 +55,8 @@ class RunConfig:
     command_line: list[str] = field(default_factory=list)
     guard: GuardConfig = field(default_factory=GuardConfig)
     fp32_modules: list[str] = field(default_factory=list)
+    on_io_error: str = "stop"           # a full disk: "stop" (headless) or "pause" (dashboard)
+    resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
 
 
 def default_run_dir(script: Path, root: Path = Path("runs")) -> Path:
@@ -173,6 +175,9 @@ class Run:
         for step, command in config.at:
             self._scheduled.setdefault(step, []).append(command)
         self._stop_requested = threading.Event()
+        self._checkpoint_on_stop = False
+        self._stop_reason: str | None = None
+        self._session_failed = False
         self._single_steps = 0
         self.nonfinite_events = 0
         self.started_at = time.time()
@@ -181,8 +186,13 @@ class Run:
     def submit(self, command: Command) -> None:
         self.commands.submit(command)
 
-    def request_stop(self) -> None:
-        """Stop at the next step boundary (from any thread, e.g. a signal handler)."""
+    def request_stop(self, *, checkpoint: bool = False, reason: str | None = None) -> None:
+        """Stop at the next step boundary (from any thread, e.g. a signal handler); with
+        `checkpoint`, save one first (an SSH drop must not lose the run's progress)."""
+        if checkpoint:
+            self._checkpoint_on_stop = True
+        if reason and self._stop_reason is None:
+            self._stop_reason = reason
         self._stop_requested.set()
         self.commands.wakeup.set()
 
@@ -222,12 +232,37 @@ class Run:
 
     def _emit(self, record: dict) -> None:
         if self._writer is not None and not self._writer.closed:
-            self._writer.write(record)
+            try:
+                self._writer.write(record)
+                self._session_failed = False
+            except OSError as exc:
+                self._on_io_error(f"could not append to {self.session_path}: {exc.strerror or exc}")
         for observer in list(self.observers):
             try:
                 observer(record)
             except Exception:  # noqa: BLE001 - a broken observer must not stop training
                 traceback.print_exc(file=sys.stderr)
+
+    def _on_io_error(self, message: str) -> None:
+        """The session can't be appended to (a full disk...): tell the observers, then halt."""
+        if self._session_failed:
+            return  # already reported; the run is paused or stopping
+        self._session_failed = True
+        record = event_record(self.step, "error", message, during="io")
+        for observer in list(self.observers):
+            with contextlib.suppress(Exception):
+                observer(record)
+        self._halt_for_io(message)
+
+    def _halt_for_io(self, message: str) -> None:
+        """Keep what is written; pause (dashboard) or stop with a non-zero status (headless)."""
+        self.error = message
+        if self.config.on_io_error == "pause":
+            self._single_steps = 0
+            self._set_state("paused")
+        else:
+            self.exit_status = EXIT_ERROR
+            self._stop_requested.set()
 
     def event(self, kind: str, message: str, *, step: int | None = None, **fields: Any) -> dict:
         record = event_record(self.step if step is None else step, kind, message, **fields)
@@ -235,13 +270,36 @@ class Run:
         return record
 
     def open(self) -> None:
-        """Create the run directory and write the header."""
+        """Create the run directory and write the header (or, resuming, append to the session)."""
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         ckpt.cleanup_temporary_files(self.checkpoint_dir)
         header = self.header()
-        self._writer = SessionWriter(self.session_path, header)
+        resuming = self.config.resume_from is not None
+        self._writer = SessionWriter(self.session_path, header, append=resuming)
         for observer in list(self.observers):
             observer({"type": "header", **header})
+        if resuming:
+            self._resume(self.config.resume_from)
+
+    def _resume(self, path: Path) -> None:
+        """Continue a crashed or stopped run from a checkpoint; the step counter goes on from the
+        last recorded step, like a restore, so the recording stays one forward timeline."""
+        from amp_tui.session import read_session
+        previous = read_session(self.session_path)
+        last_step = max((r["step"] for r in previous.steps), default=-1)
+        t = self.trainer
+        loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+        loaded.apply(t.model, t.optimizer, t.scheduler)
+        t.restore_scaler(loaded.scaler_state)
+        extra = loaded.extra or {}
+        t.updates_applied = int(extra.get("updates_applied", 0))
+        t.skipped_total = int(extra.get("skipped_total", 0))
+        t.step_index = last_step + 1
+        self.feed.skip(int(extra.get("micro_batches_consumed", 0)))  # same data order as before
+        self.event("resumed", f"resumed from {self._rel(path)} (saved at step {loaded.step}, "
+                   f"{loaded.dtype}) after the recording's step {last_step}; the step counter goes "
+                   f"on from {t.step_index}", path=self._rel(path), checkpoint_step=loaded.step,
+                   checkpoint_dtype=loaded.dtype, previous_last_step=last_step)
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self) -> int:
@@ -266,6 +324,10 @@ class Run:
             for command in self.commands.drain():
                 self._apply(command)
             if self._stop_requested.is_set():
+                if self._stop_reason:
+                    self.event("stopping", f"stopping: {self._stop_reason}", reason=self._stop_reason)
+                if self._checkpoint_on_stop:
+                    self._save_checkpoint(source=self._stop_reason or "stop")
                 if self.state not in ("error",):
                     self._set_state("stopped")
                 return
@@ -462,6 +524,8 @@ class Run:
                 extra={**t.checkpoint_extra(), "micro_batches_consumed": self.feed.consumed})
         except ckpt.CheckpointError as exc:
             self.event("error", str(exc), during="save", source=source)
+            if isinstance(exc.__cause__, OSError):  # a full disk, not a bad model state
+                self._halt_for_io(str(exc))
             return None
         size = os.path.getsize(info.path)
         self.event("checkpoint_saved", f"checkpoint {self._rel(info.path)} saved at step {self.step} "
