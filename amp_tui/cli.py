@@ -111,6 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="print the summary of a recorded run")
     report.add_argument("run", type=Path, help="a run directory or a session.jsonl")
     report.add_argument("--json", action="store_true", help="machine-readable output")
+
+    from amp_tui.compare import add_parser as add_compare_parser
+    add_compare_parser(sub)
+
+    ctl = sub.add_parser("ctl", help="steer a running job from a shell",
+                         description="Send COMMAND to the job running in RUN_DIR over its control "
+                                     "socket and print its answer.")
+    ctl.add_argument("run", type=Path, metavar="RUN_DIR")
+    ctl.add_argument("action", metavar="COMMAND",
+                     help="dtype=fp16|bf16|fp32, scale=N|half, save, restore=latest|PATH, pause, "
+                          "resume, step, stop, fp32=MODULE, status")
+    ctl.add_argument("--json", action="store_true", help="print the job's answer as JSON")
+
+    ls = sub.add_parser("ls", help="list runs under a folder with their state")
+    ls.add_argument("folder", type=Path, nargs="?", default=Path("runs"), metavar="DIR",
+                    help="folder of run directories (default runs/)")
     return parser
 
 
@@ -148,6 +164,9 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         run_dir = args.resume
         if not (run_dir / "session.jsonl").is_file():
             raise ScriptError(f"--resume {run_dir}: no session.jsonl there")
+        from amp_tui.control import job_alive
+        if job_alive(run_dir):
+            raise ScriptError(f"--resume {run_dir}: a job is still running there (amp-tui ctl {run_dir} stop)")
     elif run_dir is not None and (run_dir / "session.jsonl").exists():
         raise ScriptError(f"{run_dir} already holds a session; choose another --run-dir (or --resume it)")
     candidates = list_checkpoints(run_dir / "checkpoints") if args.resume is not None else []
@@ -176,7 +195,7 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         script=args.script, script_argv=script_argv, dtype=dtype, init_scale=args.init_scale,
         steps=args.steps, run_dir=run_dir, checkpoint_every=args.checkpoint_every,
         probe_every=args.probe_every, on_nonfinite=policy, at=at, command_line=command_line,
-        guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from)
+        guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from, control=True)
     run = Run(config, setup, device, feed)
     return run, setup.warnings
 
@@ -293,4 +312,49 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_train(args, script_argv, ["amp-tui", *argv])
     if args.command == "report":
         return cmd_report(args)
+    if args.command == "compare":
+        from amp_tui.compare import cmd_compare
+        return cmd_compare(args, script_argv)
+    if args.command == "ctl":
+        return cmd_ctl(args)
+    if args.command == "ls":
+        return cmd_ls(args)
     return EXIT_USAGE
+
+
+def cmd_ctl(args) -> int:
+    from amp_tui.control import ControlError, send
+
+    try:
+        answer = send(args.run, args.action.strip())
+    except ControlError as exc:
+        return _error(str(exc), status=1)
+    if args.json:
+        print(json.dumps(answer, indent=2, allow_nan=False))
+    else:
+        print(answer.get("message", ""))
+    return 0 if answer.get("ok") else 1
+
+
+def cmd_ls(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from amp_tui.listing import list_runs, short_dtype
+
+    if not args.folder.exists():
+        return _error(f"no folder {args.folder}", status=1)
+    rows = list_runs(args.folder)
+    if not rows:
+        print(f"no runs under {args.folder}")
+        return 0
+    table = Table(box=None, header_style="bold")
+    for name in ("run", "state", "script", "steps", "dtype", "skipped", "last event"):
+        table.add_column(name, no_wrap=True, overflow="ellipsis", max_width=60 if name == "last event" else None)
+    styles = {"running": "green", "crashed": "red", "error": "red", "stopped": "yellow"}
+    for r in rows:
+        table.add_row(Text(r.run_dir.name), Text(r.state, style=styles.get(r.state, "")), Text(r.script),
+                      str(r.steps), short_dtype(r.dtype), str(r.skipped), Text(r.last_event))
+    Console(highlight=False).print(table)
+    return 0

@@ -32,6 +32,8 @@ class Command:
     action: str
     value: str | float | None = None
     source: str = "api"
+    # Who sent it over the control socket ({"pid", "uid", "user"}), recorded with the event.
+    client: dict | None = field(default=None, compare=False)
     # Called on the training thread once the command was applied or refused.
     on_done: Callable[[Outcome], None] | None = field(default=None, repr=False, compare=False)
 

@@ -56,6 +56,7 @@ class RunConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     fp32_modules: list[str] = field(default_factory=list)
     on_io_error: str = "stop"           # a full disk: "stop" (headless) or "pause" (dashboard)
+    control: bool = False                # serve the control socket (amp-tui ctl / attach)
     resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
 
 
@@ -178,6 +179,7 @@ class Run:
         self._checkpoint_on_stop = False
         self._stop_reason: str | None = None
         self._session_failed = False
+        self._control = None
         self._single_steps = 0
         self.nonfinite_events = 0
         self.started_at = time.time()
@@ -280,6 +282,10 @@ class Run:
             observer({"type": "header", **header})
         if resuming:
             self._resume(self.config.resume_from)
+        if self.config.control:
+            from amp_tui.control import ControlServer
+            self._control = ControlServer(self, self.run_dir)
+            self._control.start()
 
     def _resume(self, path: Path) -> None:
         """Continue a crashed or stopped run from a checkpoint; the step counter goes on from the
@@ -431,9 +437,25 @@ class Run:
             command.on_done(outcome)
 
     def _intervention(self, command: Command, before: dict, after: dict, message: str) -> Outcome:
+        who = {"client": command.client} if command.client else {}
         self.event("intervention", message, action=command.action, value=_json_value(command.value),
-                   source=command.source, before=before, after=after)
+                   source=command.source, before=before, after=after, **who)
         return Outcome(True, message)
+
+    def status(self) -> dict:
+        """A snapshot for `amp-tui ctl RUN status` (read from another thread: plain values only)."""
+        t, r = self.trainer, self.last_result
+        return {"state": self.state, "step": self.step, "steps": self.config.steps, "dtype": t.dtype,
+                "scale": t.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
+                "loss": _json_float(r.loss) if r is not None else None, "pid": os.getpid(),
+                "run_dir": str(self.run_dir), "script": str(self.config.script)}
+
+    def status_line(self) -> str:
+        s = self.status()
+        scale = "-" if s["scale"] is None else f"{s['scale']:g}"
+        total = f"/{s['steps']}" if s["steps"] else ""
+        return (f"{s['state']} at step {s['step']}{total}: {precision.SHORT[s['dtype']]}, scale {scale}, "
+                f"{s['updates']} updates applied, {s['skipped']} skipped, loss {s['loss']}")
 
     def _dispatch(self, command: Command) -> Outcome:
         action = command.action
@@ -588,6 +610,9 @@ class Run:
         self.event("error", message, step=step, during="step", traceback=tb[-20000:])
 
     def close(self) -> None:
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         if self._writer is None or self._writer.closed:
             return
         status = {"finished": "finished", "stopped": "stopped", "error": "error"}.get(self.state, "stopped")
