@@ -8,6 +8,7 @@ strict JSON parser. Readers skip a torn last line, damaged lines and unknown rec
 from __future__ import annotations
 
 import io
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -81,9 +82,48 @@ def _end_torn_line(path: Path) -> None:
             fh.write(b"\n")
 
 
+LAYER_DIGITS = 4  # significant digits kept for per-layer magnitudes (act, grad, weight)
+SHARE_DIGITS = 3  # significant digits kept for per-layer shares (underflow)
+_INF = float("inf")
+_SPEC = {d: f".{d}g" for d in range(1, 18)}
+_INT_FROM = {d: 10.0 ** d for d in range(1, 18)}
+
+
+def compact_figure(x: float | None, digits: int = LAYER_DIGITS) -> float | int | str | None:
+    """A per-layer figure as a value whose JSON token is short: `digits` significant digits, and
+    a whole number as an int (`1235`, `0`, not `1235.0`; from 10**digits to 10**(digits+1) all
+    of its digits, `65504`, since they cost no byte more), so `json.dumps` writes tokens like
+    `4.505e-05`, `0.5`, `1235`. Non-finite values become "NaN"/"Infinity"/"-Infinity" (strict
+    JSON), None stays None (null: not measured). The value is exactly what a reader parses back."""
+    if x is None:
+        return None
+    x = float(x)
+    if x != x:
+        return "NaN"
+    if x == _INF or x == -_INF:
+        return "Infinity" if x > 0 else "-Infinity"
+    spec = _SPEC.get(digits) or f".{digits}g"
+    a = abs(x)
+    if a >= 1e15:
+        return float(format(x, spec))
+    whole = _INT_FROM.get(digits) or 10.0 ** digits
+    if whole <= a < 10 * whole:
+        return round(x)  # e.g. 65504 with 4 digits: one more digit costs no byte over 65500
+    v = float(format(x, spec))
+    if v.is_integer() and not (v == 0 and math.copysign(1.0, x) < 0):
+        return int(v)  # 1235, 7, 0 instead of 1235.0, 7.0, 0.0; -0.0 keeps its sign
+    return v
+
+
 def step_record(result) -> dict:
-    """A StepResult as a `step` record (per-layer figures as compact arrays in layer order)."""
+    """A StepResult as a `step` record (per-layer figures as compact arrays in layer order).
+
+    The scalar fields come first, in this fixed order, each written once: `amp_tui.replay`'s
+    fast indexer reads them without parsing the whole line (it falls back to a full parse when
+    a line doesn't match, so adding fields is safe; reordering only makes indexing slower).
+    """
     enc = jsonsafe.encode_float
+    fig = compact_figure
     record: dict[str, Any] = {
         "type": "step",
         "step": result.step,
@@ -106,10 +146,14 @@ def step_record(result) -> dict:
     if result.figures is not None:
         f = result.figures
         record["layers"] = {
-            "act": [enc(v, FIGURE_DIGITS) for v in f.act],
-            "grad": [enc(v, FIGURE_DIGITS) for v in f.grad],
-            "weight": [enc(v, FIGURE_DIGITS) for v in f.weight],
+            "act": [fig(v) for v in f.act],
+            "grad": [fig(v) for v in f.grad],
+            "weight": [fig(v) for v in f.weight],
         }
+        if f.underflow is not None:
+            record["layers"]["underflow"] = [fig(v, SHARE_DIGITS) for v in f.underflow]
+        if f.underflow_scaled is not None:
+            record["layers"]["underflow_scaled"] = [fig(v, SHARE_DIGITS) for v in f.underflow_scaled]
     return record
 
 
