@@ -16,7 +16,14 @@ __version__ = "0.1.0"
 # The CPU build of torch warns at import when NumPy is absent; amp-tui never needs NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from amp_tui.engine import GuardedTrainer, StepResult  # noqa: E402
-from amp_tui.script import TrainSetup  # noqa: E402
-
 __all__ = ["GuardedTrainer", "StepResult", "TrainSetup", "__version__"]
+
+_LAZY = {"GuardedTrainer": "amp_tui.engine", "StepResult": "amp_tui.engine", "TrainSetup": "amp_tui.script"}
+
+
+def __getattr__(name: str):
+    # Lazy, so that `amp-tui replay`, `ls` and `report` start without importing torch.
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'amp_tui' has no attribute {name!r}")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 DTYPES = ("float16", "bfloat16", "float32")
 
 # Every spelling a user may type, to the canonical torch name used in records.
@@ -20,8 +18,9 @@ SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 # The order `d` cycles through in the dashboard.
 CYCLE = {"float16": "bfloat16", "bfloat16": "float32", "float32": "float16"}
 
-# Largest finite value of each dtype: fp16 65504, bf16 ~3.39e38, fp32 ~3.40e38.
-MAX_FINITE = {name: float(torch.finfo(getattr(torch, name)).max) for name in DTYPES}
+# Largest finite value of each dtype (torch.finfo(...).max), written out so that reading a
+# recording needs no torch import: fp16 65504, bf16 ~3.39e38, fp32 ~3.40e38.
+MAX_FINITE = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
 # Smallest positive subnormal of fp16 (2**-24): gradients below it flush to zero.
 FP16_TINY = 2.0**-24
 
@@ -34,7 +33,8 @@ def canonical(name: str) -> str:
     return _ALIASES[key]
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str):
+    import torch
     return getattr(torch, canonical(name))
 
 
@@ -56,8 +56,9 @@ def headroom_bits(value: float, dtype: str) -> float | None:
     return math.log2(MAX_FINITE[canonical(dtype)] / value)
 
 
-def unsupported_reason(device: torch.device, dtype: str) -> str | None:
-    """Why `dtype` can't run on `device`, or None when it can."""
+def unsupported_reason(device, dtype: str) -> str | None:
+    """Why `dtype` can't run on `device` (a torch.device), or None when it can."""
+    import torch
     dtype = canonical(dtype)
     if dtype == "float32":
         return None

@@ -13,10 +13,12 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from amp_tui.commands import Command
 from amp_tui.jsonsafe import decode_float
+
+if TYPE_CHECKING:
+    from amp_tui.commands import Command
 
 HISTORY_POINTS = 2048
 EVENT_LIMIT = 1000
