@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback"), default=None,
                        help="what a non-finite loss does (default: skip headless, pause in the "
                             "dashboard); fallback moves fp16 -> bf16 -> fp32 when it keeps failing")
+    train.add_argument("--repeat-interventions", type=Path, default=None, metavar="RUN",
+                       help="apply a recording's interventions again at the same steps")
     train.add_argument("--at", action="append", default=[], metavar="STEP:ACTION",
                        help="schedule an intervention before STEP: dtype=bf16|fp16|fp32, scale=4096, "
                             "scale=half, save, restore=latest|PATH, pause (repeatable)")
@@ -111,6 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="print the summary of a recorded run")
     report.add_argument("run", type=Path, help="a run directory or a session.jsonl")
     report.add_argument("--json", action="store_true", help="machine-readable output")
+    report.add_argument("--as-at", action="store_true",
+                        help="print the run's interventions as --at STEP:ACTION arguments")
+
+    replay = sub.add_parser("replay", help="replay a recorded (or running) run in the dashboard",
+                            description="Open RUN's recording in the dashboard; with --headless (or "
+                                        "no terminal) print its timeline instead.")
+    replay.add_argument("run", type=Path, metavar="RUN_DIR|SESSION")
+    replay.add_argument("--headless", action="store_true", help="print the timeline: events, skip "
+                        "storms, dtype changes, with steps")
+    replay.add_argument("--follow", action="store_true",
+                        help="start at the end and follow a session that is still being written")
+    replay.add_argument("--speed", type=float, default=16.0, metavar="STEPS_PER_S",
+                        help="playback speed (default 16 steps/s; + and - change it)")
+    replay.add_argument("--refresh-rate", type=float, default=20.0, metavar="HZ",
+                        help="dashboard refreshes per second at most (default 20)")
 
     from amp_tui.compare import add_parser as add_compare_parser
     add_compare_parser(sub)
@@ -156,6 +173,13 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
     from amp_tui.script import ScriptError, load_script
 
     at = [parse_at(text) for text in args.at]
+    if args.repeat_interventions is not None:
+        from amp_tui.session import SessionFormatError
+        from amp_tui.timeline import interventions_as_commands
+        try:
+            at += interventions_as_commands(args.repeat_interventions)
+        except (SessionFormatError, OSError) as exc:
+            raise ScriptError(f"--repeat-interventions: {exc}") from None
     device = resolve_device(args.device)
     run_dir = args.run_dir
     if args.resume is not None:
@@ -296,6 +320,10 @@ def cmd_report(args) -> int:
         return _error(str(exc))
     except OSError as exc:
         return _error(f"cannot read {args.run}: {exc.strerror or exc}")
+    if args.as_at:
+        from amp_tui.timeline import at_arguments, interventions_as_at
+        print(json.dumps(interventions_as_at(args.run)) if args.json else at_arguments(args.run))
+        return 0
     summary = summarize(session)
     if args.json:
         print(json.dumps(summary.as_json(), indent=2, allow_nan=False))
@@ -317,9 +345,37 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_compare(args, script_argv)
     if args.command == "ctl":
         return cmd_ctl(args)
+    if args.command == "replay":
+        return cmd_replay(args)
     if args.command == "ls":
         return cmd_ls(args)
     return EXIT_USAGE
+
+
+def cmd_replay(args) -> int:
+    from amp_tui.replay import ReplaySource, SessionIndex
+    from amp_tui.session import SessionFormatError
+    from amp_tui.timeline import timeline_lines
+
+    headless = args.headless or not (sys.stdin.isatty() and sys.stdout.isatty())
+    try:
+        if headless:
+            with SessionIndex(args.run) as index:
+                lines = timeline_lines(index)
+            print("\n".join(lines))
+            return 0
+        source = ReplaySource(args.run, follow=args.follow, speed=args.speed)
+    except SessionFormatError as exc:
+        return _error(str(exc))
+    except OSError as exc:
+        return _error(f"cannot read {args.run}: {exc.strerror or exc}")
+    from amp_tui.ui.app import create_app
+    app = create_app(source, refresh_rate=args.refresh_rate)
+    try:
+        app.run()
+    finally:
+        source.stop()
+    return 0
 
 
 def cmd_ctl(args) -> int:
