@@ -8,6 +8,7 @@ every automatic move is an ordinary `intervention` event that says why.
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass, field
 
 from amp_tui import precision
@@ -67,7 +68,8 @@ class PrecisionGuard:
         self._storm: collections.deque[tuple[int, bool]] = collections.deque(maxlen=max(1, config.storm_window))
         self._raised: set[str] = set()
         self._dtype: str | None = None
-        self._last_scale: float | None = None
+        self._streak_scale: float | None = None  # the scale when the current run of drops began
+        self._now_scale: float | None = None
         self._last_layer: str | None = None
         self._clamped_last = False
         self._ladder_exhausted = False
@@ -88,7 +90,11 @@ class PrecisionGuard:
         self._bad_streak = self._bad_streak + 1 if bad else 0
 
         if new_scale is not None and result.scale is not None:
-            self._drops = self._drops + 1 if new_scale < result.scale else 0
+            dropped = new_scale < result.scale
+            if dropped and self._drops == 0:
+                self._streak_scale = result.scale
+            self._drops = self._drops + 1 if dropped else 0
+            self._now_scale = new_scale
             if cfg.min_scale is not None and new_scale < cfg.min_scale:
                 out.clamp_scale = cfg.min_scale
                 if not self._clamped_last:
@@ -152,12 +158,14 @@ class PrecisionGuard:
         if result.nonfinite == "loss" and layer:
             return (f"an activation overflows fp16's 65504 in {layer}",
                     f"switch to bf16 (d), or run that layer in fp32: --fp32-modules '{layer}'")
-        scale = result.scale or 0.0
+        scale = max(result.scale or 0.0, self._streak_scale or 0.0)
         loss = abs(result.loss) if result.loss == result.loss else 0.0
-        if scale >= 1024 and loss * scale > 65504:
+        if scale >= 1024 and loss * scale > 65504 and result.nonfinite != "loss":
+            now = self._now_scale or scale
+            start = 2.0 ** math.floor(math.log2(now)) if now >= 1 else 1.0
             return (f"a large loss ({loss:.3g}) times a large loss scale ({scale:g}) overflows the "
                     "fp16 backward pass",
-                    "lower the scale: s / S, or --init-scale 4096 (or less) next time")
+                    f"lower the scale (s, S), or start lower next time: --init-scale {start:g} or less")
         if (result.scale is not None and result.scale < 1) or "scale_below_one" in self._raised:
             return ("gradients need more range than fp16 has, typical of a model trained in bf16 "
                     "being fine-tuned in fp16",
