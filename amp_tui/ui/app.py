@@ -1,0 +1,358 @@
+"""The dashboard app and its factory (shared by the CLI and the tests).
+
+Threads: the training loop runs on the source's own thread. This app never calls into the loop
+except through `source.send()`/`stop()`; the loop's `on_done` callbacks and the quit sequence's
+waiter thread only `post_message` back. The screen is redrawn from `source.snapshot()` on a
+timer (at most `refresh_rate` times a second), and only when the snapshot's version changed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from functools import partial
+from pathlib import Path
+from typing import Callable, Iterable
+
+from textual.app import App, SystemCommand
+from textual.screen import Screen
+
+from amp_tui import precision
+from amp_tui.commands import Command, Outcome
+from amp_tui.source import Snapshot, Source
+from amp_tui.ui.actions import BY_ACTION, KEY_ACTIONS, bindings, key_label
+from amp_tui.ui.dashboard import DashboardScreen
+from amp_tui.ui.hangup import HangupGuard
+from amp_tui.ui.help_screen import HelpScreen
+from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
+from amp_tui.ui.restore_dialog import RestoreDialog
+from amp_tui.ui.scale_dialog import ScaleDialog
+from amp_tui.ui.text import visible
+from amp_tui.ui.view import SORTS, current_precision, nonfinite_pause
+
+STOP_TIMEOUT_S = 10.0     # how long `q` waits for the current step before forcing the exit
+FORCED_EXIT_DELAY_S = 1.5  # leave the "forcing the exit" message on screen this long
+COMMAND_SOURCE = "dashboard"
+ENDED_STATES = ("finished", "stopped", "error")
+COMMAND_TITLES = {"dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore",
+                  "pause": "pause", "resume": "resume", "step": "single step", "fp32": "local fp32"}
+
+
+class AmpTuiApp(App[int]):
+    TITLE = "amp-tui"
+    BINDINGS = bindings()
+    NOTIFICATION_TIMEOUT = 6
+
+    def __init__(self, source: Source, *, refresh_rate: float = 20.0,
+                 clock: Callable[[], float] = time.time, warnings: Iterable[str] = (),
+                 stop_timeout: float = STOP_TIMEOUT_S) -> None:
+        super().__init__()
+        if not (math.isfinite(refresh_rate) and refresh_rate > 0):
+            raise ValueError(f"refresh rate must be a positive number of refreshes per second, "
+                             f"got {refresh_rate!r}")
+        self.source = source
+        self.refresh_rate = refresh_rate
+        self.clock = clock
+        self.warnings = list(warnings)
+        self.stop_timeout = stop_timeout
+        self.dashboard = DashboardScreen()
+        self.forced_exit = False        # the run did not stop in time; run_dashboard must not wait
+        self.stopping = False
+        self._version: int | None = None
+        self._second: int | None = None
+        self._heavy_pending = False
+        self._pending: list[Command] = []
+        self._announced: set[tuple] = set()
+        self._last_state: str | None = None
+        self._events_seen = 0
+        self._error_where: list[tuple[str, str]] = []
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def get_default_screen(self) -> Screen:
+        return self.dashboard
+
+    def on_mount(self) -> None:
+        for warning in self.warnings:
+            self.notify(visible(warning), title="script warning", severity="warning",
+                        timeout=12, markup=False)
+        self.source.start()
+        self.call_after_refresh(self.refresh_view)   # the first frame, once the screen is composed
+        self.set_interval(1.0 / self.refresh_rate, self.refresh_view, name="refresh")
+
+    def on_terminal_gone(self, message: TerminalGone) -> None:
+        # The run is being stopped by HangupGuard's thread; nobody is watching: leave now.
+        self.exit()
+
+    # ---- drawing --------------------------------------------------------------------------------
+    def refresh_view(self) -> None:
+        if not self.dashboard.is_mounted:
+            return
+        snap = self.source.snapshot()
+        now = self.clock()
+        changed = snap.version != self._version
+        # Unchanged: only the "no step for N s" indicator may need a tick, once a second.
+        if not changed and not self._heavy_pending and int(now) == self._second:
+            return
+        self._version, self._second = snap.version, int(now)
+        if changed:
+            self._announce(snap)
+        drawn = self.dashboard.show(snap, pending=[c.text() for c in self._pending],
+                                    stopping=self.stopping, now=now, where=self._error_where)
+        self._heavy_pending = not drawn   # charts/table skipped for pacing: look again next tick
+
+    def _announce(self, snap: Snapshot) -> None:
+        """One notification per notable change that the user didn't cause with a key."""
+        pause = nonfinite_pause(snap)
+        if pause is not None and ("pause", pause.event_index) not in self._announced:
+            self._announced.add(("pause", pause.event_index))
+            where = f"; first non-finite layer: {visible(pause.layer)}" if pause.layer else ""
+            self.notify(f"non-finite loss at step {pause.step}{where}. Paused: d dtype, "
+                        "s halve scale, r restore", title="paused", severity="warning",
+                        timeout=10, markup=False)
+        error = snap.error
+        if error is not None and ("error", error.get("step"), error.get("message")) not in self._announced:
+            self._announced.add(("error", error.get("step"), error.get("message")))
+            self._error_where = self._where()   # once: it lists the checkpoint folder
+            self.notify(visible(error.get("message", "error")), title="the script raised",
+                        severity="error", timeout=15, markup=False)
+        for event in self._new_events(snap):
+            if event.get("kind") == "alert":
+                self.notify(visible(event.get("message", "")), title=f"alert at step {event.get('step')}",
+                            severity="warning", timeout=12, markup=False)
+        if snap.state != self._last_state:
+            if snap.state in ENDED_STATES:
+                self._pending.clear()
+            if snap.state == "finished" and snap.mode == "live":
+                self.notify("the run finished: q quits", title="finished", markup=False)
+            self._last_state = snap.state
+            self.refresh_bindings()
+
+    def _new_events(self, snap: Snapshot) -> list[dict]:
+        """Events fed since the last call (a replay seeking back starts over)."""
+        new = snap.events_seen - self._events_seen
+        self._events_seen = snap.events_seen
+        if new <= 0:
+            return []
+        return snap.events[-min(new, len(snap.events)):]
+
+    def _where(self) -> list[tuple[str, str]]:
+        """Where the user's work is kept, for the error panel."""
+        lines = []
+        session = _attr(self.source, "session_path")
+        if session is not None:
+            lines.append(("session", str(session)))
+        try:
+            found = self.source.checkpoints()
+        except Exception:  # noqa: BLE001 - listing is best effort here
+            found = []
+        if found:
+            info = found[0]
+            lines.append(("last checkpoint", f"{info.path} (step {info.step})"))
+        else:
+            lines.append(("last checkpoint", "none saved"))
+        return lines
+
+    # ---- commands -------------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        key_action = BY_ACTION.get(action)
+        if key_action is None or not key_action.live_only:
+            return True
+        return self.can_steer()
+
+    def can_steer(self) -> bool | None:
+        """True for a live run; None (keys shown dimmed) once it ended; False (keys hidden) for
+        a recording, which can't be steered."""
+        if self.source.mode != "live":
+            return False
+        return None if self._last_state in ENDED_STATES else True
+
+    def send(self, action: str, value=None) -> None:
+        command = Command(action, value, COMMAND_SOURCE)
+        command.on_done = partial(self._command_done, command)
+        ok, message = self.source.send(command)
+        if not ok:
+            self.notify(visible(message), title=COMMAND_TITLES.get(action, ""), severity="warning",
+                        markup=False)
+            return
+        self._pending.append(command)
+        self.refresh_view_soon()
+
+    def _command_done(self, command: Command, outcome: Outcome) -> None:
+        # Called on the training thread: hand over to the UI thread.
+        self.post_message(InterventionDone(command, outcome))
+
+    def on_intervention_done(self, message: InterventionDone) -> None:
+        if message.command in self._pending:
+            self._pending.remove(message.command)
+        outcome = message.outcome
+        self.notify(visible(outcome.message), title=COMMAND_TITLES.get(message.command.action, ""),
+                    severity="information" if outcome.ok else "error", markup=False)
+        self.refresh_view_soon()
+
+    def refresh_view_soon(self) -> None:
+        self._second = None
+        self.call_later(self.refresh_view)
+
+    def _pending_value(self, action: str):
+        for command in reversed(self._pending):
+            if command.action == action:
+                return command.value
+        return None
+
+    def action_cycle_dtype(self) -> None:
+        snap = self.source.snapshot()
+        base = self._pending_value("dtype") or current_precision(snap).dtype or "float16"
+        self.send("dtype", precision.CYCLE.get(base, "float16"))
+
+    def action_halve_scale(self) -> None:
+        self.send("scale", "half")
+
+    def action_set_scale(self) -> None:
+        prec = current_precision(self.source.snapshot())
+
+        def chosen(value: float | None) -> None:
+            if value is not None:
+                self.send("scale", value)
+
+        self.push_screen(ScaleDialog(prec.dtype, prec.scale), chosen)
+
+    def action_save_checkpoint(self) -> None:
+        self.send("save")
+
+    def action_pick_checkpoint(self) -> None:
+        try:
+            found = list(self.source.checkpoints())
+        except Exception as exc:  # noqa: BLE001 - e.g. an unreadable checkpoint folder
+            self.notify(visible(exc), title="checkpoints", severity="error", markup=False)
+            found = []
+        run_dir = _attr(self.source, "run_dir")
+
+        def chosen(path: str | None) -> None:
+            if path is not None:
+                self.send("restore", path)
+
+        self.push_screen(RestoreDialog(found, Path(run_dir) if run_dir else None), chosen)
+
+    def action_toggle_pause(self) -> None:
+        pending = [c.action for c in self._pending if c.action in ("pause", "resume")]
+        state = ("paused" if pending[-1] == "pause" else "running") if pending \
+            else self.source.snapshot().state
+        self.send("resume" if state == "paused" else "pause")
+
+    def action_single_step(self) -> None:
+        self.send("step")
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self.source.mode == "live"))
+
+    def action_sort_layers(self, column: str) -> None:
+        self.dashboard.sort_layers(column)
+
+    # ---- quitting -------------------------------------------------------------------------------
+    async def action_quit(self) -> None:
+        if self.stopping:
+            self.notify("forcing the exit now", severity="warning", markup=False)
+            self.forced_exit = True
+            self.exit()
+            return
+        self.stopping = True
+        self.notify("stopping at the next step boundary… (q again forces the exit)",
+                    title="quit", markup=False)
+        self.refresh_view_soon()
+        # A plain daemon thread, not a Textual thread worker: workers run in asyncio's default
+        # executor, which the event loop joins at exit, so a hung step would hang the exit too.
+        threading.Thread(target=self._wait_for_stop, name="amp-tui-stop", daemon=True).start()
+
+    def _wait_for_stop(self) -> None:
+        stopped = self.source.stop(self.stop_timeout)
+        self.post_message(SourceStopped(stopped, self.stop_timeout))
+
+    def on_source_stopped(self, message: SourceStopped) -> None:
+        if message.stopped:
+            self.exit()
+            return
+        self.forced_exit = True
+        self.notify(f"the current step did not finish within {message.timeout:g} s: "
+                    "forcing the exit (the session is flushed up to the last finished step)",
+                    title="quit", severity="error", timeout=FORCED_EXIT_DELAY_S + 5, markup=False)
+        self.set_timer(FORCED_EXIT_DELAY_S, self.exit)
+
+    # ---- command palette ------------------------------------------------------------------------
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        for command in super().get_system_commands(screen):
+            if command.title != "Quit":   # ours replaces it (clean stop first)
+                yield command
+        for a in KEY_ACTIONS:
+            if self.check_action(a.action, ()):
+                yield SystemCommand(f"{a.title}  [{key_label(a)}]", a.help,
+                                    partial(self.run_action, a.action))
+        layer = self.dashboard.layer_table.highlighted_layer() if self.dashboard.is_mounted else None
+        if layer is not None and self.can_steer():
+            yield SystemCommand(f"Toggle fp32 for layer {visible(layer)}",
+                                "run the highlighted layer with autocast off (again: back to autocast)",
+                                partial(self.send, "fp32", layer))
+        for column, (label, _) in SORTS.items():
+            yield SystemCommand(f"Sort layers: {label}", f"order the layer table by {column}",
+                                partial(self.action_sort_layers, column))
+
+
+def _attr(source, name: str):
+    """An optional source attribute (a live source may expose it via its run)."""
+    value = getattr(source, name, None)
+    if value is None:
+        value = getattr(getattr(source, "run", None), name, None)
+    return value
+
+
+def create_app(source: Source, *, refresh_rate: float = 20.0, clock: Callable[[], float] = time.time,
+               warnings: Iterable[str] = (), stop_timeout: float = STOP_TIMEOUT_S) -> AmpTuiApp:
+    """The dashboard for `source` (a LiveSource, a replay, or a test double)."""
+    return AmpTuiApp(source, refresh_rate=refresh_rate, clock=clock, warnings=warnings,
+                     stop_timeout=stop_timeout)
+
+
+def run_dashboard(run, warnings: list[str], refresh_rate: float = 20.0) -> int:
+    """Run `run` under the dashboard; after the app exits make sure the run stopped and the session
+    is flushed, print the run summary, and return the exit status."""
+    from amp_tui.source import LiveSource
+
+    source = LiveSource(run)
+    app = create_app(source, refresh_rate=refresh_rate, warnings=warnings)
+    with HangupGuard(app, source, run, STOP_TIMEOUT_S):
+        crashed = False
+        try:
+            app.run()
+            crashed = app.return_code not in (None, 0)
+        finally:
+            # The app may have exited without the quit sequence (a crash, SIGHUP): stop here.
+            stopped = source.stop(0.0 if app.forced_exit else STOP_TIMEOUT_S)
+            if not stopped:
+                run.close()   # flush the session; the training thread is stuck inside a step
+        return _finish(run, warnings, stopped, crashed)
+
+
+def _finish(run, warnings: list[str], stopped: bool, crashed: bool) -> int:
+    """After the app: the summary on the terminal, and the exit status."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from amp_tui.report import render_summary, summarize
+    from amp_tui.session import SessionFormatError, read_session
+
+    console = Console(highlight=False)
+    try:
+        for warning in warnings:
+            console.print(Text(f"warning: {visible(warning)}", style="yellow"))
+        if not stopped:
+            console.print(Text("amp-tui: the training step did not finish in time; exited without "
+                               "waiting for it", style="bold red"))
+        try:
+            render_summary(summarize(read_session(run.session_path)), console)
+        except (SessionFormatError, OSError) as exc:
+            console.print(Text(f"amp-tui: no session to summarize: {exc}", style="red"))
+    except OSError:
+        pass  # the terminal is gone (SSH drop): the session on disk is what matters
+    if crashed or not stopped or run.state == "error" or run.error is not None:
+        return max(run.exit_status, 1)
+    return run.exit_status

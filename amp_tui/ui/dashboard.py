@@ -1,0 +1,149 @@
+"""The main screen: lays out the widgets and feeds them one Snapshot at a time.
+
+The app decides *when* to look (its timer, skipping unchanged versions); this screen decides
+*what* each widget shows. Charts and the layer table are the expensive parts: they are redrawn
+only when their inputs changed, at most every TABLE_INTERVAL_S, and the charts at most every
+CHART_INTERVAL_S or less often if their last redraw was costly (CHART_BUDGET). Every
+widget skips its update when its content didn't change, because each update costs a repaint
+(and, for a widget that may change size, a layout pass) on the UI thread, which shares the GIL
+and the cores with training.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from textual import events
+from textual.app import ComposeResult
+from textual.containers import Container, Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from amp_tui.source import Snapshot
+from amp_tui.ui.charts import LossChart, ScaleChart
+from amp_tui.ui.error_panel import ErrorPanel
+from amp_tui.ui.event_log import EventLog
+from amp_tui.ui.layer_table import LayerTable
+from amp_tui.ui.notice import PauseNotice
+from amp_tui.ui.status_bar import StatusBar
+from amp_tui.ui.text import short_dtype
+from amp_tui.ui.too_small import TooSmall, too_small
+from amp_tui.ui.view import current_precision, layer_rows, nonfinite_pause
+
+CHART_INTERVAL_S = 1.0   # at most once a second: a run's history needn't move faster
+CHART_BUDGET = 0.04      # and the charts get at most ~4% of the UI thread (a plotext build costs
+                         # 10-50 ms, more on a big terminal or a busy CPU)
+TABLE_INTERVAL_S = 0.5
+
+
+class DashboardScreen(Screen):
+    DEFAULT_CSS = """
+    DashboardScreen #main {
+        height: 1fr;
+    }
+    DashboardScreen #charts {
+        height: 2fr;
+        min-height: 8;
+    }
+    DashboardScreen #charts > RunChart {
+        width: 1fr;
+    }
+    DashboardScreen #lower {
+        height: 3fr;
+    }
+    DashboardScreen #left {
+        width: 2fr;
+    }
+    DashboardScreen EventLog {
+        width: 1fr;
+        min-width: 30;
+    }
+    DashboardScreen #lower.-error LayerTable {
+        display: none;
+    }
+    DashboardScreen.-too-small #main, DashboardScreen.-too-small StatusBar,
+    DashboardScreen.-too-small Footer {
+        display: none;
+    }
+    DashboardScreen.-too-small TooSmall {
+        display: block;
+    }
+    """
+
+    def __init__(self) -> None:
+        super().__init__(id="dashboard")
+        # Held, not queried: the app's timer draws through these even while a dialog is on top
+        # or the app is shutting down.
+        self.status_bar = StatusBar(id="status")
+        self.loss_chart = LossChart(id="loss-chart")
+        self.scale_chart = ScaleChart(id="scale-chart")
+        self.pause_notice = PauseNotice(id="notice")
+        self.layer_table = LayerTable(id="layers")
+        self.error_panel = ErrorPanel(id="error")
+        self.event_log = EventLog(id="events")
+        self.too_small_message = TooSmall(id="too-small")
+        self.lower_row = Horizontal(id="lower")
+        self._history_key: tuple | None = None
+        self._layers_key: tuple | None = None
+        self._charts_at = -math.inf
+        self._table_at = -math.inf
+
+    def compose(self) -> ComposeResult:
+        yield self.status_bar
+        with Container(id="main"):
+            with Horizontal(id="charts"):
+                yield self.loss_chart
+                yield self.scale_chart
+            yield self.pause_notice
+            with self.lower_row:
+                with Vertical(id="left"):
+                    yield self.layer_table
+                    yield self.error_panel
+                yield self.event_log
+        yield self.too_small_message
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.layer_table.focus()
+
+    def on_resize(self, event: events.Resize) -> None:
+        small = too_small(event.size.width, event.size.height)
+        self.set_class(small, "-too-small")
+        if small:
+            self.too_small_message.show_size(event.size.width, event.size.height)
+
+    def show(self, snap: Snapshot, *, pending: list[str], stopping: bool, now: float,
+             where: list[tuple[str, str]]) -> bool:
+        """Draw `snap`; False when the charts or the table still wait for their turn."""
+        prec = current_precision(snap)
+        self.status_bar.show(snap, prec, pending=pending, stopping=stopping, now=now)
+        self.event_log.show(snap)
+        self.pause_notice.show(nonfinite_pause(snap))
+        self.error_panel.show(snap.error, where if snap.error else [])
+        self.lower_row.set_class(snap.error is not None, "-error")
+        tick = time.monotonic()
+        done = True
+        h = snap.history
+        history_key = (len(h.steps), h.steps[-1] if h.steps else None, h.stride,
+                       len(h.skipped_steps), len(h.intervention_steps))
+        if history_key != self._history_key:
+            cost = self.loss_chart.cost_s + self.scale_chart.cost_s
+            if tick - self._charts_at >= max(CHART_INTERVAL_S, cost / CHART_BUDGET):
+                self._history_key, self._charts_at = history_key, tick
+                self.loss_chart.show(h)
+                self.scale_chart.show(h)
+            else:
+                done = False
+        layers_key = (snap.layers.step, len(snap.layers.names), prec)
+        if layers_key != self._layers_key:
+            if tick - self._table_at >= TABLE_INTERVAL_S:
+                self._layers_key, self._table_at = layers_key, tick
+                self.layer_table.show(layer_rows(snap.layers, prec), snap.layers.step,
+                                      short_dtype(prec.dtype))
+            else:
+                done = False
+        return done
+
+    def sort_layers(self, column: str) -> None:
+        self.layer_table.sort_by(column)

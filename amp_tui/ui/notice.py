@@ -1,0 +1,55 @@
+"""A banner for a run that paused itself after a non-finite loss: which step, which layer, and the
+keys that help."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from amp_tui.ui.text import literal, short_dtype
+from amp_tui.ui.view import NonfinitePause
+
+HELPFUL_KEYS = (("d", "switch dtype"), ("s", "halve scale"), ("r", "restore"), ("space", "resume"),
+                ("n", "one step"))
+
+
+class PauseNotice(Static):
+    DEFAULT_CSS = """
+    PauseNotice {
+        height: auto;
+        padding: 0 1;
+        background: $warning 25%;
+        border-left: thick $warning;
+        display: none;
+    }
+    PauseNotice.-visible {
+        display: block;
+    }
+    """
+
+    _shown: NonfinitePause | None = None
+
+    def show(self, pause: NonfinitePause | None) -> None:
+        if pause == self._shown:
+            return
+        self._shown = pause
+        self.set_class(pause is not None, "-visible")
+        if pause is not None:
+            self.update(notice_text(pause))
+
+
+def notice_text(pause: NonfinitePause) -> Text:
+    text = Text()
+    text.append(f"Paused: {pause.loss} loss at step {pause.step}", style="bold")
+    if pause.dtype:
+        text.append(f" in {short_dtype(pause.dtype)}")
+    if pause.layer:
+        text.append("; first non-finite layer: ")
+        text.append_text(literal(pause.layer, "bold"))
+    text.append("\n")
+    for i, (key, what) in enumerate(HELPFUL_KEYS):
+        if i:
+            text.append(" · ", style="dim")
+        text.append(key, style="bold reverse")
+        text.append(f" {what}")
+    return text

@@ -1,0 +1,214 @@
+"""What the widgets show, derived from a Snapshot. Pure functions: no Textual, easy to test.
+
+Live and replay sources produce the same Snapshot, so every figure on screen is computed here
+once, whatever the source.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from amp_tui import precision
+from amp_tui.jsonsafe import decode_float
+from amp_tui.source import LayerView, Snapshot
+
+# Headroom thresholds (bits = doublings left before the dtype's largest finite value).
+DANGER_BITS = 1.0   # within 2x of overflow
+WARN_BITS = 4.0     # within 16x of overflow
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: str | None
+    scale: float | None      # the GradScaler scale; None when no scaler runs (bf16, fp32)
+
+
+def current_precision(snap: Snapshot) -> Precision:
+    """The dtype and loss scale in force now: the newest step, then interventions applied since.
+
+    A step record carries the dtype/scale it ran with; a dtype or scale change applied while
+    paused only shows in the intervention's `after`, so those are replayed on top.
+    """
+    dtype = snap.header.get("dtype")
+    scale = as_float(snap.header.get("init_scale")) if dtype == "float16" else None
+    last_step = -1
+    if snap.last is not None:
+        dtype = snap.last.get("dtype", dtype)
+        scale = as_float(snap.last.get("scale"))
+        last_step = int(snap.last.get("step", -1))
+    for event in snap.events:
+        after = event.get("after")
+        if (event.get("kind") in ("intervention", "checkpoint_restored") and isinstance(after, dict)
+                and int(event.get("step", -1)) > last_step and "dtype" in after):
+            dtype = after.get("dtype", dtype)
+            scale = as_float(after.get("scale"))
+    return Precision(dtype, scale)
+
+
+# ---- the layer table --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerRow:
+    index: int                  # position in the model (forward registration order)
+    name: str
+    act: float | None
+    grad: float | None
+    weight: float | None
+    headroom: float | None      # bits; -inf when a figure is non-finite, None if nothing measured
+    limit: str | None           # which figure sets the headroom: "act", "grad" or "weight"
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.headroom is not None and self.headroom == -math.inf
+
+
+def headroom(value: float | None, max_finite: float) -> float | None:
+    """Bits left before `value` reaches `max_finite` (same rule as precision.headroom_bits)."""
+    if value is None:
+        return None
+    value = abs(value)
+    if not math.isfinite(value):
+        return -math.inf
+    return math.inf if value == 0 else math.log2(max_finite / value)
+
+
+def layer_rows(layers: LayerView, prec: Precision) -> list[LayerRow]:
+    """One row per layer with its headroom to the active dtype's largest finite value.
+
+    Gradients are recorded unscaled; in fp16 the backward pass holds them multiplied by the loss
+    scale, so that product is what has to fit.
+    """
+    dtype = prec.dtype if prec.dtype in precision.MAX_FINITE else (layers.dtype or "float32")
+    max_finite = precision.MAX_FINITE.get(dtype, precision.MAX_FINITE["float32"])
+    rows = []
+    for i, name in enumerate(layers.names):
+        act = _at(layers.act, i)
+        grad = _at(layers.grad, i)
+        weight = _at(layers.weight, i)
+        scaled_grad = grad * prec.scale if grad is not None and prec.scale else grad
+        candidates = [(headroom(act, max_finite), "act"), (headroom(scaled_grad, max_finite), "grad"),
+                      (headroom(weight, max_finite), "weight")]
+        known = [(bits, which) for bits, which in candidates if bits is not None]
+        bits, limit = min(known, key=lambda c: c[0]) if known else (None, None)
+        rows.append(LayerRow(i, name, act, grad, weight, bits, limit))
+    return rows
+
+
+SORTS = {
+    # column -> (label, default reverse)
+    "headroom": ("least headroom first (non-finite on top)", False),
+    "index": ("model order", False),
+    "name": ("name", False),
+    "act": ("largest activation first", True),
+    "grad": ("largest gradient first", True),
+    "weight": ("largest weight first", True),
+}
+
+
+def sort_rows(rows: list[LayerRow], column: str, reverse: bool = False) -> list[LayerRow]:
+    """Sort for the table; unmeasured figures always go last, non-finite ones count as largest."""
+    if column == "name":
+        return sorted(rows, key=lambda r: (r.name, r.index), reverse=reverse)
+    if column == "index":
+        return sorted(rows, key=lambda r: r.index, reverse=reverse)
+    measured = [r for r in rows if _sort_value(r, column) is not None]
+    missing = [r for r in rows if _sort_value(r, column) is None]
+    measured.sort(key=lambda r: (_sort_value(r, column), r.index), reverse=reverse)
+    return measured + missing
+
+
+def _sort_value(row: LayerRow, column: str) -> float | None:
+    if column == "headroom":
+        return row.headroom
+    value = getattr(row, column)
+    if value is None:
+        return None
+    return math.inf if math.isnan(value) else abs(value)
+
+
+@dataclass(frozen=True)
+class LayerSummary:
+    total: int
+    nonfinite: int
+    near: int                   # below WARN_BITS of headroom
+    worst: LayerRow | None
+
+
+def summarize_layers(rows: list[LayerRow]) -> LayerSummary:
+    measured = [r for r in rows if r.headroom is not None]
+    worst = min(measured, key=lambda r: (r.headroom, r.index)) if measured else None
+    return LayerSummary(len(rows), sum(r.nonfinite for r in rows),
+                        sum(1 for r in measured if not r.nonfinite and r.headroom < WARN_BITS), worst)
+
+
+# ---- notices ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NonfinitePause:
+    """The run paused itself after a non-finite loss (on_nonfinite="pause")."""
+    step: int                   # the step whose loss was non-finite
+    layer: str | None           # the first layer whose output was non-finite
+    loss: str
+    dtype: str | None
+    event_index: int            # events_seen count at the paused event (to notify once)
+
+
+def nonfinite_pause(snap: Snapshot) -> NonfinitePause | None:
+    if snap.state != "paused":
+        return None
+    events = snap.events
+    first_index = snap.events_seen - len(events)
+    for i in range(len(events) - 1, -1, -1):
+        event = events[i]
+        kind = event.get("kind")
+        if kind == "intervention" and (event.get("after") or {}).get("state") == "paused":
+            return None     # paused by hand since: no notice
+        if kind == "paused" and event.get("reason") == "nonfinite":
+            cause = next((e for e in reversed(events[:i]) if e.get("kind") == "nonfinite"), {})
+            step = cause.get("step", max(int(event.get("step", 1)) - 1, 0))
+            layer = cause.get("layer") or cause.get("origin")
+            return NonfinitePause(int(step), layer, str(cause.get("loss", "non-finite")),
+                                  cause.get("dtype"), first_index + i + 1)
+    return None
+
+
+# ---- the event log ----------------------------------------------------------------------------
+
+EVENT_LABELS = {
+    # kind -> (label, style)
+    "nonfinite": ("NaN/inf", "bold red"),
+    "skip": ("skipped", "yellow"),
+    "intervention": ("intervene", "cyan"),
+    "checkpoint_saved": ("saved", "green"),
+    "checkpoint_restored": ("restored", "green"),
+    "error": ("error", "bold red"),
+    "paused": ("paused", "magenta"),
+    "stopping": ("stopping", "magenta"),
+    "alert": ("alert", "bold yellow"),
+}
+
+
+def event_label(event: dict) -> tuple[str, str]:
+    kind = str(event.get("kind", "?"))
+    if kind == "nonfinite" and event.get("where") == "gradients":
+        kind = "skip"          # an overflow GradScaler handled: the update was skipped
+    if kind == "intervention":
+        # Who intervened: a key in the dashboard, a scheduled --at, or library code.
+        return INTERVENTION_SOURCES.get(str(event.get("source")), "intervene"), "cyan"
+    return EVENT_LABELS.get(kind, (kind, ""))
+
+
+INTERVENTION_SOURCES = {"dashboard": "key", "at": "--at", "api": "api"}
+
+
+def as_float(value) -> float | None:
+    """A record number (which may be "NaN"/"Infinity") as a float; None if missing or bad."""
+    try:
+        return decode_float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _at(values: list, i: int) -> float | None:
+    return values[i] if i < len(values) else None
