@@ -34,6 +34,16 @@ def _scale(text: str) -> float:
     return value
 
 
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return value
+
+
 def _share(text: str) -> float:
     try:
         value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
@@ -86,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--at", action="append", default=[], metavar="STEP:ACTION",
                        help="schedule an intervention before STEP: dtype=bf16|fp16|fp32, scale=4096, "
                             "scale=half, save, restore=latest|PATH, pause (repeatable)")
-    train.add_argument("--refresh-rate", type=float, default=20.0, metavar="HZ",
+    train.add_argument("--refresh-rate", type=_rate, default=20.0, metavar="HZ",
                        help="dashboard refreshes per second at most (default 20)")
     train.add_argument("--fp32-modules", action="append", default=[], metavar="PATTERN",
                        help="run modules whose name matches PATTERN (fnmatch, e.g. 'blocks.*.attn') "
@@ -124,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "storms, dtype changes, with steps")
     replay.add_argument("--follow", action="store_true",
                         help="start at the end and follow a session that is still being written")
-    replay.add_argument("--speed", type=float, default=16.0, metavar="STEPS_PER_S",
+    replay.add_argument("--speed", type=_rate, default=16.0, metavar="STEPS_PER_S",
                         help="playback speed (default 16 steps/s; + and - change it)")
-    replay.add_argument("--refresh-rate", type=float, default=20.0, metavar="HZ",
+    replay.add_argument("--refresh-rate", type=_rate, default=20.0, metavar="HZ",
                         help="dashboard refreshes per second at most (default 20)")
 
     from amp_tui.compare import add_parser as add_compare_parser

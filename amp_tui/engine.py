@@ -44,6 +44,7 @@ class StepResult:
     lr: float | None = None
     figures: LayerFigures | None = None
     diagnosis: Diagnosis | None = None
+    next_scale: float | None = None  # the scale after scaler.update(): what the next step uses
     duration: float = 0.0
     wall_time: float = field(default_factory=time.time)
 
@@ -165,7 +166,8 @@ class GuardedTrainer:
             self._load_scaler_state({**self.scaler.state_dict(), "scale": float(value)})
 
     def describe_precision(self) -> dict:
-        return {"dtype": self.dtype, "scale": self.scale, "init_scale": self.init_scale}
+        return {"dtype": self.dtype, "scale": self.scale, "init_scale": self.init_scale,
+                "fp16_scale": self.next_fp16_scale}
 
     # ---- checkpoint state ---------------------------------------------------------------
     def scaler_state(self) -> dict | None:
@@ -301,7 +303,7 @@ class GuardedTrainer:
             dtype=self.dtype, micro_batches=micro, nonfinite=nonfinite,
             first_nonfinite_layer=first_layer, grad_norm=grad_norm,
             lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None,
-            figures=figures, diagnosis=diagnosis)
+            figures=figures, diagnosis=diagnosis, next_scale=self.scale)
 
     def _diagnose(self, micro_batches, scale: float | None, *, backward: bool) -> Diagnosis | None:
         """The second, checked pass over a bad step's micro-batches (the first that shows it)."""

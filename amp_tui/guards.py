@@ -158,6 +158,11 @@ class PrecisionGuard:
         if result.nonfinite == "loss" and layer:
             return (f"an activation overflows fp16's 65504 in {layer}",
                     f"switch to bf16 (d), or run that layer in fp32: --fp32-modules '{layer}'")
+        if (self._now_scale is not None and self._now_scale < 1) or "scale_below_one" in self._raised:
+            # Halving all the way below 1 with a finite loss: fp16 lacks the range, not the scale.
+            return ("gradients need more range than fp16 has, typical of a model trained in bf16 "
+                    "being fine-tuned in fp16",
+                    "switch to bf16 (d, or --dtype bf16): fine-tune a bf16-trained model in bf16")
         scale = max(result.scale or 0.0, self._streak_scale or 0.0)
         loss = abs(result.loss) if result.loss == result.loss else 0.0
         if scale >= 1024 and loss * scale > 65504 and result.nonfinite != "loss":
@@ -166,10 +171,6 @@ class PrecisionGuard:
             return (f"a large loss ({loss:.3g}) times a large loss scale ({scale:g}) overflows the "
                     "fp16 backward pass",
                     f"lower the scale (s, S), or start lower next time: --init-scale {start:g} or less")
-        if (result.scale is not None and result.scale < 1) or "scale_below_one" in self._raised:
-            return ("gradients need more range than fp16 has, typical of a model trained in bf16 "
-                    "being fine-tuned in fp16",
-                    "switch to bf16 (d, or --dtype bf16): fine-tune a bf16-trained model in bf16")
         if layer:
             return (f"values overflow fp16 around {layer}",
                     f"switch to bf16 (d), or --fp32-modules '{layer}'")

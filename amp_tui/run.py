@@ -310,7 +310,18 @@ class Run:
     # ---- the loop -----------------------------------------------------------------------
     def run(self) -> int:
         if self._writer is None:
-            self.open()
+            try:
+                self.open()
+            except (OSError, ckpt.CheckpointError, ValueError) as exc:
+                # No session to write to: tell the observers (the dashboard) and give up cleanly.
+                message = f"could not start the run in {self.run_dir}: {exc}"
+                self.error, self.exit_status = message, EXIT_ERROR
+                self._set_state("error")
+                for observer in list(self.observers):
+                    with contextlib.suppress(Exception):
+                        observer(event_record(self.step, "error", message, during="step", traceback=""))
+                self.close()
+                return self.exit_status
         self._set_state("running")
         try:
             self._loop()
@@ -478,7 +489,7 @@ class Run:
             if b["scale"] is not None:
                 text = f"loss scale {b['scale']:g} → {a['scale']:g}"
             else:
-                text = (f"init_scale {b['init_scale']:g} → {a['init_scale']:g} "
+                text = (f"fp16 loss scale {b['fp16_scale']:g} → {a['fp16_scale']:g} "
                         f"(used when fp16 is next entered)")
             return self._intervention(command, b, a, text)
         if action == "save":

@@ -136,6 +136,8 @@ def step_record(result) -> dict:
         "micro_batches": result.micro_batches,
         "time": round(result.wall_time, 3),
         "duration": round(result.duration, 6),
+        # after "duration": the replay index's fast path reads the fields before it by position
+        "next_scale": enc(result.next_scale),
     }
     if result.lr is not None:
         record["lr"] = enc(result.lr)

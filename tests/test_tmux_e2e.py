@@ -113,7 +113,7 @@ def test_keys_drive_the_real_dashboard_and_q_exits_cleanly(tmp_path):
             wait_for(terminal, lambda: shown in terminal.screen(), f"{shown!r} on screen")
 
         key(("d",), "dtype", "dtype fp16 → bf16")
-        key(("s",), "scale", "init_scale")          # bf16 has no scaler: it sets the next init_scale
+        key(("s",), "scale", "fp16 loss scale")     # bf16 has no scaler: it halves the next fp16 scale
         key(("c",), "save", "checkpoint saved")
         terminal.press("r")
         wait_for(terminal, lambda: "Restore a checkpoint" in terminal.screen(), "the picker")
