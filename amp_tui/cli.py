@@ -9,49 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
-from amp_tui import __version__
+from amp_tui import __version__, argtypes
 
 EXIT_USAGE = 2
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
-    return value
-
-
-def _scale(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive finite number")
-    return value
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
-    return value
-
-
-def _share(text: str) -> float:
-    try:
-        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a share between 0 and 1 (or a percentage)")
-    return value
 
 
 def _dtype(text: str) -> str:
@@ -74,9 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("script", type=Path, help="a Python file with a setup() function")
     train.add_argument("--dtype", type=_dtype, default=None,
                        help="fp16 (default), bf16 or fp32 (resuming: the checkpoint's dtype)")
-    train.add_argument("--init-scale", type=_scale, default=65536.0, metavar="X",
+    train.add_argument("--init-scale", type=argtypes.positive, default=65536.0, metavar="X",
                        help="GradScaler's initial loss scale in fp16 (default 65536)")
-    train.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+    train.add_argument("--steps", type=argtypes.positive_int, default=None, metavar="N",
                        help="iterations to run (default: until stopped)")
     train.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     train.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
@@ -84,9 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--headless", action="store_true", help="no dashboard: a status line and events")
     train.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                        help="continue RUN_DIR from its newest valid checkpoint, appending to its session")
-    train.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
+    train.add_argument("--checkpoint-every", type=argtypes.positive_int, default=None, metavar="N",
                        help="save a checkpoint every N steps")
-    train.add_argument("--probe-every", type=_positive_int, default=1, metavar="N",
+    train.add_argument("--probe-every", type=argtypes.positive_int, default=1, metavar="N",
                        help="collect per-layer figures every N steps (default 1)")
     train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback"), default=None,
                        help="what a non-finite loss does (default: skip headless, pause in the "
@@ -96,26 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--at", action="append", default=[], metavar="STEP:ACTION",
                        help="schedule an intervention before STEP: dtype=bf16|fp16|fp32, scale=4096, "
                             "scale=half, save, restore=latest|PATH, pause (repeatable)")
-    train.add_argument("--refresh-rate", type=_rate, default=20.0, metavar="HZ",
+    train.add_argument("--refresh-rate", type=argtypes.positive, default=20.0, metavar="HZ",
                        help="dashboard refreshes per second at most (default 20)")
     train.add_argument("--fp32-modules", action="append", default=[], metavar="PATTERN",
                        help="run modules whose name matches PATTERN (fnmatch, e.g. 'blocks.*.attn') "
                             "with autocast off and float32 inputs (repeatable)")
     guards = train.add_argument_group("scale guards and the fallback ladder")
-    guards.add_argument("--min-scale", type=_scale, default=None, metavar="X",
+    guards.add_argument("--min-scale", type=argtypes.positive, default=None, metavar="X",
                         help="never let the loss scale fall below X")
-    guards.add_argument("--alert-scale-drops", type=_positive_int, default=5, metavar="N",
+    guards.add_argument("--alert-scale-drops", type=argtypes.positive_int, default=5, metavar="N",
                         help="alert when the scale falls N times in a row (default 5)")
-    guards.add_argument("--alert-skip-share", type=_share, default=0.25, metavar="X",
+    guards.add_argument("--alert-skip-share", type=argtypes.share, default=0.25, metavar="X",
                         help="alert when more than X (0-1) of a window's updates are skipped (default 0.25)")
-    guards.add_argument("--alert-window", type=_positive_int, default=100, metavar="N",
+    guards.add_argument("--alert-window", type=argtypes.positive_int, default=100, metavar="N",
                         help="steps in the skip-share window (default 100)")
-    guards.add_argument("--fallback-after", type=_positive_int, default=3, metavar="K",
+    guards.add_argument("--fallback-after", type=argtypes.positive_int, default=3, metavar="K",
                         help="with --on-nonfinite fallback: move down the ladder after K non-finite "
                              "steps in a row (default 3)")
-    guards.add_argument("--storm-share", type=_share, default=0.5, metavar="X",
+    guards.add_argument("--storm-share", type=argtypes.share, default=0.5, metavar="X",
                         help="... or when X (0-1) of the last --storm-window updates were skipped (default 0.5)")
-    guards.add_argument("--storm-window", type=_positive_int, default=20, metavar="N",
+    guards.add_argument("--storm-window", type=argtypes.positive_int, default=20, metavar="N",
                         help="steps in the skip-storm window (default 20)")
     guards.add_argument("--rollback", action="store_true",
                         help="with --on-nonfinite fallback: restore the newest good checkpoint before moving")
@@ -134,9 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "storms, dtype changes, with steps")
     replay.add_argument("--follow", action="store_true",
                         help="start at the end and follow a session that is still being written")
-    replay.add_argument("--speed", type=_rate, default=16.0, metavar="STEPS_PER_S",
+    replay.add_argument("--speed", type=argtypes.positive, default=16.0, metavar="STEPS_PER_S",
                         help="playback speed (default 16 steps/s; + and - change it)")
-    replay.add_argument("--refresh-rate", type=_rate, default=20.0, metavar="HZ",
+    replay.add_argument("--refresh-rate", type=argtypes.positive, default=20.0, metavar="HZ",
                         help="dashboard refreshes per second at most (default 20)")
 
     from amp_tui.compare import add_parser as add_compare_parser

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from amp_tui import precision
+from amp_tui import argtypes, precision
 from amp_tui.jsonsafe import encode_float
 from amp_tui.script import ScriptError, TrainSetup, describe_exception
 
@@ -820,24 +820,7 @@ def _dtype_list(text: str) -> list[str]:
     return out
 
 
-def _nonnegative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number ≥ 0")
-    return value
 
-
-def _unit_share(text: str) -> float:
-    try:
-        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be between 0 and 1 (or a percentage)")
-    return value
 
 
 def _max_flips(text: str) -> MaxFlips:
@@ -845,7 +828,7 @@ def _max_flips(text: str) -> MaxFlips:
     text = text.strip()
     if text.isdigit():
         return MaxFlips(count=int(text))
-    share = _unit_share(text)
+    share = argtypes.unit_share(text)
     return MaxFlips(count=None, share=share)
 
 
@@ -860,7 +843,6 @@ def _count(text: str) -> int:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from amp_tui.cli import _positive_int
 
     p = sub.add_parser(
         "compare", help="validate fp16/bf16 against an fp32 reference on a fixed eval set",
@@ -872,29 +854,29 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtypes", type=_dtype_list, default=list(DEFAULT_DTYPES), metavar="LIST",
                    help="AMP dtypes to validate, comma-separated (default fp16,bf16)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--eval-batches", type=_positive_int, default=DEFAULT_EVAL_BATCHES, metavar="N",
+    p.add_argument("--eval-batches", type=argtypes.positive_int, default=DEFAULT_EVAL_BATCHES, metavar="N",
                    help="when the script has no eval_batches: use the first N of its batches "
                         f"(default {DEFAULT_EVAL_BATCHES})")
     crit = p.add_argument_group("criteria (fixed before the run)")
-    crit.add_argument("--atol", type=_nonnegative, default=DEFAULT_ATOL, metavar="X",
+    crit.add_argument("--atol", type=argtypes.nonnegative, default=DEFAULT_ATOL, metavar="X",
                       help=f"absolute score tolerance (default {DEFAULT_ATOL:g})")
-    crit.add_argument("--rtol", type=_nonnegative, default=DEFAULT_RTOL, metavar="X",
+    crit.add_argument("--rtol", type=argtypes.nonnegative, default=DEFAULT_RTOL, metavar="X",
                       help=f"relative score tolerance: each element within atol + rtol·|fp32| "
                            f"(default {DEFAULT_RTOL:g})")
     crit.add_argument("--max-flips", type=_max_flips, default=_max_flips(DEFAULT_MAX_FLIPS),
                       metavar="N|SHARE",
                       help="decisions allowed to change, near-ties excluded: a count (default 0) "
                            "or a share of the samples (0.01 or 1%%)")
-    crit.add_argument("--tie-margin", type=_nonnegative, default=None, metavar="X",
+    crit.add_argument("--tie-margin", type=argtypes.nonnegative, default=None, metavar="X",
                       help="a sample is a near-tie when the reference's top-2 score gap (|score| for "
                            "a single output) is ≤ X (default: within the score tolerance)")
-    crit.add_argument("--min-agreement", type=_unit_share, default=DEFAULT_MIN_AGREEMENT, metavar="X",
+    crit.add_argument("--min-agreement", type=argtypes.unit_share, default=DEFAULT_MIN_AGREEMENT, metavar="X",
                       help="minimum share of decisions equal to fp32's, near-ties included "
                            f"(default {DEFAULT_MIN_AGREEMENT:g})")
     sp = p.add_argument_group("speed and memory (after validation, passing dtypes only)")
     sp.add_argument("--speed", action="store_true",
                     help="time training steps and measure peak memory against fp32")
-    sp.add_argument("--speed-steps", type=_positive_int, default=DEFAULT_SPEED_STEPS, metavar="N",
+    sp.add_argument("--speed-steps", type=argtypes.positive_int, default=DEFAULT_SPEED_STEPS, metavar="N",
                     help=f"timed training steps per dtype (default {DEFAULT_SPEED_STEPS})")
     sp.add_argument("--warmup", type=_count, default=DEFAULT_WARMUP, metavar="N",
                     help=f"untimed steps first (default {DEFAULT_WARMUP})")

@@ -1,0 +1,42 @@
+"""Argument types for the command line: each parses a number and names what was wrong with it."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+
+def _number(text: str, *, percent: bool = False) -> float:
+    try:
+        if percent and text.endswith("%"):
+            return float(text[:-1]) / 100
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def bounded(check: Callable[[float], bool], requirement: str, *, percent: bool = False):
+    """An argparse type accepting finite numbers for which `check` holds."""
+    def parse(text: str) -> float:
+        value = _number(text, percent=percent)
+        if not (math.isfinite(value) and check(value)):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {requirement}")
+        return value
+    return parse
+
+
+positive = bounded(lambda v: v > 0, "a positive finite number")
+nonnegative = bounded(lambda v: v >= 0, "a finite number ≥ 0")
+share = bounded(lambda v: 0 < v <= 1, "a share between 0 and 1 (or a percentage)", percent=True)
+unit_share = bounded(lambda v: 0 <= v <= 1, "between 0 and 1 (or a percentage)", percent=True)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
