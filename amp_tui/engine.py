@@ -79,6 +79,7 @@ class GuardedTrainer:
         max_grad_norm: float | None = None,
         probe: bool = True,
         probe_every: int = 1,
+        underflow_every: int = 10,
         diagnose: bool = True,
     ):
         self.model = model
@@ -89,6 +90,7 @@ class GuardedTrainer:
         self.max_grad_norm = max_grad_norm
         self.probe = LayerProbe(model) if probe else None
         self.probe_every = max(1, int(probe_every))
+        self.underflow_every = max(1, int(underflow_every))  # in probed steps
         self.diagnose_bad_steps = diagnose
         if not (init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
@@ -248,7 +250,8 @@ class GuardedTrainer:
             scaler.unscale_(opt)
         found_inf = None
         if probe:
-            probe.record_gradients(used_scale)
+            probed = self.step_index // self.probe_every
+            probe.record_gradients(used_scale, underflow=probed % self.underflow_every == 0)
         if scaler is None:
             found_inf = (probe.gradient_nonfinite_flag() if probe else
                          _nonfinite_flag([p.grad for p in self._params if p.grad is not None], self.device))

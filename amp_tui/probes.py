@@ -87,6 +87,7 @@ class LayerProbe:
         self._grad_index: list[int] = []
         self._under: list[torch.Tensor] = []
         self._scaled = False
+        self._grad_numel: list[int] = []
         self._weights: list[torch.Tensor] | None = None
 
     @property
@@ -117,41 +118,43 @@ class LayerProbe:
                 self._order.append(index)
             with torch.no_grad():
                 for t in found:
-                    lo, hi = torch.aminmax(t.detach())
-                    self._act[index].append(lo.float())
-                    self._act[index].append(hi.float())
+                    self._act[index].extend(torch.aminmax(t.detach()))
         return hook
 
-    def record_gradients(self, scale: float | None = None) -> None:
-        """Call after unscale_ (and before clipping): the true gradients' extremes and underflow
-        counts, still on the device."""
+    def record_gradients(self, scale: float | None = None, *, underflow: bool = True) -> None:
+        """Call after unscale_ (and before clipping): the true gradients' extremes and (with
+        `underflow`) the underflow counts, still on the device."""
         grads, index = [], []
         for i, p in enumerate(self._params):
             if p.grad is not None:
                 grads.append(p.grad)
                 index.append(i)
         with torch.no_grad():
-            self._grad = [x.float() for g in grads for x in torch.aminmax(g.detach())]
+            self._grad = [x for g in grads for x in torch.aminmax(g.detach())]
+            # Per parameter: nonzero count, count below 2**-24, count below 2**-24 / scale. The
+            # comparisons count zeros too; the host subtracts them (numel is known there).
             self._under = []
-            for g in grads:
+            # Counting costs four small ops per parameter, more than the extremes: hence optional.
+            for g in (grads if underflow else ()):
                 a = g.detach().abs()
-                zeros = a.numel() - torch.count_nonzero(a)
-                # nonzero, unscaled below 2**-24, scaled below 2**-24 (comparisons count zeros too)
-                self._under += [a.numel() - zeros, (a < FP16_TINY).sum() - zeros]
-                self._under.append((a < FP16_TINY / scale).sum() - zeros if scale else zeros * 0)
+                self._under.append(torch.count_nonzero(a))
+                self._under.append(torch.count_nonzero(a < FP16_TINY))
+                if scale:
+                    self._under.append(torch.count_nonzero(a < FP16_TINY / scale))
         self._scaled = scale is not None
+        self._grad_numel = [g.numel() for g in grads]
         self._grad_index = index
 
     def gradient_nonfinite_flag(self) -> torch.Tensor:
         """1.0 on the device when a recorded gradient extreme is inf/NaN (no extra pass)."""
         if not self._grad:
             return torch.zeros((), device=self._params[0].device)
-        return (~torch.isfinite(torch.stack(self._grad))).any().float()
+        return (~torch.isfinite(torch.stack(self._grad).float())).any().float()
 
     def record_weights(self) -> None:
         """Call before the optimizer step, so the weights are those this step's forward used."""
         with torch.no_grad():
-            self._weights = [x.float() for p in self._params for x in torch.aminmax(p.detach())]
+            self._weights = [x for p in self._params for x in torch.aminmax(p.detach())]
 
     def collect(self, extra: list[torch.Tensor] = ()) -> tuple[LayerFigures, list[float]]:
         """Bring every figure (and `extra` scalars) to the host in one transfer."""
@@ -163,9 +166,13 @@ class LayerProbe:
             flat_act = [t for a in self._act for t in a]
             grads = self._grad or []
             under = self._under if self._grad else []
-            # float64: element counts above 2**24 must stay exact
-            parts = [t.reshape(()).double() for t in [*extra, *flat_act, *grads, *weights, *under]]
-            host = torch.stack(parts).tolist() if parts else []
+            # Few stacks, one transfer: per-element reshapes and casts would cost more than the
+            # reductions. Counts go as float64 so that counts above 2**24 stay exact.
+            floats = [t.reshape(()) for t in extra] + flat_act + grads + weights
+            parts = [torch.stack(floats).double()] if floats else []
+            if under:
+                parts.append(torch.stack(under).double())
+            host = torch.cat(parts).tolist() if parts else []
         self.end()
         n_extra = len(extra)
         extra_host, pos = host[:n_extra], n_extra
@@ -180,8 +187,11 @@ class LayerProbe:
         param_weight = [_absmax(host[pos + 2 * i:pos + 2 * i + 2]) for i in range(len(self._params))]
         pos += len(weights)
         counts: list[list[float] | None] = [None] * len(self._params)
+        per = 3 if self._scaled else 2
         for k, i in enumerate(self._grad_index if under else []):
-            counts[i] = host[pos + 3 * k:pos + 3 * k + 3]
+            nonzero, *below = host[pos + per * k:pos + per * (k + 1)]
+            zeros = self._grad_numel[k] - nonzero
+            counts[i] = [nonzero, *(b - zeros for b in below)]
         underflow = _underflow_shares(counts, self._layer_params, 1) if under else None
         underflow_scaled = (_underflow_shares(counts, self._layer_params, 2)
                             if under and self._scaled else None)

@@ -50,6 +50,7 @@ class RunConfig:
     run_dir: Path | None = None
     checkpoint_every: int | None = None
     probe_every: int = 1
+    underflow_every: int = 10           # underflow shares on every Nth probed step
     on_nonfinite: str = "skip"
     at: list[tuple[int, Command]] = field(default_factory=list)
     command_line: list[str] = field(default_factory=list)
@@ -156,7 +157,8 @@ class Run:
         self.trainer = GuardedTrainer(
             setup.model, setup.optimizer, setup.loss_fn, device=device, dtype=config.dtype,
             init_scale=config.init_scale, scheduler=setup.scheduler,
-            max_grad_norm=setup.max_grad_norm, probe_every=config.probe_every)
+            max_grad_norm=setup.max_grad_norm, probe_every=config.probe_every,
+            underflow_every=config.underflow_every)
         self.accumulate = setup.accumulate
         self.guard = PrecisionGuard(config.guard)
         self.local_fp32 = LocalFp32(setup.model, device.type)
@@ -219,6 +221,7 @@ class Run:
             "accumulate": self.accumulate,
             "max_grad_norm": setup.max_grad_norm,
             "probe_every": cfg.probe_every,
+            "underflow_every": cfg.underflow_every,
             "on_nonfinite": cfg.on_nonfinite,
             "checkpoint_every": cfg.checkpoint_every,
             "optimizer": type(setup.optimizer).__name__,
