@@ -42,12 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
                        help="where session.jsonl and checkpoints/ go (default runs/<time>-<script>)")
     train.add_argument("--headless", action="store_true", help="no dashboard: a status line and events")
+    train.add_argument("--detach", action="store_true",
+                       help="run the job in the background (headless, output in RUN_DIR/job.log) and "
+                            "attach the dashboard to it: q leaves it running, amp-tui attach RUN_DIR "
+                            "comes back")
     train.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                        help="continue RUN_DIR from its newest valid checkpoint, appending to its session")
     train.add_argument("--checkpoint-every", type=argtypes.positive_int, default=None, metavar="N",
                        help="save a checkpoint every N steps")
     train.add_argument("--probe-every", type=argtypes.positive_int, default=1, metavar="N",
                        help="collect per-layer figures every N steps (default 1)")
+    train.add_argument("--underflow-every", type=argtypes.positive_int, default=10, metavar="N",
+                       help="underflow shares on every Nth probed step (default 10; 1 = every probe)")
     train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback"), default=None,
                        help="what a non-finite loss does (default: skip headless, pause in the "
                             "dashboard); fallback moves fp16 -> bf16 -> fp32 when it keeps failing")
@@ -110,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dtype=fp16|bf16|fp32, scale=N|half, save, restore=latest|PATH, pause, "
                           "resume, step, stop, fp32=MODULE, status")
     ctl.add_argument("--json", action="store_true", help="print the job's answer as JSON")
+
+    attach = sub.add_parser("attach", help="open the dashboard on a job running in RUN_DIR",
+                            description="Show a running job (figures follow its recording) and steer "
+                                        "it over its control socket. q detaches and leaves the job "
+                                        "running; Q stops the job.")
+    attach.add_argument("run", type=Path, metavar="RUN_DIR")
+    attach.add_argument("--refresh-rate", type=argtypes.positive, default=20.0, metavar="HZ",
+                        help="dashboard refreshes per second at most (default 20)")
 
     ls = sub.add_parser("ls", help="list runs under a folder with their state")
     ls.add_argument("folder", type=Path, nargs="?", default=Path("runs"), metavar="DIR",
@@ -188,7 +202,8 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
     config = RunConfig(
         script=args.script, script_argv=script_argv, dtype=dtype, init_scale=args.init_scale,
         steps=args.steps, run_dir=run_dir, checkpoint_every=args.checkpoint_every,
-        probe_every=args.probe_every, on_nonfinite=policy, at=at, command_line=command_line,
+        probe_every=args.probe_every, underflow_every=args.underflow_every, on_nonfinite=policy,
+        at=at, command_line=command_line,
         guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from, control=True)
     run = Run(config, setup, device, feed)
     return run, setup.warnings
@@ -223,6 +238,8 @@ def cmd_train(args, script_argv: list[str], command_line: list[str]) -> int:
     from amp_tui.engine import PrecisionRefused
     from amp_tui.script import ScriptError
 
+    if args.detach:
+        return cmd_detach(args, command_line[1:])
     dashboard = use_dashboard(args)
     try:
         run, warnings = prepare_run(args, script_argv, command_line,
@@ -319,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_replay(args)
     if args.command == "ls":
         return cmd_ls(args)
+    if args.command == "attach":
+        return cmd_attach(args)
     return EXIT_USAGE
 
 
@@ -383,4 +402,87 @@ def cmd_ls(args) -> int:
         table.add_row(Text(r.run_dir.name), Text(r.state, style=styles.get(r.state, "")), Text(r.script),
                       str(r.steps), short_dtype(r.dtype), str(r.skipped), Text(r.last_event))
     Console(highlight=False).print(table)
+    return 0
+
+
+DETACH_WAIT_S = 60.0
+
+
+def cmd_detach(args, argv: list[str]) -> int:
+    """`train --detach`: the same command line as a headless background job, then attach to it."""
+    import subprocess
+    import time
+
+    from amp_tui.control import job_alive
+    from amp_tui.run import default_run_dir
+
+    ours, script_argv = _split_script_args(argv)
+    run_dir = args.resume or args.run_dir or default_run_dir(args.script)
+    job = [a for a in ours if a != "--detach"]
+    if not args.headless:
+        job.append("--headless")
+    if args.resume is None and args.run_dir is None:
+        job += ["--run-dir", str(run_dir)]
+    job = [sys.executable, "-m", "amp_tui", *job] + (["--", *script_argv] if "--" in argv else [])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "job.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(job, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + DETACH_WAIT_S
+    while not (job_alive(run_dir) and (run_dir / "session.jsonl").is_file()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.kill()
+                why = f"the job did not open its control socket within {DETACH_WAIT_S:.0f} s"
+            else:
+                why = f"the job exited with status {proc.returncode} before it started"
+            print(f"amp-tui: error: {why}; the end of {log_path}:", file=sys.stderr)
+            print(_tail(log_path), file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+    if args.headless or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        print(f"amp-tui: the job runs in the background (pid {proc.pid}) in {run_dir}; "
+              f"attach with: amp-tui attach {run_dir}")
+        return 0
+    return _attach(run_dir, args.refresh_rate)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(cannot read it: {exc})"
+
+
+def cmd_attach(args) -> int:
+    from amp_tui.attach import check_attachable
+
+    reason = check_attachable(args.run)
+    if reason is not None:
+        return _error(reason, status=1)
+    return _attach(args.run, args.refresh_rate)
+
+
+def _attach(run_dir: Path, refresh_rate: float) -> int:
+    from amp_tui.attach import AttachedSource
+    from amp_tui.session import SessionFormatError
+    from amp_tui.ui.app import create_app
+
+    try:
+        source = AttachedSource(run_dir)
+    except SessionFormatError as exc:
+        return _error(str(exc), status=1)
+    except OSError as exc:
+        return _error(f"cannot read {run_dir}: {exc.strerror or exc}", status=1)
+    app = create_app(source, refresh_rate=refresh_rate)
+    try:
+        app.run()
+    finally:
+        source.stop()
+    if source.job_alive():
+        print(f"amp-tui: detached; the job keeps running in {run_dir}. "
+              f"Re-attach with: amp-tui attach {run_dir}")
+    else:
+        print(f"amp-tui: the job in {run_dir} is not running any more (amp-tui report {run_dir})")
     return 0

@@ -1,11 +1,20 @@
 """The one registry of the dashboard's keys: footer bindings, command palette entries and the
-help screen are all generated from `KEY_ACTIONS`, so they can't disagree."""
+help screen are all generated from `KEY_ACTIONS`, so they can't disagree.
+
+Which keys work depends on the source's mode: "live" (a run in this process), "attached" (a job
+running elsewhere, steered over its control socket) and "replay" (a recording). A key that
+means something different per mode keeps one binding; its texts per mode live here.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from textual.binding import Binding
+
+STEER = frozenset({"live", "attached"})
+REPLAY = frozenset({"replay"})
+ALL = frozenset({"live", "attached", "replay"})
 
 
 @dataclass(frozen=True)
@@ -17,8 +26,29 @@ class KeyAction:
     title: str          # command palette title
     help: str           # one line for the help screen and the palette
     key_display: str | None = None
-    live_only: bool = True   # steers the training run: meaningless when replaying a recording
+    modes: frozenset = STEER   # where the key does something (else it is hidden)
+    # (footer, title, help) in a mode where the key does something else
+    texts: tuple[tuple[str, tuple[str, str, str]], ...] = ()
+    priority: bool = False     # before the focused widget's own keys (home/end, arrows)
+    always: bool = False       # works in every mode, whatever the run's state (help, quit)
 
+    @property
+    def live_only(self) -> bool:
+        """Steers the training run: meaningless when replaying a recording."""
+        return "replay" not in self.modes
+
+    @property
+    def replay_only(self) -> bool:
+        return self.modes == REPLAY
+
+    def text(self, mode: str) -> tuple[str, str, str]:
+        return dict(self.texts).get(mode, (self.footer, self.title, self.help))
+
+
+_PLAY = ("play", "Play / pause the replay", "Play or pause the recording")
+_QUIT_REPLAY = ("quit", "Quit", "Close the replay")
+_QUIT_ATTACHED = ("detach", "Detach", "Leave the dashboard; the job keeps running (amp-tui attach "
+                  "RUN_DIR comes back)")
 
 KEY_ACTIONS: tuple[KeyAction, ...] = (
     KeyAction("amp.cycle_dtype", "d", "cycle_dtype", "dtype", "Cycle the dtype",
@@ -32,21 +62,53 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
     KeyAction("amp.restore", "r", "pick_checkpoint", "restore", "Restore a checkpoint…",
               "Pick one of this run's checkpoints (newest first) or type a path; Enter restores"),
     KeyAction("amp.pause", "space", "toggle_pause", "pause", "Pause / resume",
-              "Pause at the next step boundary, or resume", key_display="space"),
+              "Pause at the next step boundary, or resume", key_display="space", modes=ALL,
+              texts=(("replay", _PLAY),)),
     KeyAction("amp.step", "n", "single_step", "step", "Run one step",
               "Run exactly one step while paused"),
+    KeyAction("amp.replay.faster", "plus", "replay_faster", "faster", "Replay faster",
+              "Double the playback speed", key_display="+", modes=REPLAY, priority=True),
+    KeyAction("amp.replay.slower", "minus", "replay_slower", "slower", "Replay slower",
+              "Halve the playback speed", key_display="-", modes=REPLAY, priority=True),
+    KeyAction("amp.replay.back", "left", "replay_step(-1)", "-1", "Step back",
+              "Show the previous step (pauses)", key_display="←", modes=REPLAY, priority=True),
+    KeyAction("amp.replay.forward", "right", "replay_step(1)", "+1", "Step forward",
+              "Show the next step (pauses)", key_display="→", modes=REPLAY, priority=True),
+    KeyAction("amp.replay.previous_event", "left_square_bracket", "replay_event(-1)", "prev",
+              "Previous event", "Go back to the previous event (pauses)", key_display="[",
+              modes=REPLAY, priority=True),
+    KeyAction("amp.replay.next_event", "right_square_bracket", "replay_event(1)", "next",
+              "Next event", "Go to the next event (pauses)", key_display="]", modes=REPLAY,
+              priority=True),
+    KeyAction("amp.replay.home", "home", "replay_home", "first", "Go to the start",
+              "Show the first recorded step", modes=REPLAY, priority=True),
+    KeyAction("amp.replay.end", "end", "replay_end", "last", "Go to the end",
+              "Show the last recorded step", modes=REPLAY, priority=True),
+    KeyAction("amp.replay.goto", "g", "replay_goto", "go to", "Go to a step…",
+              "Type a step number and show it", modes=REPLAY),
     KeyAction("amp.help", "question_mark", "help", "help", "Help",
-              "Show the keys and what the colours mean", key_display="?", live_only=False),
+              "Show the keys and what the colours mean", key_display="?", modes=ALL, always=True),
     KeyAction("amp.quit", "q", "quit", "quit", "Quit",
-              "Stop at a step boundary, flush the session and exit", live_only=False),
+              "Stop at a step boundary, flush the session and exit", modes=ALL, always=True,
+              texts=(("replay", _QUIT_REPLAY), ("attached", _QUIT_ATTACHED))),
+    KeyAction("amp.stop_job", "Q", "stop_job", "stop job", "Stop the job and quit",
+              "Stop the job at its next step boundary (it flushes its session), then leave",
+              modes=frozenset({"attached"})),
 )
 
-BY_ACTION = {a.action: a for a in KEY_ACTIONS}
+BY_ACTION = {a.action.partition("(")[0]: a for a in KEY_ACTIONS}
 
 
-def bindings() -> list[Binding]:
-    return [Binding(a.key, a.action, a.footer, key_display=a.key_display, id=a.id, tooltip=a.help)
-            for a in KEY_ACTIONS]
+def bindings(mode: str = "live") -> list[Binding]:
+    """The bindings of the keys that exist in `mode`, with that mode's texts."""
+    out = []
+    for a in KEY_ACTIONS:
+        if mode not in a.modes:
+            continue
+        footer, _, help_line = a.text(mode)
+        out.append(Binding(a.key, a.action, footer, key_display=a.key_display, id=a.id,
+                           tooltip=help_line, priority=a.priority))
+    return out
 
 
 def key_label(a: KeyAction) -> str:

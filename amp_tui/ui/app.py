@@ -22,6 +22,7 @@ from amp_tui import precision
 from amp_tui.commands import Command, Outcome
 from amp_tui.source import Snapshot, Source
 from amp_tui.ui.actions import BY_ACTION, KEY_ACTIONS, bindings, key_label
+from amp_tui.ui.goto_dialog import GotoDialog
 from amp_tui.ui.dashboard import DashboardScreen
 from amp_tui.ui.hangup import HangupGuard
 from amp_tui.ui.help_screen import HelpScreen
@@ -56,7 +57,8 @@ class AmpTuiApp(App[int]):
         self.clock = clock
         self.warnings = list(warnings)
         self.stop_timeout = stop_timeout
-        self.dashboard = DashboardScreen()
+        # a replay has twelve keys: the compact footer fits them in 120 columns
+        self.dashboard = DashboardScreen(compact_footer=source.mode == "replay")
         self.forced_exit = False        # the run did not stop in time; run_dashboard must not wait
         self.stopping = False
         self._version: int | None = None
@@ -67,6 +69,13 @@ class AmpTuiApp(App[int]):
         self._last_state: str | None = None
         self._events_seen = 0
         self._error_where: list[tuple[str, str]] = []
+        self._stop_job: Command | None = None   # attached: Q sent this; exit once it's done
+        # A replay with playback controls (a ReplaySource; a FixedSource(mode="replay") has none).
+        self.playback = source.mode == "replay" and callable(getattr(source, "toggle", None))
+        # BINDINGS are the live keys; this mode's keys (replay's, attached's Q) are added here,
+        # one binding per key; a key that does something else in this mode gets its texts.
+        for binding in bindings(source.mode):
+            self._bindings.key_to_bindings[binding.key] = [binding]
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def get_default_screen(self) -> Screen:
@@ -98,7 +107,8 @@ class AmpTuiApp(App[int]):
         if changed:
             self._announce(snap)
         drawn = self.dashboard.show(snap, pending=[c.text() for c in self._pending],
-                                    stopping=self.stopping, now=now, where=self._error_where)
+                                    stopping=self.stopping, now=now, where=self._error_where,
+                                    playback=self._playback_text())
         self._heavy_pending = not drawn   # charts/table skipped for pacing: look again next tick
 
     def _announce(self, snap: Snapshot) -> None:
@@ -123,10 +133,19 @@ class AmpTuiApp(App[int]):
         if snap.state != self._last_state:
             if snap.state in ENDED_STATES:
                 self._pending.clear()
-            if snap.state == "finished" and snap.mode == "live":
+            if snap.state == "finished" and snap.mode in ("live", "attached"):
                 self.notify("the run finished: q quits", title="finished", markup=False)
             self._last_state = snap.state
             self.refresh_bindings()
+
+    def _playback_text(self) -> str | None:
+        """A replay's "paused · 16 steps/s" / "playing 16 steps/s" for the status bar."""
+        if not self.playback:
+            return None
+        text = self.source.playback_text()
+        if not self.source.playing:
+            text += f" · {self.source.speed:g} steps/s"
+        return text
 
     def _new_events(self, snap: Snapshot) -> list[dict]:
         """Events fed since the last call (a replay seeking back starts over)."""
@@ -156,14 +175,27 @@ class AmpTuiApp(App[int]):
     # ---- commands -------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         key_action = BY_ACTION.get(action)
-        if key_action is None or not key_action.live_only:
+        if key_action is None:
             return True
+        if key_action.priority and self.screen is not self.dashboard:
+            return False   # a dialog's input keeps its own arrows, home/end, + and -
+        return self.available(key_action)
+
+    def available(self, key_action) -> bool | None:
+        """True: the key works now; None: shown dimmed (the run ended); False: hidden."""
+        mode = self.source.mode
+        if mode not in key_action.modes:
+            return False
+        if key_action.always:
+            return True
+        if mode == "replay":
+            return self.playback
         return self.can_steer()
 
     def can_steer(self) -> bool | None:
-        """True for a live run; None (keys shown dimmed) once it ended; False (keys hidden) for
-        a recording, which can't be steered."""
-        if self.source.mode != "live":
+        """True for a live run or a job we're attached to; None (keys shown dimmed) once it
+        ended; False (keys hidden) for a recording, which can't be steered."""
+        if self.source.mode not in ("live", "attached"):
             return False
         return None if self._last_state in ENDED_STATES else True
 
@@ -186,6 +218,12 @@ class AmpTuiApp(App[int]):
         if message.command in self._pending:
             self._pending.remove(message.command)
         outcome = message.outcome
+        if message.command is self._stop_job:
+            if outcome.ok:
+                self.stopping = True
+                threading.Thread(target=self._wait_for_stop, name="amp-tui-stop", daemon=True).start()
+                return
+            self._stop_job = None
         self.notify(visible(outcome.message), title=COMMAND_TITLES.get(message.command.action, ""),
                     severity="information" if outcome.ok else "error", markup=False)
         self.refresh_view_soon()
@@ -235,6 +273,11 @@ class AmpTuiApp(App[int]):
         self.push_screen(RestoreDialog(found, Path(run_dir) if run_dir else None), chosen)
 
     def action_toggle_pause(self) -> None:
+        if self.source.mode == "replay":   # the same key plays/pauses a recording
+            if self.playback:
+                self.source.toggle()
+                self.refresh_view_soon()
+            return
         pending = [c.action for c in self._pending if c.action in ("pause", "resume")]
         state = ("paused" if pending[-1] == "pause" else "running") if pending \
             else self.source.snapshot().state
@@ -244,7 +287,46 @@ class AmpTuiApp(App[int]):
         self.send("step")
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.source.mode == "live"))
+        self.push_screen(HelpScreen(self.source.mode))
+
+    # ---- replay playback ------------------------------------------------------------------------
+    def _playback_done(self) -> None:
+        self.refresh_view_soon()
+
+    def action_replay_faster(self) -> None:
+        self.source.faster()
+        self._playback_done()
+
+    def action_replay_slower(self) -> None:
+        self.source.slower()
+        self._playback_done()
+
+    def action_replay_step(self, n: int) -> None:
+        self.source.step_by(int(n))
+        self._playback_done()
+
+    def action_replay_event(self, direction: int) -> None:
+        found = self.source.next_event() if int(direction) > 0 else self.source.previous_event()
+        if found is None:
+            self.notify("no event " + ("after" if int(direction) > 0 else "before") + " this step",
+                        title="events", markup=False)
+        self._playback_done()
+
+    def action_replay_home(self) -> None:
+        self.source.home()
+        self._playback_done()
+
+    def action_replay_end(self) -> None:
+        self.source.end()
+        self._playback_done()
+
+    def action_replay_goto(self) -> None:
+        def chosen(step: int | None) -> None:
+            if step is not None:
+                self.source.seek(step)
+                self._playback_done()
+
+        self.push_screen(GotoDialog(self.source.total_steps, self.source.position), chosen)
 
     def action_sort_layers(self, column: str) -> None:
         self.dashboard.sort_layers(column)
@@ -257,12 +339,33 @@ class AmpTuiApp(App[int]):
             self.exit()
             return
         self.stopping = True
-        self.notify("stopping at the next step boundary… (q again forces the exit)",
-                    title="quit", markup=False)
+        if self.source.mode == "attached":
+            self.notify(f"detaching: the job keeps running (amp-tui attach "
+                        f"{_attr(self.source, 'run_dir')} comes back; Q stops it)",
+                        title="detach", markup=False)
+        elif self.source.mode == "live":
+            self.notify("stopping at the next step boundary… (q again forces the exit)",
+                        title="quit", markup=False)
         self.refresh_view_soon()
         # A plain daemon thread, not a Textual thread worker: workers run in asyncio's default
         # executor, which the event loop joins at exit, so a hung step would hang the exit too.
         threading.Thread(target=self._wait_for_stop, name="amp-tui-stop", daemon=True).start()
+
+    def action_stop_job(self) -> None:
+        """Attached: send `stop` to the job, leave once it was applied."""
+        if self._stop_job is not None:
+            return
+        command = Command("stop", None, COMMAND_SOURCE)
+        command.on_done = partial(self._command_done, command)
+        ok, message = self.source.send(command)
+        if not ok:
+            self.notify(visible(message), title="stop the job", severity="warning", markup=False)
+            return
+        self._stop_job = command
+        self._pending.append(command)
+        self.notify("stopping the job at its next step boundary…", title="stop the job",
+                    markup=False)
+        self.refresh_view_soon()
 
     def _wait_for_stop(self) -> None:
         stopped = self.source.stop(self.stop_timeout)
@@ -284,8 +387,9 @@ class AmpTuiApp(App[int]):
             if command.title != "Quit":   # ours replaces it (clean stop first)
                 yield command
         for a in KEY_ACTIONS:
-            if self.check_action(a.action, ()):
-                yield SystemCommand(f"{a.title}  [{key_label(a)}]", a.help,
+            if self.available(a):
+                _, title, help_line = a.text(self.source.mode)
+                yield SystemCommand(f"{title}  [{key_label(a)}]", help_line,
                                     partial(self.run_action, a.action))
         layer = self.dashboard.layer_table.highlighted_layer() if self.dashboard.is_mounted else None
         if layer is not None and self.can_steer():

@@ -71,8 +71,9 @@ class DashboardScreen(Screen):
     }
     """
 
-    def __init__(self) -> None:
+    def __init__(self, compact_footer: bool = False) -> None:
         super().__init__(id="dashboard")
+        self.compact_footer = compact_footer
         # Held, not queried: the app's timer draws through these even while a dialog is on top
         # or the app is shutting down.
         self.status_bar = StatusBar(id="status")
@@ -102,7 +103,7 @@ class DashboardScreen(Screen):
                     yield self.error_panel
                 yield self.event_log
         yield self.too_small_message
-        yield Footer()
+        yield Footer(compact=self.compact_footer)
 
     def on_mount(self) -> None:
         self.layer_table.focus()
@@ -114,10 +115,11 @@ class DashboardScreen(Screen):
             self.too_small_message.show_size(event.size.width, event.size.height)
 
     def show(self, snap: Snapshot, *, pending: list[str], stopping: bool, now: float,
-             where: list[tuple[str, str]]) -> bool:
+             where: list[tuple[str, str]], playback: str | None = None) -> bool:
         """Draw `snap`; False when the charts or the table still wait for their turn."""
         prec = current_precision(snap)
-        self.status_bar.show(snap, prec, pending=pending, stopping=stopping, now=now)
+        self.status_bar.show(snap, prec, pending=pending, stopping=stopping, now=now,
+                             playback=playback)
         self.event_log.show(snap)
         self.pause_notice.show(nonfinite_pause(snap))
         self.error_panel.show(snap.error, where if snap.error else [])

@@ -44,26 +44,36 @@ class HelpScreen(ModalScreen[None]):
         Binding("escape,question_mark,q", "close", "close", id="help.close"),
     ]
 
-    def __init__(self, live: bool) -> None:
+    def __init__(self, mode: str | bool = "live") -> None:
         super().__init__()
-        self.live = live
+        self.mode = mode if isinstance(mode, str) else ("live" if mode else "replay")
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
-            yield Static(help_text(self.live))
+            yield Static(help_text(mode=self.mode))
 
     def action_close(self) -> None:
         self.dismiss(None)
 
 
-def help_text(live: bool) -> Table:
+NOT_HERE = {"replay": "  (live or attached runs only)", "live": "  (replays only)",
+            "attached": "  (replays only)"}
+
+
+def help_text(live: bool = True, mode: str | None = None) -> Table:
+    """The keys for `mode` (default: "live" if `live` else "replay"), then how to read the screen."""
+    mode = mode or ("live" if live else "replay")
     keys = Table(box=None, show_header=False, pad_edge=False, expand=True)
     keys.add_column(style="bold", width=14)
     keys.add_column(ratio=1)
     keys.add_row(Text("amp-tui keys", style="bold underline"), "")
-    for action in KEY_ACTIONS:
-        note = "" if live or not action.live_only else "  (live runs only)"
-        keys.add_row(Text(key_label(action)), Text(action.help + note))
+    here = [a for a in KEY_ACTIONS if mode in a.modes]
+    elsewhere = [a for a in KEY_ACTIONS if mode not in a.modes and a.modes != frozenset({"attached"})]
+    for action in here:
+        keys.add_row(Text(key_label(action)), Text(action.text(mode)[2]))
+    for action in elsewhere:
+        keys.add_row(Text(key_label(action), style="dim"),
+                     Text(action.text(mode)[2] + NOT_HERE.get(mode, ""), style="dim"))
     keys.add_row("ctrl+p", Text("command palette: every action above, plus sorting the layers"))
     keys.add_row("", "")
     keys.add_row(Text("reading it", style="bold underline"), "")

@@ -44,8 +44,9 @@ class StatusBar(Widget):
         self._width = 0
 
     def show(self, snap: Snapshot, prec: Precision, *, pending: list[str], stopping: bool,
-             now: float) -> None:
-        text = status_text(snap, prec, pending=pending, stopping=stopping, now=now)
+             now: float, playback: str | None = None) -> None:
+        text = status_text(snap, prec, pending=pending, stopping=stopping, now=now,
+                           playback=playback)
         if not same_text(text, self._text):
             self._text = text
             self._strips = None
@@ -67,9 +68,13 @@ class StatusBar(Widget):
 
 
 def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping: bool,
-                now: float) -> Text:
+                now: float, playback: str | None = None) -> Text:
+    """`playback`: a replay's "paused · 16 steps/s" (then the badge is the recorded run's state)."""
     header, last = snap.header, snap.last or {}
-    state = "stopping" if stopping and snap.state in ("running", "paused", "starting") else snap.state
+    state = getattr(snap, "run_state", None) if playback is not None else None
+    state = state or snap.state
+    if stopping and snap.mode in ("live", "attached") and state in ("running", "paused", "starting"):
+        state = "stopping"
     text = Text()
     text.append(f" {state.upper()} ", style=STATE_STYLES.get(state, "reverse"))
     text.append(" ")
@@ -81,8 +86,12 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
     if isinstance(device, dict):
         text.append("  on ", style="dim")
         text.append_text(literal(f"{device.get('backend', '?')} {device.get('name', '')}".strip()))
-    if snap.mode != "live":
+    if snap.mode == "attached":
+        text.append("  attached (q detaches, Q stops the job)", style="bold magenta")
+    elif snap.mode != "live":
         text.append(f"  {snap.mode} (read-only)", style="bold magenta")
+        if playback is not None:
+            text.append(f": {playback}", style="magenta")
     if snap.notice:
         text.append("  ")
         text.append_text(literal(snap.notice, "yellow"))
@@ -117,7 +126,7 @@ def _field(text: Text, label: str, value: str, style: str = "bold") -> None:
 
 def _stalled_for(snap: Snapshot, last: dict, now: float) -> float | None:
     t = last.get("time")
-    if snap.mode != "live" or snap.state != "running" or not isinstance(t, (int, float)):
+    if snap.mode not in ("live", "attached") or snap.state != "running" or not isinstance(t, (int, float)):
         return None
     waited = now - t
     return waited if waited >= STALL_AFTER_S else None
