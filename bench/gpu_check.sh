@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# One prepared check for a CUDA or ROCm machine (device "cuda"), about 3-4 minutes, at most 5:
+#
+#   1. the environment: GPU, driver, torch build, bf16 support            (env.txt)
+#   2. every demo in demos/ for 30 steps, headless, on cuda, in fp16 and in bf16 (two at a time)
+#                                                                          (demo-*.log, runs/)
+#   3. the test suite's CUDA-marked tests: pytest -m cuda                  (pytest-cuda.log)
+#   4. the overhead benchmark on a GPT-2-small-sized model (12 blocks, d_model 768, vocab 50257,
+#      seq 512, batch 8) in fp16 and bf16: python bench/run.py --gpu       (overhead.txt, *-gpu.json)
+#
+# Results go to $OUT if set, else bench/results/gpu-<date>/; summary.txt lists each part's exit
+# status and time. Every part has its own time limit and a failing part doesn't stop the others;
+# the script exits 0 when every part passed, 1 otherwise, 2 when there is no usable GPU.
+#
+#   bash bench/gpu_check.sh
+#   PYTHON=/path/to/venv/bin/python OUT=/tmp/gpu bash bench/gpu_check.sh
+#
+# The Python used: $PYTHON, else ./.venv/bin/python, else python3, the first that imports torch.
+# It needs torch with CUDA/ROCm, rich and textual (and pytest for part 3; transformers, optional,
+# adds the DebugUnderflowOverflow contender). amp_tui is imported from this checkout (PYTHONPATH),
+# so nothing needs installing if those are present.
+#
+# GPU_CHECK_DEVICE=cpu runs the same parts on the CPU (the overhead part on bench/run.py --quick's
+# small models instead of GPT-2 small): a dry run of this script on a machine without a GPU.
+
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+STAMP="$(date +%Y%m%d-%H%M%S)"
+OUT="${OUT:-$ROOT/bench/results/gpu-$STAMP}"
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export PYTHONWARNINGS="ignore::UserWarning"
+DEVICE="${GPU_CHECK_DEVICE:-cuda}"
+FAILED=0
+START=$(date +%s)
+
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+# part NAME LIMIT_S COMMAND...: run with a time limit, output to $OUT/NAME.log, status to
+# $OUT/NAME.status ("rc seconds"); safe to run in the background.
+part() {
+    local name=$1 limit=$2
+    shift 2
+    local t0
+    t0=$(date +%s)
+    echo "+ $*" > "$OUT/$name.log"
+    timeout --kill-after=10 "$limit" "$@" >> "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$rc $(( $(date +%s) - t0 )) $limit" > "$OUT/$name.status"
+}
+
+# verdict NAME: one summary line from NAME.status; a failure marks the whole check failed.
+verdict() {
+    local name=$1 rc took limit
+    read -r rc took limit < "$OUT/$name.status" || { say "FAIL  $name: no status"; FAILED=1; return; }
+    if [ "$rc" -eq 0 ]; then
+        say "PASS  $name (${took}s)"
+    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        say "FAIL  $name: over its ${limit}s limit, see $name.log"
+        FAILED=1
+    else
+        say "FAIL  $name: exit $rc (${took}s), see $name.log"
+        FAILED=1
+    fi
+}
+
+# ---- 0. a Python with torch --------------------------------------------------------------------
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    for candidate in "$ROOT/.venv/bin/python" python3 python; do
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import torch" >/dev/null 2>&1; then
+            PY="$candidate"
+            break
+        fi
+    done
+fi
+if [ -z "$PY" ]; then
+    say "no Python that imports torch (set PYTHON=...)"
+    exit 2
+fi
+
+# ---- 1. environment ------------------------------------------------------------------------------
+{
+    echo "date: $(date -Iseconds)"
+    echo "host: $(hostname)"
+    echo "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
+    echo "checkout: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?') $(git -C "$ROOT" status --porcelain 2>/dev/null | wc -l | tr -d ' ') changed files"
+    command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+    command -v rocm-smi >/dev/null 2>&1 && rocm-smi --showproductname
+    "$PY" - <<'EOF'
+import importlib
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "hip", torch.version.hip)
+print("cuda available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+    print("bf16 supported", torch.cuda.is_bf16_supported())
+for name in ("rich", "textual", "textual_plotext", "safetensors", "pytest", "transformers"):
+    try:
+        m = importlib.import_module(name)
+        print(name, getattr(m, "__version__", "present"))
+    except Exception as exc:  # noqa: BLE001
+        print(name, "MISSING", type(exc).__name__)
+EOF
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+if [ "$DEVICE" = "cpu" ]; then
+    say "dry run on the CPU (GPU_CHECK_DEVICE=cpu)"
+elif ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+    say "torch.cuda.is_available() is False: no CUDA/ROCm device here (see env.txt)"
+    exit 2
+fi
+if ! "$PY" -c "import rich" >/dev/null 2>&1; then
+    say "note: rich is missing: the headless demos need it (pip install -e . where the network allows)"
+fi
+
+# ---- 2. demos in fp16 and bf16 (two at a time: each is mostly start-up) -------------------------
+names=()
+for demo in "$ROOT"/demos/*.py; do
+    [ -f "$demo" ] || continue
+    stem="$(basename "$demo" .py)"
+    for dtype in fp16 bf16; do
+        part "demo-$stem-$dtype" 60 "$PY" -m amp_tui train "$demo" --headless --device "$DEVICE" \
+            --dtype "$dtype" --steps 30 --run-dir "$OUT/runs/$stem-$dtype" &
+        names+=("demo-$stem-$dtype")
+        [ "$dtype" = bf16 ] && wait
+    done
+done
+wait
+for name in "${names[@]}"; do
+    verdict "$name"
+done
+
+# ---- 3. CUDA-marked tests ------------------------------------------------------------------------
+if "$PY" -c "import pytest" >/dev/null 2>&1; then
+    part pytest-cuda 100 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" tests
+    verdict pytest-cuda
+    if grep -q -E "errors? (during|while) collect|ERROR collecting|no tests ran" "$OUT/pytest-cuda.log"; then
+        # A test module that can't be imported here (a missing plugin) must not hide the CUDA tests.
+        files=$(grep -l -E "mark\.cuda|pytest\.mark\.cuda" "$ROOT"/tests/test_*.py 2>/dev/null | tr '\n' ' ')
+        if [ -n "$files" ]; then
+            say "      (collection trouble: the CUDA-marked files alone follow)"
+            # shellcheck disable=SC2086
+            part pytest-cuda-files 80 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" $files
+            verdict pytest-cuda-files
+        fi
+    fi
+else
+    say "FAIL  pytest-cuda: pytest is not installed for $PY"
+    FAILED=1
+fi
+
+# ---- 4. overhead benchmark on GPT-2-small size ---------------------------------------------------
+if [ "$DEVICE" = "cpu" ]; then
+    part overhead 150 "$PY" "$ROOT/bench/run.py" --quick --only overhead --device cpu --out "$OUT"
+else
+    part overhead 150 "$PY" "$ROOT/bench/run.py" --gpu --device "$DEVICE" --out "$OUT"
+fi
+verdict overhead
+# the table is at the end of the log; keep it on its own too
+sed -n '/^amp-tui benchmarks/,$p' "$OUT/overhead.log" > "$OUT/overhead.txt"
+
+say "total $(( $(date +%s) - START ))s; results in $OUT"
+exit "$FAILED"
