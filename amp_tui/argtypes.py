@@ -32,11 +32,18 @@ share = bounded(lambda v: 0 < v <= 1, "a share between 0 and 1 (or a percentage)
 unit_share = bounded(lambda v: 0 <= v <= 1, "between 0 and 1 (or a percentage)", percent=True)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
-    return value
+def whole(minimum: int):
+    """An argparse type accepting whole numbers of at least `minimum`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be {minimum} or more")
+        return value
+    return parse
+
+
+positive_int = whole(1)
+nonnegative_int = whole(0)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from amp_tui import argtypes, precision
+from amp_tui.numfmt import number
 from amp_tui.jsonsafe import encode_float
 from amp_tui.script import ScriptError, TrainSetup, describe_exception
 
@@ -832,16 +833,6 @@ def _max_flips(text: str) -> MaxFlips:
     return MaxFlips(count=None, share=share)
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
-    return value
-
-
 def add_parser(sub) -> argparse.ArgumentParser:
 
     p = sub.add_parser(
@@ -878,7 +869,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     help="time training steps and measure peak memory against fp32")
     sp.add_argument("--speed-steps", type=argtypes.positive_int, default=DEFAULT_SPEED_STEPS, metavar="N",
                     help=f"timed training steps per dtype (default {DEFAULT_SPEED_STEPS})")
-    sp.add_argument("--warmup", type=_count, default=DEFAULT_WARMUP, metavar="N",
+    sp.add_argument("--warmup", type=argtypes.nonnegative_int, default=DEFAULT_WARMUP, metavar="N",
                     help=f"untimed steps first (default {DEFAULT_WARMUP})")
     p.add_argument("--json", action="store_true", help="machine-readable output (strict JSON)")
     return p
@@ -942,13 +933,7 @@ def cmd_compare(args, script_argv: list[str] | None = None) -> int:
 
 # ---- human output ----------------------------------------------------------------------------
 def _fmt(x: float | None, digits: int = 3) -> str:
-    if x is None:
-        return "–"
-    if math.isnan(x):
-        return "NaN"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return f"{x:.{digits}g}"
+    return number(x, digits, missing="–")
 
 
 def _bytes(n: int | None) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 
@@ -12,6 +11,7 @@ from rich.text import Text
 
 from amp_tui import precision
 from amp_tui.jsonsafe import decode_float
+from amp_tui.numfmt import number
 
 EVENT_STYLES = {
     "nonfinite": "yellow", "error": "bold red", "intervention": "cyan",
@@ -85,8 +85,4 @@ class HeadlessPrinter:
 
 
 def _num(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if not math.isfinite(x):
-        return str(x)
-    return f"{x:.5g}"
+    return number(x, 5)

@@ -7,7 +7,6 @@ get every record (header, step, event, end) on the training thread and must be q
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import socket
 import sys
@@ -29,6 +28,7 @@ from amp_tui.devices import describe_device, move_to_device
 from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult
 from amp_tui.guards import GuardConfig, PrecisionGuard
 from amp_tui.local_fp32 import LocalFp32, ModuleMatchError
+from amp_tui.numfmt import number
 from amp_tui.script import ScriptError, TrainSetup, describe_exception
 from amp_tui.session import SessionWriter, event_record, step_record
 
@@ -648,7 +648,7 @@ class StepFailure(Exception):
 
 
 def _fmt(x: float) -> str:
-    return "NaN" if math.isnan(x) else ("inf" if x == math.inf else "-inf" if x == -math.inf else f"{x:.4g}")
+    return number(x, 4)
 
 
 def _json_float(x: float | None):

@@ -13,6 +13,7 @@ import unicodedata
 from rich.text import Text
 
 from amp_tui import precision
+from amp_tui.numfmt import number
 
 
 def visible(value: object, *, keep_newlines: bool = False) -> str:
@@ -44,13 +45,7 @@ def short_dtype(dtype: str | None) -> str:
 
 def magnitude(value: float | None) -> str:
     """A per-layer figure: 3 significant digits, '-' when it wasn't measured."""
-    if value is None:
-        return "-"
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return f"{value:.3g}"
+    return number(value, 3)
 
 
 def loss_text(value: float | None) -> str:
