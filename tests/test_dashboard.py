@@ -428,6 +428,11 @@ async def test_nonfinite_loss_pauses_with_a_notice_naming_step_and_layer(write_s
                 assert key in text
             await until(pilot, lambda: "amplifier" in toasts(app), "the pause toast")
             assert source.snapshot().state == "paused" and run.step == 1
+            # the origin's row is highlighted in the layer table
+            table = app.dashboard.layer_table
+            await until(pilot, lambda: table._origin == "amplifier", "the origin row")
+            position = [r.name for r in table._ordered].index("amplifier")
+            assert any("reverse" in str(span.style) for span in table.row_text(position).spans)
             # the fix: bf16 has room for the activations; resuming clears the notice
             await pilot.press("d", "space")
             await until(pilot, lambda: not notice.has_class("-visible"), "the notice to clear")

@@ -29,7 +29,7 @@ from amp_tui.ui.notice import PauseNotice
 from amp_tui.ui.status_bar import StatusBar
 from amp_tui.ui.text import short_dtype
 from amp_tui.ui.too_small import TooSmall, too_small
-from amp_tui.ui.view import current_precision, layer_rows, nonfinite_pause
+from amp_tui.ui.view import current_precision, layer_rows, nonfinite_origin, nonfinite_pause
 
 CHART_INTERVAL_S = 1.0   # at most once a second: a run's history needn't move faster
 CHART_BUDGET = 0.04      # and the charts get at most ~4% of the UI thread (a plotext build costs
@@ -137,12 +137,13 @@ class DashboardScreen(Screen):
                 self.scale_chart.show(h)
             else:
                 done = False
-        layers_key = (snap.layers.step, len(snap.layers.names), prec)
+        origin = nonfinite_origin(snap)
+        layers_key = (snap.layers.step, len(snap.layers.names), prec, origin)
         if layers_key != self._layers_key:
             if tick - self._table_at >= TABLE_INTERVAL_S:
                 self._layers_key, self._table_at = layers_key, tick
                 self.layer_table.show(layer_rows(snap.layers, prec), snap.layers.step,
-                                      short_dtype(prec.dtype))
+                                      short_dtype(prec.dtype), origin)
             else:
                 done = False
         return done

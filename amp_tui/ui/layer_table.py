@@ -96,6 +96,7 @@ class LayerTable(ScrollView, can_focus=True):
         # The layer under the cursor once the user picked one; until then the cursor stays on the
         # top row, which is the worst layer.
         self._picked: int | None = None
+        self._origin: str | None = None      # the module a non-finite event named: highlighted
         self._title: Text | None = None
         # Rendered rows by position, valid until the data, order, cursor or styles change.
         self._strips: dict[int, Strip] = {}
@@ -106,7 +107,9 @@ class LayerTable(ScrollView, can_focus=True):
         self._update_subtitle()
 
     # ---- data ---------------------------------------------------------------------------------
-    def show(self, rows: list[LayerRow], step: int | None, dtype_label: str) -> None:
+    def show(self, rows: list[LayerRow], step: int | None, dtype_label: str,
+             origin: str | None = None) -> None:
+        self._origin = origin
         if [r.name for r in rows] != [r.name for r in self._rows]:
             self._names = [middle_ellipsis(visible(r.name), NAME_WIDTH) for r in rows]
             self._widths = [max(len(str(max(len(rows) - 1, 0))), 1),
@@ -150,7 +153,7 @@ class LayerTable(ScrollView, can_focus=True):
     def row_text(self, position: int) -> Text:
         """One row as shown, as a Text (for tests; drawing uses the same pieces as segments)."""
         text = Text(no_wrap=True, end="")
-        for piece, style in self._pieces(_cells(self._ordered[position], self._names)):
+        for piece, style in self._pieces(_cells(self._ordered[position], self._names, self._origin)):
             text.append(piece, style)
         return text
 
@@ -210,7 +213,7 @@ class LayerTable(ScrollView, can_focus=True):
         elif position >= len(self._ordered):
             return Strip.blank(0, self._styles_for())
         else:
-            cells = _cells(self._ordered[position], self._names)
+            cells = _cells(self._ordered[position], self._names, self._origin)
             cursor = position == self.cursor_position
             style = self._styles_for("layer-table--cursor" if cursor else None)
         return Strip([Segment(piece, style + _style(piece_style))
@@ -263,10 +266,19 @@ class LayerTable(ScrollView, can_focus=True):
         return None
 
 
-def _cells(row: LayerRow, names: list[str]) -> list[list[tuple[str, str]]]:
+def is_origin_row(name: str, origin: str | None) -> bool:
+    """The row of the named module, or of the module that owns it / that it owns."""
+    if not origin:
+        return False
+    return name == origin or origin.startswith(name + ".") or name.startswith(origin + ".")
+
+
+def _cells(row: LayerRow, names: list[str], origin: str | None = None) -> list[list[tuple[str, str]]]:
     """The row's cells, each a list of (text, style) pieces."""
     style = _row_style(row)
     name = names[row.index] if row.index < len(names) else visible(row.name)
+    if is_origin_row(row.name, origin):
+        return [[(str(row.index), "dim")], [(name, "bold reverse red")], *_cells(row, names)[2:]]
     # A non-finite figure has no headroom: show the value itself ("inf act", "NaN grad").
     bits = magnitude(getattr(row, row.limit)) if row.nonfinite and row.limit else bits_text(row.headroom)
     head = [(f"{bits:>5} ", style), (f"{row.limit or '':<6}", style or "dim")]

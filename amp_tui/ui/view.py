@@ -154,6 +154,19 @@ class NonfinitePause:
     event_index: int            # events_seen count at the paused event (to notify once)
 
 
+def nonfinite_origin(snap: Snapshot) -> str | None:
+    """The module the newest step's non-finite event names as the origin (None when that step was
+    healthy): the layer table highlights it."""
+    last = (snap.last or {}).get("step")
+    for event in reversed(snap.events):
+        if event.get("kind") == "nonfinite":
+            if event.get("step") != last:
+                return None
+            origin = event.get("origin") or event.get("layer")
+            return str(origin) if origin else None
+    return None
+
+
 def nonfinite_pause(snap: Snapshot) -> NonfinitePause | None:
     if snap.state != "paused":
         return None
