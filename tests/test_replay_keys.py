@@ -163,3 +163,22 @@ def test_paused_replay_snapshot(snap_compare, tmp_path):
     source = ReplaySource(tmp_path, autoplay=False, clock=lambda: 100.0)
     source.seek(12)
     assert snap_compare(create_app(source, clock=lambda: 1015.0), terminal_size=SIZE)
+
+
+@run_async
+async def test_replay_follows_a_session_that_grows_while_the_app_runs(recording, tmp_path):
+    """`amp-tui replay --follow`: records appended by a running job show up in the open app."""
+    lines = (recording / "session.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    steps = [i for i, line in enumerate(lines) if '"type":"step"' in line]
+    growing = tmp_path / "session.jsonl"
+    growing.write_text("".join(lines[:steps[9] + 1]), encoding="utf-8")  # header .. step 9
+    source = ReplaySource(growing, follow=True)
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await until(pilot, lambda: "step 10" in status(app), "the first ten steps")
+        with open(growing, "a", encoding="utf-8") as fh:  # the job writes on
+            fh.write("".join(lines[steps[9] + 1:steps[24] + 1]))
+        await until(pilot, lambda: "step 25" in status(app), "the appended steps")
+        assert source.total_steps == 25
+        events = [e.get("kind") for e in source.snapshot().events]
+        assert "intervention" in events  # the dtype switch before step 10 arrived with them
