@@ -212,9 +212,7 @@ class GuardedTrainer:
         return result
 
     def _forward(self, batch):
-        enabled = precision.uses_autocast(self.dtype)
-        with torch.autocast(self.device.type, dtype=precision.torch_dtype(self.dtype), enabled=enabled):
-            return _check_loss(self.loss_fn(self.model, batch))
+        return _check_loss(self._forward_unchecked(batch))
 
     def _step(self, micro_batches, probe: LayerProbe | None) -> StepResult:
         opt, scaler = self.optimizer, self.scaler
@@ -258,19 +256,16 @@ class GuardedTrainer:
         grad_norm = None
         if self.max_grad_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
-        extra: list[torch.Tensor] = []
+        if probe:
+            probe.record_weights()  # before the update: the weights this step's forward used
         if scaler is None:
             # bf16/fp32: nothing skips for us, so check before stepping (one sync).
-            if probe:
-                probe.record_weights()
             extra = [found_inf] + ([grad_norm] if grad_norm is not None else [])
             figures, host = probe.collect(extra) if probe else (None, _to_host(extra))
             skipped = host[0] > 0
             if not skipped:
                 opt.step()
         else:
-            if probe:
-                probe.record_weights()
             scaler.step(opt)  # a fused optimizer is called even on overflow: judge by the scale
             scaler.update()
             extra = [scaler._scale] + ([grad_norm] if grad_norm is not None else [])
