@@ -49,7 +49,7 @@ class StepResult:
     wall_time: float = field(default_factory=time.time)
 
 
-def _check_loss(loss: Any) -> torch.Tensor:
+def check_loss(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise LossError(f"loss_fn returned a {type(loss).__name__}, not a tensor")
     if loss.numel() != 1:
@@ -212,7 +212,7 @@ class GuardedTrainer:
         return result
 
     def _forward(self, batch):
-        return _check_loss(self._forward_unchecked(batch))
+        return check_loss(self._forward_unchecked(batch))
 
     def _step(self, micro_batches, probe: LayerProbe | None) -> StepResult:
         opt, scaler = self.optimizer, self.scaler

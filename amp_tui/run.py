@@ -25,7 +25,7 @@ from amp_tui import checkpoint as ckpt
 from amp_tui import precision
 from amp_tui.commands import Command, CommandQueue, Outcome
 from amp_tui.devices import describe_device, move_to_device
-from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult
+from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult, check_loss
 from amp_tui.guards import GuardConfig, PrecisionGuard
 from amp_tui.local_fp32 import LocalFp32, ModuleMatchError
 from amp_tui.numfmt import number
@@ -130,8 +130,7 @@ def preflight(setup: TrainSetup, feed: BatchFeed, device: torch.device, dtype: s
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             enabled = precision.uses_autocast(dtype)
             with torch.autocast(device.type, dtype=precision.torch_dtype(dtype), enabled=enabled):
-                from amp_tui.engine import _check_loss
-                _check_loss(setup.loss_fn(setup.model, batch))
+                check_loss(setup.loss_fn(setup.model, batch))
     except LossError as exc:
         raise ScriptError(f"{script.name}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - the user's code failed: say where
