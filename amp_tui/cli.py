@@ -394,14 +394,23 @@ def cmd_ls(args) -> int:
     if not rows:
         print(f"no runs under {args.folder}")
         return 0
-    table = Table(box=None, header_style="bold")
-    for name in ("run", "state", "script", "steps", "dtype", "skipped", "last event"):
-        table.add_column(name, no_wrap=True, overflow="ellipsis", max_width=60 if name == "last event" else None)
     styles = {"running": "green", "crashed": "red", "error": "red", "stopped": "yellow"}
-    for r in rows:
-        table.add_row(Text(r.run_dir.name), Text(r.state, style=styles.get(r.state, "")), Text(r.script),
-                      str(r.steps), short_dtype(r.dtype), str(r.skipped), Text(r.last_event))
-    Console(highlight=False).print(table)
+    cells = [[Text(r.run_dir.name), Text(r.state, style=styles.get(r.state, "")), Text(r.script),
+              Text(str(r.steps)), Text(short_dtype(r.dtype)), Text(str(r.skipped))] for r in rows]
+    # Piped output has no width to fit: keep whole rows for grep and friends.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    table = Table(box=None, header_style="bold")
+    used = 0
+    for i, name in enumerate(("run", "state", "script", "steps", "dtype", "skipped")):
+        # Whole values in these columns; only the last event is cut to fit the terminal.
+        width = max([len(name)] + [len(row[i].plain) for row in cells])
+        table.add_column(name, no_wrap=True, min_width=width)
+        used += width + 2
+    table.add_column("last event", no_wrap=True, overflow="ellipsis",
+                     max_width=max(10, console.width - used - 2))
+    for row, r in zip(cells, rows):
+        table.add_row(*row, Text(r.last_event))
+    console.print(table)
     return 0
 
 
