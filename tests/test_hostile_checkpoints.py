@@ -1,0 +1,75 @@
+"""Hostile safetensors headers are refused with a clear message and bounded memory."""
+
+import json
+import struct
+import tracemalloc
+
+import pytest
+import torch
+from torch import nn
+
+from amp_tui.checkpoint import CheckpointError, read_checkpoint
+
+
+def target():
+    model = nn.Linear(2, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def write(path, header_bytes: bytes, data: bytes = b"", length: int | None = None):
+    n = len(header_bytes) if length is None else length
+    path.write_bytes(struct.pack("<Q", n) + header_bytes + data)
+    return path
+
+
+def header(entries: dict, metadata=None) -> bytes:
+    h = dict(entries)
+    if metadata is not None:
+        h["__metadata__"] = metadata
+    return json.dumps(h).encode()
+
+
+def refused(path, *words):
+    model, opt = target()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError) as exc:
+        read_checkpoint(path, model=model, optimizer=opt)
+    message = str(exc.value)
+    assert str(path.name) in message and "\n" not in message
+    for word in words:
+        assert word in message, message
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return message
+
+
+def test_huge_header_length_is_refused_without_allocating_it(tmp_path):
+    path = write(tmp_path / "huge.safetensors", b"{}", length=2**60)
+    refused(path, "not a safetensors file")  # once first: imports and caches are not the file's
+    tracemalloc.start()
+    refused(path, "not a safetensors file")
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 10 * 2**20
+
+
+def test_overlapping_offsets_are_refused(tmp_path):
+    entries = {"model.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+               "model.bias": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}
+    refused(write(tmp_path / "overlap.safetensors", header(entries), b"\0" * 16), "overlap")
+
+
+def test_gapped_offsets_are_refused(tmp_path):
+    entries = {"model.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+               "model.bias": {"dtype": "F32", "shape": [2], "data_offsets": [24, 32]}}
+    refused(write(tmp_path / "gap.safetensors", header(entries), b"\0" * 32), "gaps")
+
+
+def test_duplicate_tensor_names_are_refused(tmp_path):
+    raw = (b'{"model.bias": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},'
+           b' "model.bias": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}')
+    refused(write(tmp_path / "dup.safetensors", raw, b"\0" * 16), "corrupted")
+
+
+def test_non_string_metadata_is_refused(tmp_path):
+    entries = {"model.bias": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    refused(write(tmp_path / "meta.safetensors", header(entries, {"step": 3}), b"\0" * 8), "__metadata__")
