@@ -345,7 +345,7 @@ def main(argv=None) -> int:
                      "versions": common.versions(), "checkout": common.checkout(ROOT),
                      "settings": {"sections": list(sections), "torch_threads": torch.get_num_threads(),
                                   "overhead_rounds_max": p.rounds, "overhead_budget_s": p.budget_s,
-                                  "command": [sys.executable, *sys.argv]}}
+                                  "command": ["python", *sys.argv]}}
     runners = {"overhead": run_overhead, "dashboard": run_dashboard, "replay": run_replay,
                "checkpoint": run_checkpoint}
     for section in SECTIONS:
@@ -365,7 +365,10 @@ def main(argv=None) -> int:
     out_dir = args.out or Path(os.environ.get("AMP_TUI_BENCH_OUT", RESULTS))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{common.stamp()}-{kind}.json"
-    results["json_path"] = str(path)
+    try:  # relative to the repository: results are shared, the machine's folders are not
+        results["json_path"] = str(path.resolve().relative_to(Path(__file__).resolve().parent.parent))
+    except ValueError:
+        results["json_path"] = path.name
     path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
     print(render(results))
     return 0
