@@ -264,7 +264,7 @@ def measure(steps: int, layers: int = 50, seeks: int = 50, path: Path | None = N
     except (AttributeError, OSError):
         load = None
     figures = {
-        "path": str(path),
+        "path": f"{path.parent.name}/{path.name}",  # no machine folders in shared results
         "file_mb": round(size / 1e6, 1),
         "events": index.event_count,
         "bytes_per_step": round(size / steps),
