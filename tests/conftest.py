@@ -50,6 +50,26 @@ def setup(ctx=None):
 '''
 
 
+# Regression targets ~300x the features: a loss of ~1e5-1e6 whose backward overflows fp16 at
+# init_scale 65536. ACC is replaced by the micro-batch count.
+OVERFLOW_SCRIPT = '''
+import torch
+from torch import nn
+
+def setup(ctx=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    xs = torch.randn(64, 8)
+    ys = xs.sum(1, keepdim=True) * 300          # a loss of ~1e5-1e6: overflows backward at 65536
+    batches = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, 64, 16)]
+    def loss_fn(model, batch):
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches, "accumulate": ACC}
+'''
+
+
 @pytest.fixture
 def mlp_script(write_script):
     return write_script(MLP_SCRIPT)

@@ -4,36 +4,21 @@ leaves the job running, Q stops it, and interventions from other clients show up
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
 from amp_tui.attach import AttachedSource
-from amp_tui.cli import build_parser, main, prepare_run
+from amp_tui.cli import main
 from amp_tui.commands import Command
-from amp_tui.control import job_alive, send, socket_path
+from amp_tui.control import job_alive, send
 from amp_tui.session import read_session
 from amp_tui.ui.app import create_app
 
 from test_dashboard import run_async, toasts, until
+from test_control import live_job  # noqa: F401 - the fixture
 from test_faults import SLOW_SCRIPT, wait_for
 
 SIZE = (120, 40)
-
-
-@pytest.fixture
-def live_job(write_script, tmp_path):
-    """A headless run on a background thread, with its control socket (as in test_control)."""
-    script = write_script(SLOW_SCRIPT)
-    args = build_parser().parse_args(["train", str(script), "--run-dir", str(tmp_path / "run"),
-                                      "--init-scale", "256"])
-    run, _ = prepare_run(args, [], [])
-    thread = threading.Thread(target=run.run)
-    thread.start()
-    assert wait_for(lambda: run.step >= 2 and socket_path(run.run_dir).exists(), 60)
-    yield run, thread
-    run.request_stop()
-    thread.join(30)
 
 
 def interventions(run) -> list[dict]:

@@ -19,8 +19,8 @@ from test_faults import SLOW_SCRIPT, wait_for
 
 
 @pytest.fixture
-def live_run(write_script, tmp_path):
-    """A headless run on a background thread, with its control socket."""
+def live_job(write_script, tmp_path):
+    """A headless run on a background thread, with its control socket: (run, thread)."""
     script = write_script(SLOW_SCRIPT)
     args = build_parser().parse_args(["train", str(script), "--run-dir", str(tmp_path / "run"),
                                       "--init-scale", "256"])
@@ -28,9 +28,14 @@ def live_run(write_script, tmp_path):
     thread = threading.Thread(target=run.run)
     thread.start()
     assert wait_for(lambda: run.step >= 2 and socket_path(run.run_dir).exists(), 60)
-    yield run
+    yield run, thread
     run.request_stop()
     thread.join(30)
+
+
+@pytest.fixture
+def live_run(live_job):
+    return live_job[0]
 
 
 def test_every_command_over_ctl_is_applied_and_recorded(live_run, capsys):

@@ -18,6 +18,8 @@ from amp_tui.source import Snapshot
 from amp_tui.timeline import (at_arguments, clean, interventions_as_at, interventions_as_commands,
                               timeline_lines)
 
+from conftest import OVERFLOW_SCRIPT
+
 LAYERS = ["embed", "block.0", "head"]
 
 
@@ -351,23 +353,6 @@ def test_timeline_strips_control_characters(recording):
     assert clean("a\u202eb\x00c\td") == "abc d"
 
 
-OVERFLOW_SCRIPT = '''
-import torch
-from torch import nn
-
-def setup(ctx=None):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    xs = torch.randn(64, 8)
-    ys = xs.sum(1, keepdim=True) * 300          # overflows backward at init_scale 65536
-    batches = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, 64, 16)]
-    def loss_fn(model, batch):
-        x, y = batch
-        return nn.functional.mse_loss(model(x), y)
-    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches}
-'''
-
 AT = ["3:scale=4096", "5:dtype=bf16", "6:save", "8:restore=checkpoints/step-0000006.safetensors",
       "9:pause", "9:resume", "10:dtype=fp16", "10:scale=half"]
 
@@ -376,7 +361,7 @@ AT = ["3:scale=4096", "5:dtype=bf16", "6:save", "8:restore=checkpoints/step-0000
 def real_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("replay-run")
     script = tmp / "overflow.py"
-    script.write_text(OVERFLOW_SCRIPT)
+    script.write_text(OVERFLOW_SCRIPT.replace("ACC", "1"))
     run_dir = tmp / "run"
     args = ["train", str(script), "--headless", "--steps", "12", "--run-dir", str(run_dir)]
     for at in AT:

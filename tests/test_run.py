@@ -10,24 +10,7 @@ from amp_tui.cli import build_parser, main, prepare_run
 from amp_tui.commands import Command
 from amp_tui.session import read_session
 
-from conftest import strict_lines
-
-OVERFLOW_SCRIPT = '''
-import torch
-from torch import nn
-
-def setup(ctx=None):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    xs = torch.randn(64, 8)
-    ys = xs.sum(1, keepdim=True) * 300          # a loss of ~1e5-1e6: overflows backward at 65536
-    batches = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, 64, 16)]
-    def loss_fn(model, batch):
-        x, y = batch
-        return nn.functional.mse_loss(model(x), y)
-    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches, "accumulate": ACC}
-'''
+from conftest import OVERFLOW_SCRIPT, strict_lines
 
 
 def run_cli(args, tmp_path, name="run"):
