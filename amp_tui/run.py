@@ -28,6 +28,7 @@ from amp_tui.devices import describe_device, move_to_device
 from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult, check_loss
 from amp_tui.guards import GuardConfig, PrecisionGuard
 from amp_tui.local_fp32 import LocalFp32, ModuleMatchError
+from amp_tui.jsonsafe import encode_float
 from amp_tui.numfmt import number
 from amp_tui.script import ScriptError, TrainSetup, describe_exception
 from amp_tui.session import SessionWriter, event_record, step_record
@@ -413,7 +414,7 @@ class Run:
             where = f"; first non-finite output: {layer}" if layer else ""
             if diagnosis is not None and diagnosis.input_nonfinite:
                 where += " (its input was already non-finite)"
-            msg = f"non-finite loss ({_fmt(result.loss)}) in {precision.SHORT[result.dtype]}{where}: update skipped"
+            msg = f"non-finite loss ({number(result.loss, 4)}) in {precision.SHORT[result.dtype]}{where}: update skipped"
         else:
             where = f"; first non-finite gradient: {layer}" if layer else ""
             if result.scale is not None:
@@ -422,7 +423,7 @@ class Run:
             else:
                 msg = f"non-finite gradients in {precision.SHORT[result.dtype]}{where}: update skipped"
         self.event("nonfinite", msg, step=result.step, where=result.nonfinite, layer=layer,
-                   loss=_json_float(result.loss), scale=result.scale, dtype=result.dtype,
+                   loss=encode_float(result.loss), scale=result.scale, dtype=result.dtype,
                    **(diagnosis.as_fields() if diagnosis is not None else {}))
         if result.nonfinite != "loss":
             return
@@ -460,7 +461,7 @@ class Run:
         t, r = self.trainer, self.last_result
         return {"state": self.state, "step": self.step, "steps": self.config.steps, "dtype": t.dtype,
                 "scale": t.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
-                "loss": _json_float(r.loss) if r is not None else None, "pid": os.getpid(),
+                "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
                 "run_dir": str(self.run_dir), "script": str(self.config.script)}
 
     def status_line(self) -> str:
@@ -646,17 +647,8 @@ class StepFailure(Exception):
         self.step, self.message, self.original = step, message, original
 
 
-def _fmt(x: float) -> str:
-    return number(x, 4)
-
-
-def _json_float(x: float | None):
-    from amp_tui.jsonsafe import encode_float
-    return encode_float(x)
-
-
 def _json_value(v):
-    return v if not isinstance(v, float) else _json_float(v)
+    return encode_float(v) if isinstance(v, float) else v
 
 
 def _scale_note(after: dict) -> str:
