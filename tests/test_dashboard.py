@@ -644,17 +644,21 @@ def test_hangup_guard_stops_the_run_flushes_and_leaves(monkeypatch):
         def close(self):
             self.calls.append("close")
 
+        def request_stop(self, checkpoint, reason):
+            self.calls.append(("request_stop", checkpoint, reason))
+
     exits = []
     monkeypatch.setattr(hangup, "GRACE_S", 0.01)
     monkeypatch.setattr(hangup.os, "_exit", exits.append)
-    # the UI exits by itself: the run is stopped, nothing is forced
+    # the UI exits by itself: the run is stopped with a checkpoint, nothing is forced
     app, source, run = Stub(True), Stub(True), Stub(True)
     guard = hangup.HangupGuard(app, source, run, stop_timeout=1.0)
     guard.finished.set()
-    guard._stop_and_leave(1)
-    assert app.calls == ["TerminalGone"] and source.calls == ["stop"] and run.calls == []
+    guard._stop_and_leave("SIGHUP", 129)
+    assert app.calls == ["TerminalGone"] and source.calls == ["stop"]
+    assert run.calls == [("request_stop", True, "SIGHUP")]
     assert exits == []
     # a hung step and a stuck UI: flush what finished, then end the process (128 + SIGHUP)
     app, source, run = Stub(True), Stub(False), Stub(True)
-    hangup.HangupGuard(app, source, run, stop_timeout=1.0)._stop_and_leave(1)
-    assert run.calls == ["close"] and exits == [129]
+    hangup.HangupGuard(app, source, run, stop_timeout=1.0)._stop_and_leave("SIGHUP", 129)
+    assert run.calls == [("request_stop", True, "SIGHUP"), "close"] and exits == [129]

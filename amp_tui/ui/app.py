@@ -24,7 +24,7 @@ from amp_tui.source import Snapshot, Source
 from amp_tui.ui.actions import BY_ACTION, KEY_ACTIONS, bindings, key_label
 from amp_tui.ui.goto_dialog import GotoDialog
 from amp_tui.ui.dashboard import DashboardScreen
-from amp_tui.ui.hangup import HangupGuard
+from amp_tui.ui.hangup import HangupGuard, terminal_input
 from amp_tui.ui.help_screen import HelpScreen
 from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
 from amp_tui.ui.restore_dialog import RestoreDialog
@@ -423,7 +423,7 @@ def run_dashboard(run, warnings: list[str], refresh_rate: float = 20.0) -> int:
 
     source = LiveSource(run)
     app = create_app(source, refresh_rate=refresh_rate, warnings=warnings)
-    with HangupGuard(app, source, run, STOP_TIMEOUT_S):
+    with HangupGuard(app, source, run, STOP_TIMEOUT_S, input_fd=terminal_input()):
         crashed = False
         try:
             app.run()

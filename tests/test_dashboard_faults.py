@@ -1,0 +1,142 @@
+"""The dashboard under faults: its terminal gone, with or without SIGHUP.
+
+The terminal tests run the real `amp-tui train` on a pseudo-terminal. Closing the other side sends
+no SIGHUP here: the child is in a session of its own that the pseudo-terminal does not control, so
+its input just reaches end of file (which Textual itself ignores, spinning on empty reads).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from amp_tui.checkpoint import read_checkpoint
+from amp_tui.script import load_script
+from amp_tui.session import SessionFormatError, read_session
+from amp_tui.ui.hangup import INPUT_CLOSED
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "demos" / "healthy.py"
+EXIT_BOUND_S = 15.0
+
+
+# ---- standard input at end of file, no SIGHUP ----------------------------------------------------
+
+def step_records(run_dir: Path) -> int:
+    try:
+        return len(read_session(run_dir).steps)
+    except (SessionFormatError, OSError):
+        return 0
+
+
+def restorable(path: Path, script: Path):
+    """The checkpoint at `path`, read and checked (digests, shapes) against a fresh setup."""
+    setup = load_script(script, device="cpu", argv=[])
+    return read_checkpoint(path, model=setup.model, optimizer=setup.optimizer,
+                           scheduler=setup.scheduler)
+
+
+def session_members(sid: int) -> list[int]:
+    """Processes still in session `sid` (the child's own: it and anything it started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) "
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry))
+    return found
+
+
+class Drain(threading.Thread):
+    """Reads the terminal's output so the app never blocks on a full pseudo-terminal."""
+
+    def __init__(self, fd: int):
+        super().__init__(daemon=True)
+        self.fd = fd
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            if select.select([self.fd], [], [], 0.1)[0]:
+                try:
+                    if not os.read(self.fd, 65536):
+                        return
+                except OSError:
+                    return
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, needs a Linux pty")
+@pytest.mark.parametrize("fault", ["end of file", "SIGHUP"])
+def test_the_terminal_gone_stops_at_a_step_boundary_checkpoints_flushes_and_exits(fault, tmp_path):
+    """The terminal closes with no signal (its input at end of file), or SIGHUP arrives."""
+    if not SCRIPT.exists():
+        pytest.skip(f"{SCRIPT.relative_to(REPO)} is not there yet")
+    run_dir = tmp_path / "run"
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "amp_tui", "train", str(SCRIPT),
+                             "--run-dir", str(run_dir), "--device", "cpu"],
+                            stdin=slave, stdout=slave, stderr=slave, cwd=REPO,
+                            start_new_session=True)
+    os.close(slave)
+    drain = Drain(master)
+    drain.start()
+    try:
+        deadline = time.monotonic() + 90
+        while step_records(run_dir) < 3:
+            assert proc.poll() is None, f"amp-tui exited early with status {proc.returncode}"
+            assert time.monotonic() < deadline, "the dashboard never got a run going"
+            time.sleep(0.1)
+        if fault == "SIGHUP":
+            proc.send_signal(signal.SIGHUP)
+        else:
+            drain.stop()
+            os.close(master)      # the terminal is gone; no signal is sent
+            master = None
+        closed = time.monotonic()
+        try:
+            status = proc.wait(timeout=EXIT_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"amp-tui still running {EXIT_BOUND_S:g} s after {fault}")
+        assert time.monotonic() - closed < EXIT_BOUND_S
+    finally:
+        if master is not None:
+            drain.stop()
+            os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # 0: the UI got out by itself; 129: it was stuck on the dead terminal and was ended as a
+    # hang-up would be. Either way nothing was lost:
+    assert status in (0, 129)
+    assert session_members(proc.pid) == []
+    session = read_session(run_dir)
+    assert session.end is not None and session.end["status"] == "stopped"
+    assert session.skipped_lines == 0
+    reason = INPUT_CLOSED if fault == "end of file" else fault
+    stopping = [e for e in session.events if e["kind"] == "stopping"]
+    assert [e["reason"] for e in stopping] == [reason]   # end of file: no SIGHUP came
+    saved = [e for e in session.events if e["kind"] == "checkpoint_saved"]
+    assert saved and saved[-1]["source"] == reason
+    assert restorable(run_dir / saved[-1]["path"], SCRIPT).step == saved[-1]["checkpoint_step"]
