@@ -326,13 +326,16 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
     source = FixedSource(synthetic_records(), answer=Outcome(True, "checkpoint saved: x"))
     app = create_app(source, clock=lambda: FROZEN)
     keys = {b.key: b for b in AmpTuiApp.BINDINGS}
-    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "question_mark", "q"}
-    assert all(b.id and b.description and b.show for b in keys.values())
+    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "question_mark", "q", "ctrl+c"}
+    assert all(b.id and b.description for b in keys.values())
+    # ctrl+c is a second key for quit: in the help, not in the footer or the palette
+    assert [k for k, b in keys.items() if not b.show] == ["ctrl+c"]
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await pilot.pause()
         active = app.dashboard.active_bindings
         assert set(keys) <= set(active)
         titles = [c.title for c in app.get_system_commands(app.dashboard)]
+        assert sum(t.startswith("Quit") for t in titles) == 1
         for action in ("Cycle the dtype", "Halve the loss scale", "Set the loss scale",
                        "Save a checkpoint", "Restore a checkpoint", "Pause / resume",
                        "Run one step", "Help", "Quit"):
@@ -354,7 +357,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
         shown = [str(cell) for cell in help_text(live=True).columns[0]._cells]
-        for key in ("d", "s", "S", "c", "r", "space", "n", "?", "q", "headroom bits"):
+        for key in ("d", "s", "S", "c", "r", "space", "n", "?", "q", "ctrl+c", "headroom bits"):
             assert key in shown
         await pilot.press("escape")
         assert app.screen is app.dashboard

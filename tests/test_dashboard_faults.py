@@ -1,4 +1,4 @@
-"""The dashboard under faults: its terminal gone, with or without SIGHUP.
+"""The dashboard under faults: its terminal gone (with or without SIGHUP), Ctrl+C once and twice.
 
 The terminal tests run the real `amp-tui train` on a pseudo-terminal. Closing the other side sends
 no SIGHUP here: the child is in a session of its own that the pseudo-terminal does not control, so
@@ -24,7 +24,13 @@ import pytest
 from amp_tui.checkpoint import read_checkpoint
 from amp_tui.script import load_script
 from amp_tui.session import SessionFormatError, read_session
+from amp_tui.ui.app import create_app
+from amp_tui.ui.fixed_source import FixedSource, synthetic_records
 from amp_tui.ui.hangup import INPUT_CLOSED
+from amp_tui.ui.help_screen import HelpScreen
+from amp_tui.ui.scale_dialog import ScaleDialog
+
+from test_dashboard import HANGING_SCRIPT, SIZE, build_live, run_async, toasts, until
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "demos" / "healthy.py"
@@ -140,3 +146,69 @@ def test_the_terminal_gone_stops_at_a_step_boundary_checkpoints_flushes_and_exit
     saved = [e for e in session.events if e["kind"] == "checkpoint_saved"]
     assert saved and saved[-1]["source"] == reason
     assert restorable(run_dir / saved[-1]["path"], SCRIPT).step == saved[-1]["checkpoint_step"]
+
+
+# ---- Ctrl+C is q: once stops cleanly, twice forces ------------------------------------------------
+
+@run_async
+async def test_ctrl_c_stops_at_a_step_boundary_flushes_and_exits_like_q(mlp_script, tmp_path):
+    run, source = build_live(mlp_script, tmp_path / "run")
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await until(pilot, lambda: run.step > 2, "some steps")
+        await pilot.press("ctrl+c")
+        assert "stopping at the next step boundary" in toasts(app)
+        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+    assert not source.alive and not app.forced_exit
+    session = read_session(run.session_path)
+    assert session.end is not None and session.end["status"] == "stopped"
+    assert session.end["step"] == len(session.steps)
+    assert not [e for e in session.events if e["kind"] == "checkpoint_saved"]   # as q: none
+
+
+@run_async
+async def test_a_second_ctrl_c_forces_the_exit_while_a_step_hangs(write_script, tmp_path):
+    run, source = build_live(write_script(HANGING_SCRIPT), tmp_path / "run", "--dtype", "fp32")
+    app = create_app(source, stop_timeout=60.0)   # only the second Ctrl+C can end this quickly
+    try:
+        async with app.run_test(size=SIZE, notifications=True) as pilot:
+            await until(pilot, lambda: run.step >= 2, "the run to reach the hanging step")
+            await pilot.press("ctrl+c")
+            await until(pilot, lambda: "stopping at the next step boundary" in toasts(app),
+                        "the stopping message")
+            pressed = time.monotonic()
+            await pilot.press("ctrl+c")
+            await until(pilot, lambda: not app.is_running, "the app to exit", timeout=5)
+            assert time.monotonic() - pressed < 5
+        assert app.forced_exit
+    finally:
+        assert source.stop(10.0), "the run stops once the slow step is over"
+    assert read_session(run.session_path).end["status"] == "stopped"
+
+
+@pytest.mark.parametrize("opened", ["S", "question_mark"])
+@run_async
+async def test_ctrl_c_quits_from_a_dialog_or_the_help_too(opened):
+    source = FixedSource(synthetic_records())
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await pilot.pause()
+        await pilot.press(opened)
+        await pilot.pause()
+        assert isinstance(app.screen, ScaleDialog if opened == "S" else HelpScreen)
+        await pilot.press("ctrl+c")
+        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=5)
+    assert source.stopped and source.sent == [] and not app.forced_exit
+
+
+@pytest.mark.parametrize("mode", ["replay", "attached"])
+@run_async
+async def test_ctrl_c_leaves_a_replay_or_an_attached_job_as_q_does(mode):
+    source = FixedSource(synthetic_records(), mode=mode)
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await pilot.pause()
+        assert app.dashboard.active_bindings["ctrl+c"].enabled
+        await pilot.press("ctrl+c")
+        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=5)
+    assert source.stopped and source.sent == []

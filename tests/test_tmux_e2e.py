@@ -138,3 +138,33 @@ def test_keys_drive_the_real_dashboard_and_q_exits_cleanly(tmp_path):
     assert by_action["save"]["after"]["checkpoint"].endswith(".safetensors")
     assert by_action["checkpoint_restored"]["path"] == by_action["save"]["after"]["checkpoint"]
     assert by_action["pause"]["after"]["state"] == "paused"
+
+
+def test_ctrl_c_in_the_real_dashboard_stops_cleanly_like_q(tmp_path):
+    """The terminal sends Ctrl+C as a byte (the dashboard's raw mode: no SIGINT): it is q."""
+    if not SCRIPT.exists():
+        pytest.skip(f"{SCRIPT.relative_to(REPO)} is not there yet")
+    run_dir = tmp_path / "run"
+    status = tmp_path / "status"
+    command = (f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m amp_tui train "
+               f"{shlex.quote(str(SCRIPT.relative_to(REPO)))} --run-dir {shlex.quote(str(run_dir))} "
+               f"--device cpu; echo $? > {shlex.quote(str(status))}")
+    terminal = Terminal(f"amp-tui-e2e-ctrl-c-{os.getpid()}")
+    terminal.start(f"sh -c {shlex.quote(command)}")
+    try:
+        wait_for(terminal, lambda: "RUNNING" in terminal.screen() and "layers (" in terminal.screen(),
+                 "the dashboard to show a running run", timeout=90)
+        terminal.press("C-c")
+        wait_for(terminal, status.exists, "amp-tui to exit", timeout=30)
+        assert status.read_text().strip() == "0"
+        wait_for(terminal, terminal.pane_dead, "the pane's command to end")
+        screen = terminal.screen()
+        assert "status" in screen and "stopped" in screen and "Traceback" not in screen
+    finally:
+        terminal.close()
+
+    session = read_session(run_dir)
+    assert session.end is not None and session.end["status"] == "stopped"
+    assert session.end["step"] == len(session.steps) and session.skipped_lines == 0
+    kinds = {e["kind"] for e in session.events}
+    assert "checkpoint_saved" not in kinds and "error" not in kinds   # as q: no extra checkpoint

@@ -31,6 +31,8 @@ class KeyAction:
     texts: tuple[tuple[str, tuple[str, str, str]], ...] = ()
     priority: bool = False     # before the focused widget's own keys (home/end, arrows)
     always: bool = False       # works in every mode, whatever the run's state (help, quit)
+    shown: bool = True         # in the footer and the palette (False: a second key for an action
+                               # that has its own entry; listed in the help only)
 
     @property
     def live_only(self) -> bool:
@@ -91,6 +93,14 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
     KeyAction("amp.quit", "q", "quit", "quit", "Quit",
               "Stop at a step boundary, flush the session and exit", modes=ALL, always=True,
               texts=(("replay", _QUIT_REPLAY), ("attached", _QUIT_ATTACHED))),
+    # Textual reads Ctrl+C as a key (no SIGINT reaches the app); here it is q, on every screen,
+    # as it is in headless mode: a reflexive Ctrl+C must never leave a run without a way out.
+    KeyAction("amp.interrupt", "ctrl+c", "interrupt", "quit", "Quit",
+              "Same as q (a second Ctrl+C forces the exit, as a second q does)",
+              key_display="ctrl+c", modes=ALL, always=True, priority=True, shown=False,
+              texts=(("replay", ("quit", "Quit", "Same as q: close the replay")),
+                     ("attached", ("detach", "Detach", "Same as q: leave the dashboard; the job "
+                                   "keeps running")))),
     KeyAction("amp.stop_job", "Q", "stop_job", "stop job", "Stop the job and quit",
               "Stop the job at its next step boundary (it flushes its session), then leave",
               modes=frozenset({"attached"})),
@@ -107,7 +117,7 @@ def bindings(mode: str = "live") -> list[Binding]:
             continue
         footer, _, help_line = a.text(mode)
         out.append(Binding(a.key, a.action, footer, key_display=a.key_display, id=a.id,
-                           tooltip=help_line, priority=a.priority))
+                           tooltip=help_line, priority=a.priority, show=a.shown))
     return out
 
 

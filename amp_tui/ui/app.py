@@ -177,7 +177,7 @@ class AmpTuiApp(App[int]):
         key_action = BY_ACTION.get(action)
         if key_action is None:
             return True
-        if key_action.priority and self.screen is not self.dashboard:
+        if key_action.priority and not key_action.always and self.screen is not self.dashboard:
             return False   # a dialog's input keeps its own arrows, home/end, + and -
         return self.available(key_action)
 
@@ -351,6 +351,10 @@ class AmpTuiApp(App[int]):
         # executor, which the event loop joins at exit, so a hung step would hang the exit too.
         threading.Thread(target=self._wait_for_stop, name="amp-tui-stop", daemon=True).start()
 
+    async def action_interrupt(self) -> None:
+        """Ctrl+C: what q does, whichever screen is up (a dialog closes with the app)."""
+        await self.action_quit()
+
     def action_stop_job(self) -> None:
         """Attached: send `stop` to the job, leave once it was applied."""
         if self._stop_job is not None:
@@ -387,7 +391,7 @@ class AmpTuiApp(App[int]):
             if command.title != "Quit":   # ours replaces it (clean stop first)
                 yield command
         for a in KEY_ACTIONS:
-            if self.available(a):
+            if a.shown and self.available(a):
                 _, title, help_line = a.text(self.source.mode)
                 yield SystemCommand(f"{title}  [{key_label(a)}]", help_line,
                                     partial(self.run_action, a.action))
