@@ -108,6 +108,10 @@ class GuardedTrainer:
         self.updates_applied = 0
         self.skipped_total = 0
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        # Parameters the optimizer steps but no probed module owns: their gradients still need
+        # the device-side non-finite check when the probes judge the rest on the host.
+        self._unprobed_params = ([p for p in self._params if not self.probe.owns(p)]
+                                 if self.probe else self._params)
 
     # ---- precision policy ---------------------------------------------------------------
     @property
@@ -204,12 +208,20 @@ class GuardedTrainer:
             probe.begin()
         try:
             result = self._step(micro_batches, probe)
-        finally:
+        except BaseException:
             if probe:
                 probe.end()
+            raise
         result.duration = time.perf_counter() - started
         self.step_index += 1
+        if probe and not self.probing_next():
+            probe.end()  # the hooks stay on only while the next step is probed too
         return result
+
+    def close(self) -> None:
+        """Leave the user's model as it was given: no hooks of ours on it."""
+        if self.probe:
+            self.probe.end()
 
     def _forward(self, batch):
         return check_loss(self._forward_unchecked(batch))
@@ -250,9 +262,9 @@ class GuardedTrainer:
         if probe:
             probed = self.step_index // self.probe_every
             probe.record_gradients(used_scale, underflow=probed % self.underflow_every == 0)
-        if scaler is None:
-            found_inf = (probe.gradient_nonfinite_flag() if probe else
-                         _nonfinite_flag([p.grad for p in self._params if p.grad is not None], self.device))
+        if scaler is None and (self._unprobed_params or not probe):
+            params = self._unprobed_params if probe else self._params
+            found_inf = _nonfinite_flag([p.grad for p in params if p.grad is not None], self.device)
         grad_norm = None
         if self.max_grad_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
@@ -260,9 +272,9 @@ class GuardedTrainer:
             probe.record_weights()  # before the update: the weights this step's forward used
         if scaler is None:
             # bf16/fp32: nothing skips for us, so check before stepping (one sync).
-            extra = [found_inf] + ([grad_norm] if grad_norm is not None else [])
+            extra = ([found_inf] if found_inf is not None else []) + ([grad_norm] if grad_norm is not None else [])
             figures, host = probe.collect(extra) if probe else (None, _to_host(extra))
-            skipped = host[0] > 0
+            skipped = (found_inf is not None and host.pop(0) > 0) or bool(figures and figures.grads_nonfinite)
             if not skipped:
                 opt.step()
         else:
@@ -274,7 +286,7 @@ class GuardedTrainer:
             skipped = new_scale < used_scale
             self._scale_value = new_scale
         if grad_norm is not None:
-            grad_norm = host[1]
+            grad_norm = host[-1]
         if not skipped and self.scheduler is not None:
             self.scheduler.step()
         first, diagnosis = None, None

@@ -624,6 +624,7 @@ class Run:
         self.event("error", message, step=step, during="step", traceback=tb[-20000:])
 
     def close(self) -> None:
+        self.trainer.close()
         if self._control is not None:
             self._control.close()
             self._control = None

@@ -149,6 +149,58 @@ def test_nonfinite_gradient_without_scaler_is_not_applied():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_nonfinite_gradient_of_a_parameter_no_module_owns_is_not_applied():
+    """The probes judge their own gradients on the host; a parameter the optimizer steps outside
+    the model still gets the device-side check."""
+    model = nn.Linear(4, 1)
+    loose = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([*model.parameters(), loose], lr=0.1)
+    trainer = GuardedTrainer(model, opt, lambda m, b: loose.abs().sqrt().sum() + m(b).mean(), dtype="fp32")
+    before = params_of(model)
+    result = trainer.step([torch.ones(2, 4)])
+    assert math.isfinite(result.loss) and result.skipped and result.nonfinite == "gradients"
+    assert not result.figures.grads_nonfinite  # the model's own gradients are fine
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_probe_hooks_stay_on_only_while_steps_are_probed():
+    model = mlp(depth=2)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), mse, dtype="fp32",
+                             probe_every=3)
+    hooked = lambda: [bool(m._forward_hooks) for m in linears]  # noqa: E731
+    trainer.step([regression_batch()])  # step 0 probed, step 1 is not: hooks off
+    assert not any(hooked())
+    trainer.step([regression_batch()])
+    trainer.step([regression_batch()])
+    assert not any(hooked())
+    every = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), mse, dtype="fp32")
+    first = every.step([regression_batch()])
+    assert all(hooked())  # every step probed: attached once, kept
+    model(torch.randn(2, 16))  # a forward outside a step is not measured, and does not disturb
+    second = every.step([regression_batch()])
+    assert second.figures.order == first.figures.order == list(range(len(linears)))
+    assert all(v is not None and math.isfinite(v) for v in second.figures.act)
+    every.close()
+    assert not any(hooked())
+
+
+def test_failed_step_takes_the_probe_hooks_off():
+    model = mlp(depth=2)
+    calls = []
+
+    def loss_fn(m, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return mse(m, batch)
+    trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), loss_fn, dtype="fp32")
+    trainer.step([regression_batch()])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.step([regression_batch()])
+    assert not any(m._forward_hooks for m in model.modules())
+
+
 def test_probe_figures_match_a_manual_measurement():
     torch.manual_seed(3)
     model = mlp(width=12, depth=2)
