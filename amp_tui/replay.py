@@ -6,9 +6,13 @@ bytes a step, not a dict), plus the header, the end record and the event records
 of a step (its per-layer figures) is read from the file at its offset when the replay shows it.
 A step line is indexed from its leading scalar fields, which `session.step_record` writes first
 in a fixed order, without parsing the per-layer arrays; any line that doesn't match that shape goes
-through the strict, full JSON parse. Like `read_session`, it is tolerant: damaged lines and record
-types it doesn't know are counted and skipped; a line that doesn't end with a newline yet is left
-for the next `refresh()` (the writer may be in the middle of it), which is how `follow` works.
+through the strict, full JSON parse (so does a line that may hold a bare NaN/Infinity token, which
+that parse refuses). Like `read_session`, it is tolerant: damaged lines, lines over
+`MAX_LINE_BYTES` (read past, never held) and record types it doesn't know are counted and
+skipped; a line that doesn't end with a newline yet is left for the next `refresh()` (the writer
+may be in the middle of it), which is how `follow` works. Strings longer than TEXT_LIMIT in what
+it keeps or reads back are cut in the middle, so a hostile file can't make a replay hold or draw
+megabytes of text.
 
 `ReplaySource` implements `amp_tui.source.Source` (`mode = "replay"`): the dashboard renders its
 `Snapshot`s with the same code as a live run. Playback is driven by `tick()` (called by
@@ -35,14 +39,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from amp_tui import jsonsafe
-from amp_tui.session import (KNOWN_TYPES, SessionFormatError, check_header, parse_record,
-                             resolve_session_path)
+from amp_tui.session import (KNOWN_TYPES, MAX_LINE_BYTES, SessionFormatError, check_header,
+                             parse_record, resolve_session_path, too_long_message)
 from amp_tui.source import EVENT_LIMIT, HISTORY_POINTS, MARKER_LIMIT, History, LayerView, Snapshot
 
 if TYPE_CHECKING:
     from amp_tui.commands import Command
 
 CHUNK_BYTES = 1 << 20          # the file is read in chunks of this size
+# Characters kept of any string in the header or a record (a layer name, a message, a path): the
+# writer's longest, a traceback, is 20,000; a longer one (a hostile or damaged file) is cut, so a
+# replay never holds or draws megabytes of it.
+TEXT_LIMIT = 20_000
 EVENT_CACHE = 4096             # parsed nonfinite events kept at most (others are always kept)
 RATE_WINDOW = 64               # step records used for the steps-per-second figure
 
@@ -67,7 +75,7 @@ def _step_head(p: bytes) -> re.Pattern:
     return re.compile(
         rb'\{"type":"step","step":([0-9]{1,18}' + p + rb'),"loss":' + val + rb',"scale":' + val
         + rb',"skipped":(true|false),"skipped_total":[0-9]+' + p + rb',"updates":[0-9]+' + p
-        + rb',"dtype":"([A-Za-z0-9_]+' + p + rb')","micro_batches":[0-9]+' + p + rb',"time":' + val
+        + rb',"dtype":"([A-Za-z0-9_]{1,64}' + p + rb')","micro_batches":[0-9]+' + p + rb',"time":' + val
         + rb',"duration":[^,{}]+' + p + rb'((?:,"[a-z_]+' + p + rb'":[^,{}]+' + p + rb')*' + p
         + rb')(,"layers":\{|\})')
 
@@ -79,12 +87,41 @@ except re.error:
 _SPECIAL = {b'"NaN"': math.nan, b'"Infinity"': math.inf, b'"-Infinity"': -math.inf, b"null": None}
 _BAD = object()
 _MAX_STEP = 1 << 62            # larger step numbers are damage (and don't fit the arrays)
-_MAX_LINE = (1 << 32) - 1      # line lengths are kept as 32-bit numbers
 _NONFINITE_FLAGS = {"loss": F_NONFINITE_LOSS, "gradients": F_NONFINITE_GRADIENTS}
 
 # Events that change what state the recorded run was in.
 _STATE_KINDS = ("intervention", "checkpoint_restored", "paused", "error")
 _MARKER_KINDS = ("intervention", "checkpoint_restored")
+
+
+def clipped(value):
+    """`value` (a parsed record) with every string, key or value, over TEXT_LIMIT characters cut
+    in the middle: its start and its end (a layer's own name, a traceback's last frame) stay."""
+    if isinstance(value, str):
+        if len(value) <= TEXT_LIMIT:
+            return value
+        half = TEXT_LIMIT // 2
+        return f"{value[:half]}…[{len(value) - 2 * half:,} characters cut]…{value[-half:]}"
+    if isinstance(value, dict):
+        return {clipped(k): clipped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clipped(v) for v in value]
+    return value
+
+
+def _bare_constant(buf: bytes, start: int, end: int) -> bool:
+    """True when buf[start:end] may hold a bare NaN/Infinity token (not JSON: the strict parse
+    refuses the line); the quoted strings step_record writes don't count. A step line holds no
+    other capital N or I, so most lines cost two byte scans."""
+    if buf.find(b"N", start, end) < 0 and buf.find(b"I", start, end) < 0:
+        return False
+    if buf.find(b"NaN", start, end) >= 0 \
+            and buf.count(b"NaN", start, end) != buf.count(b'"NaN"', start, end):
+        return True
+    if buf.find(b"Infinity", start, end) >= 0:
+        quoted = buf.count(b'"Infinity"', start, end) + buf.count(b'"-Infinity"', start, end)
+        return buf.count(b"Infinity", start, end) != quoted
+    return False
 
 
 def _number(value) -> float | None:
@@ -154,7 +191,9 @@ class SessionIndex:
         self.loss_none = 0                     # step records without a loss
         self.error_events = array("q")         # indices of error events with during == "step"
         self.end: dict | None = None
-        self.damaged_lines = 0
+        self.damaged_lines = 0                 # damaged and over-long lines
+        self.long_lines = 0                    # of which over MAX_LINE_BYTES (skipped unread)
+        self._in_long_line = False             # the last refresh stopped inside an over-long line
         self.unknown_records = 0
         self.torn_tail = False                 # the last line is incomplete (not following)
         self.pending_bytes = 0                 # bytes after the last newline, not indexed yet
@@ -172,12 +211,14 @@ class SessionIndex:
     # ---- reading the file ---------------------------------------------------------------
     def _read_header(self) -> dict:
         with open(self.path, "rb") as fh:
-            first = fh.readline(64 << 20)
+            first = fh.readline(MAX_LINE_BYTES + 1)
         if not first.strip():
             raise SessionFormatError(f"{self.path} is empty: no session header yet")
+        if len(first) > MAX_LINE_BYTES and not first.endswith(b"\n"):
+            raise SessionFormatError(too_long_message(self.path))
         header = check_header(parse_record(first.decode("utf-8", "replace")), self.path)
         self._offset = len(first)
-        return header
+        return clipped(header)
 
     def refresh(self) -> int:
         """Index what was appended since the last call; return how many new records."""
@@ -199,6 +240,23 @@ class SessionIndex:
                 chunk = fh.read(CHUNK_BYTES)
                 if not chunk:
                     break
+                if carry and len(carry) + len(chunk) > MAX_LINE_BYTES:
+                    nl = chunk.find(b"\n")
+                    if nl < 0 or len(carry) + nl > MAX_LINE_BYTES:
+                        # Too long to be a record: counted now, read past, none of it kept.
+                        self.damaged_lines += 1
+                        self.long_lines += 1
+                        base += len(carry)
+                        carry = b""
+                        self._in_long_line = True
+                if self._in_long_line:
+                    nl = chunk.find(b"\n")
+                    skipped = len(chunk) if nl < 0 else nl + 1
+                    base += skipped
+                    self._in_long_line = nl < 0
+                    chunk = chunk[skipped:]
+                    if not chunk:
+                        continue
                 buf = carry + chunk if carry else chunk
                 used = self._scan(buf, base)
                 carry = buf[used:]
@@ -242,10 +300,11 @@ class SessionIndex:
                 nl = find(b"\n", pos)
                 if nl < 0:
                     return pos
-                m = match(buf, pos, nl)
+                m = match(buf, pos, nl) if nl - pos <= MAX_LINE_BYTES else None
                 if m is not None:
                     st, lt, sc, sk, dt, tt, rest, tail = m.groups()
-                    if (m.end() == nl) if tail == b"}" else endswith(b"}}", pos, nl):
+                    if ((m.end() == nl) if tail == b"}" else endswith(b"}}", pos, nl)) \
+                            and not _bare_constant(buf, pos, nl):
                         f = 0
                         try:
                             lv = float(lt)
@@ -315,13 +374,15 @@ class SessionIndex:
         """The full, strict parse of one line that the fast path didn't take."""
         if not raw.strip():
             return
-        if length > _MAX_LINE:
+        if length > MAX_LINE_BYTES:
             self.damaged_lines += 1
+            self.long_lines += 1
             return
         record = parse_record(raw.decode("utf-8", "replace"))
         if record is None:
             self.damaged_lines += 1
             return
+        record = clipped(record)
         kind = record["type"]
         if kind not in KNOWN_TYPES or kind == "header":
             self.unknown_records += 1
@@ -497,7 +558,7 @@ class SessionIndex:
             return None
         if len(raw) != length:
             return None
-        return parse_record(raw.decode("utf-8", "replace"))
+        return clipped(parse_record(raw.decode("utf-8", "replace")))
 
     def _seek_read(self, offset: int, length: int) -> bytes:
         os.lseek(self._fd, offset, os.SEEK_SET)
@@ -519,8 +580,10 @@ class SessionIndex:
     def skipped_summary(self) -> str | None:
         """E.g. "3 damaged lines and 1 unknown record skipped"; None when nothing was skipped."""
         parts = []
-        if self.damaged_lines:
-            parts.append(_plural(self.damaged_lines, "damaged line"))
+        if self.damaged_lines > self.long_lines:
+            parts.append(_plural(self.damaged_lines - self.long_lines, "damaged line"))
+        if self.long_lines:
+            parts.append(_plural(self.long_lines, "line") + f" over {MAX_LINE_BYTES >> 20} MiB")
         if self.unknown_records:
             parts.append(_plural(self.unknown_records, "unknown record"))
         if self.torn_tail:

@@ -6,7 +6,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from amp_tui.jsonsafe import decode_float
-from amp_tui.session import Session
+from amp_tui.session import MAX_LINE_BYTES, Session
+
+TEXT_LIMIT = 1000   # characters of a recorded string (a path, an error message) printed at most
 
 
 @dataclass
@@ -27,6 +29,7 @@ class Summary:
     errors: list[str] = field(default_factory=list)
     skipped_lines: int = 0
     unknown_records: int = 0
+    long_lines: int = 0        # of skipped_lines: longer than the readers' limit, never read
 
     def as_json(self) -> dict:
         data = asdict(self)
@@ -62,6 +65,7 @@ def summarize(session: Session) -> Summary:
         errors=[str(e.get("message", "")) for e in events if e.get("kind") == "error"],
         skipped_lines=session.skipped_lines,
         unknown_records=session.unknown_records,
+        long_lines=session.long_lines,
     )
 
 
@@ -91,8 +95,17 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
     if s.errors:
         rows.append(("errors", str(len(s.errors))))
     if s.skipped_lines or s.unknown_records:
-        rows.append(("unreadable records", f"{s.skipped_lines} damaged, {s.unknown_records} unknown"))
+        long = f" ({s.long_lines} over {MAX_LINE_BYTES >> 20} MiB)" if s.long_lines else ""
+        rows.append(("unreadable records",
+                     f"{s.skipped_lines} damaged{long}, {s.unknown_records} unknown"))
     return rows
+
+
+def clip(text: str, limit: int = TEXT_LIMIT) -> str:
+    """`text`, cut to `limit` characters with a note of how much was left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit:,} more characters)"
 
 
 def render_summary(s: Summary, console) -> None:
@@ -103,10 +116,10 @@ def render_summary(s: Summary, console) -> None:
     table.add_column(style="bold")
     table.add_column()
     for key, value in summary_lines(s):
-        table.add_row(key, Text(value))  # Text(): paths and messages are shown literally
+        table.add_row(key, Text(clip(value)))  # Text(): paths and messages are shown literally
     console.print(table)
     for message in s.errors[-3:]:
-        console.print(Text("error: " + message, style="red"))
+        console.print(Text("error: " + clip(message), style="red"))
 
 
 def session_dir(path: Path) -> Path:

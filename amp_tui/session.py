@@ -2,7 +2,8 @@
 
 Line 1 is the header; every other line is one record (`step`, `event`, or `end`). Non-finite numbers
 are written as the strings "NaN", "Infinity", "-Infinity" (see jsonsafe), so every line parses with a
-strict JSON parser. Readers skip a torn last line, damaged lines and unknown record types.
+strict JSON parser. Readers skip a torn last line, damaged lines (bare NaN/Infinity tokens
+included), unknown record types, and lines over MAX_LINE_BYTES, which they never hold in memory.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 from amp_tui import jsonsafe
 
@@ -21,6 +22,10 @@ FORMAT = "amp-tui-session"
 VERSION = 1
 FIGURE_DIGITS = 5  # significant digits kept for per-layer magnitudes
 KNOWN_TYPES = ("header", "step", "event", "end")
+# No record amp-tui writes comes near this (a step record of a 100,000-layer model is about 4 MB);
+# a longer line is damage, or a hostile file, and is skipped without being read into memory.
+MAX_LINE_BYTES = 16 << 20
+_SKIP_BYTES = 1 << 20   # an over-long line is read past in pieces of this size
 
 
 class SessionFormatError(Exception):
@@ -168,7 +173,8 @@ def event_record(step: int, kind: str, message: str, **fields: Any) -> dict:
 class Session:
     header: dict
     records: list[dict] = field(default_factory=list)
-    skipped_lines: int = 0         # damaged or torn lines
+    skipped_lines: int = 0         # damaged, torn or over-long lines
+    long_lines: int = 0            # of which longer than MAX_LINE_BYTES (skipped unread)
     unknown_records: int = 0       # well-formed records of a type this version doesn't know
     path: Path | None = None
 
@@ -213,27 +219,62 @@ def parse_record(line: str) -> dict | None:
     """One line -> a record dict, or None when the line is damaged."""
     try:
         record = jsonsafe.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):   # RecursionError: arrays nested thousands deep
         return None
     return record if isinstance(record, dict) and isinstance(record.get("type"), str) else None
+
+
+def read_lines(fh: BinaryIO) -> Iterator[bytes | None]:
+    """The lines of a binary file, without their newline; None stands for a line longer than
+    MAX_LINE_BYTES, which is read past piece by piece: no more than the limit is ever held."""
+    while True:
+        piece = fh.readline(_SKIP_BYTES)
+        if not piece:
+            return
+        pieces, size = [piece], len(piece)
+        while not piece.endswith(b"\n") and size <= MAX_LINE_BYTES:
+            piece = fh.readline(_SKIP_BYTES)
+            if not piece:
+                break             # the last line, without a newline
+            pieces.append(piece)
+            size += len(piece)
+        if size - piece.endswith(b"\n") > MAX_LINE_BYTES:
+            del pieces
+            while piece and not piece.endswith(b"\n"):
+                piece = fh.readline(_SKIP_BYTES)
+            yield None
+            continue
+        line = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        yield line[:-1] if line.endswith(b"\n") else line
+
+
+def too_long_message(path: Path) -> str:
+    return (f"{path}: its first line is longer than {MAX_LINE_BYTES >> 20} MiB: not an amp-tui "
+            "session header")
 
 
 def read_session(target: str | Path) -> Session:
     """Load every valid record; count what had to be skipped instead of failing."""
     path = resolve_session_path(target)
     with open(path, "rb") as fh:
-        lines = fh.read().split(b"\n")
-    first = lines[0].decode("utf-8", "replace") if lines else ""
-    header = check_header(parse_record(first), path)
-    session = Session(header=header, path=path)
-    for raw in lines[1:]:
-        if not raw.strip():
-            continue
-        record = parse_record(raw.decode("utf-8", "replace"))
-        if record is None:
-            session.skipped_lines += 1
-        elif record["type"] not in KNOWN_TYPES or record["type"] == "header":
-            session.unknown_records += 1
-        else:
-            session.records.append(record)
+        lines = read_lines(fh)
+        first = next(lines, b"")
+        if first is None:
+            raise SessionFormatError(too_long_message(path))
+        header = check_header(parse_record(first.decode("utf-8", "replace")), path)
+        session = Session(header=header, path=path)
+        for raw in lines:
+            if raw is None:
+                session.skipped_lines += 1
+                session.long_lines += 1
+                continue
+            if not raw.strip():
+                continue
+            record = parse_record(raw.decode("utf-8", "replace"))
+            if record is None:
+                session.skipped_lines += 1
+            elif record["type"] not in KNOWN_TYPES or record["type"] == "header":
+                session.unknown_records += 1
+            else:
+                session.records.append(record)
     return session

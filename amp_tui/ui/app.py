@@ -35,6 +35,7 @@ from amp_tui.ui.view import SORTS, current_precision, nonfinite_pause
 STOP_TIMEOUT_S = 10.0     # how long `q` waits for the current step before forcing the exit
 FORCED_EXIT_DELAY_S = 1.5  # leave the "forcing the exit" message on screen this long
 COMMAND_SOURCE = "dashboard"
+NOTIFY_LIMIT = 400         # characters of a recorded text in a notification (the event log has more)
 ENDED_STATES = ("finished", "stopped", "error")
 COMMAND_TITLES = {"dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore",
                   "pause": "pause", "resume": "resume", "step": "single step", "fp32": "local fp32"}
@@ -116,7 +117,7 @@ class AmpTuiApp(App[int]):
         pause = nonfinite_pause(snap)
         if pause is not None and ("pause", pause.event_index) not in self._announced:
             self._announced.add(("pause", pause.event_index))
-            where = f"; first non-finite layer: {visible(pause.layer)}" if pause.layer else ""
+            where = f"; first non-finite layer: {brief(pause.layer)}" if pause.layer else ""
             self.notify(f"non-finite loss at step {pause.step}{where}. Paused: d dtype, "
                         "s halve scale, r restore", title="paused", severity="warning",
                         timeout=10, markup=False)
@@ -124,11 +125,11 @@ class AmpTuiApp(App[int]):
         if error is not None and ("error", error.get("step"), error.get("message")) not in self._announced:
             self._announced.add(("error", error.get("step"), error.get("message")))
             self._error_where = self._where()   # once: it lists the checkpoint folder
-            self.notify(visible(error.get("message", "error")), title="the script raised",
+            self.notify(brief(error.get("message", "error")), title="the script raised",
                         severity="error", timeout=15, markup=False)
         for event in self._new_events(snap):
             if event.get("kind") == "alert":
-                self.notify(visible(event.get("message", "")), title=f"alert at step {event.get('step')}",
+                self.notify(brief(event.get("message", "")), title=f"alert at step {event.get('step')}",
                             severity="warning", timeout=12, markup=False)
         if snap.state != self._last_state:
             if snap.state in ENDED_STATES:
@@ -403,6 +404,12 @@ class AmpTuiApp(App[int]):
         for column, (label, _) in SORTS.items():
             yield SystemCommand(f"Sort layers: {label}", f"order the layer table by {column}",
                                 partial(self.action_sort_layers, column))
+
+
+def brief(value: object) -> str:
+    """A recorded text for a notification: control characters shown, cut to NOTIFY_LIMIT."""
+    text = visible(value)
+    return text if len(text) <= NOTIFY_LIMIT else text[:NOTIFY_LIMIT - 1] + "…"
 
 
 def _attr(source, name: str):

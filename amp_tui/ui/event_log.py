@@ -13,6 +13,8 @@ from amp_tui.source import EVENT_LIMIT, Snapshot
 from amp_tui.ui.text import literal
 from amp_tui.ui.view import event_label
 
+MESSAGE_LIMIT = 2000   # characters of a message drawn: a message may be megabytes (a hostile file)
+
 
 class EventLog(RichLog):
     DEFAULT_CSS = """
@@ -70,6 +72,8 @@ def event_line(event: dict) -> Table:
     grid.add_column(width=6, justify="right", style="dim")
     grid.add_column(width=9, no_wrap=True)
     grid.add_column(ratio=1, overflow="fold")
-    grid.add_row(Text(str(event.get("step", "?"))), Text(label, style=style),
-                 literal(event.get("message", "")))
+    message = str(event.get("message", ""))
+    if len(message) > MESSAGE_LIMIT:
+        message = message[:MESSAGE_LIMIT - 1] + "…"
+    grid.add_row(Text(str(event.get("step", "?"))), Text(label, style=style), literal(message))
     return grid
