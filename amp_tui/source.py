@@ -11,6 +11,7 @@ and the marker lists are capped.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 HISTORY_POINTS = 2048
 EVENT_LIMIT = 1000
 MARKER_LIMIT = 2048
+TRAINING_SWITCH_INTERVAL_S = 0.0005  # GIL hand-over while a UI shares the process with training
 
 
 @dataclass
@@ -205,12 +207,19 @@ class LiveSource:
     def start(self) -> None:
         if self._thread is not None:
             return
+        # Python hands the GIL to a waiting thread only after 5 ms by default: every op the
+        # training thread finishes while the UI renders would wait that long for it.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, TRAINING_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._main, name="amp-tui-training", daemon=True)
         self._thread.start()
 
     def _main(self) -> None:
-        self.exit_status = self.run.run()
-        self.buffer.set_state(self.run.state)
+        try:
+            self.exit_status = self.run.run()
+            self.buffer.set_state(self.run.state)
+        finally:
+            sys.setswitchinterval(self._switch_interval)
 
     def snapshot(self) -> Snapshot:
         return self.buffer.snapshot()

@@ -3,7 +3,7 @@
 Plotext draws every point it is given, and a 2,000-point plot costs ~50 ms on a small CPU: the
 series is first reduced to a min/max envelope with a couple of points per braille column, which
 keeps spikes visible and the cost near 10 ms. The dashboard also redraws charts less often than
-the status bar (CHART_INTERVAL_S in dashboard.py).
+the status bar (`Pacing` in dashboard.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
 """The main screen: lays out the widgets and feeds them one Snapshot at a time.
 
 The app decides *when* to look (its timer, skipping unchanged versions); this screen decides
-*what* each widget shows. Charts and the layer table are the expensive parts: they are redrawn
-only when their inputs changed, at most every TABLE_INTERVAL_S, and the charts at most every
-CHART_INTERVAL_S or less often if their last redraw was costly (CHART_BUDGET). Every
-widget skips its update when its content didn't change, because each update costs a repaint
-(and, for a widget that may change size, a layout pass) on the UI thread, which shares the GIL
-and the cores with training.
+*what* each widget shows, and how often. Every repaint costs the UI thread, which shares the GIL
+and the cores with training, so figures that only tick with the steps are paced (`Pacing`): the
+status bar, the layer table, and the charts (less often still if their last redraw was costly).
+What the user caused or must see at once (a state change, a queued command, a dtype or scale
+change, a new non-finite origin) is drawn at the next tick. Every widget skips its update when
+its content didn't change.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 from textual import events
 from textual.app import ComposeResult
@@ -31,10 +32,21 @@ from amp_tui.ui.text import short_dtype
 from amp_tui.ui.too_small import TooSmall, too_small
 from amp_tui.ui.view import current_precision, layer_rows, nonfinite_origin, nonfinite_pause
 
-CHART_INTERVAL_S = 1.0   # at most once a second: a run's history needn't move faster
-CHART_BUDGET = 0.04      # and the charts get at most ~4% of the UI thread (a plotext build costs
+
+@dataclass(frozen=True)
+class Pacing:
+    status_s: float   # step, loss, scale
+    table_s: float    # a full table repaint costs ~10 ms at 120x40
+    charts_s: float   # a run's history needn't move faster
+    chart_budget: float  # the charts' share of the UI thread at most (a plotext build costs
                          # 10-50 ms, more on a big terminal or a busy CPU)
-TABLE_INTERVAL_S = 0.5
+
+
+# Beside a training run (in this process or another on the same machine): four status updates a
+# second is as fast as anyone reads, and every repaint spared is time the training gets back.
+TRAINING_PACE = Pacing(status_s=0.25, table_s=1.0, charts_s=2.0, chart_budget=0.015)
+# A replay has nothing to compete with: keys that step or seek show their frame at once.
+REPLAY_PACE = Pacing(status_s=0.0, table_s=0.5, charts_s=1.0, chart_budget=0.04)
 
 
 class DashboardScreen(Screen):
@@ -89,6 +101,9 @@ class DashboardScreen(Screen):
         self._layers_key: tuple | None = None
         self._charts_at = -math.inf
         self._table_at = -math.inf
+        self._status_at = -math.inf
+        self._status_urgent: tuple | None = None
+        self._table_urgent: tuple | None = None
 
     def compose(self) -> ComposeResult:
         yield self.status_bar
@@ -118,20 +133,26 @@ class DashboardScreen(Screen):
              where: list[tuple[str, str]], playback: str | None = None) -> bool:
         """Draw `snap`; False when the charts or the table still wait for their turn."""
         prec = current_precision(snap)
-        self.status_bar.show(snap, prec, pending=pending, stopping=stopping, now=now,
-                             playback=playback)
+        pace = TRAINING_PACE if snap.mode in ("live", "attached") else REPLAY_PACE
+        tick = time.monotonic()
+        done = True
+        urgent = (snap.state, snap.mode, tuple(pending), stopping, playback, prec, snap.error is not None)
+        if urgent != self._status_urgent or tick - self._status_at >= pace.status_s:
+            self._status_urgent, self._status_at = urgent, tick
+            self.status_bar.show(snap, prec, pending=pending, stopping=stopping, now=now,
+                                 playback=playback)
+        else:
+            done = False
         self.event_log.show(snap)
         self.pause_notice.show(nonfinite_pause(snap))
         self.error_panel.show(snap.error, where if snap.error else [])
         self.lower_row.set_class(snap.error is not None, "-error")
-        tick = time.monotonic()
-        done = True
         h = snap.history
         history_key = (len(h.steps), h.steps[-1] if h.steps else None, h.stride,
                        len(h.skipped_steps), len(h.intervention_steps))
         if history_key != self._history_key:
             cost = self.loss_chart.cost_s + self.scale_chart.cost_s
-            if tick - self._charts_at >= max(CHART_INTERVAL_S, cost / CHART_BUDGET):
+            if tick - self._charts_at >= max(pace.charts_s, cost / pace.chart_budget):
                 self._history_key, self._charts_at = history_key, tick
                 self.loss_chart.show(h)
                 self.scale_chart.show(h)
@@ -139,9 +160,10 @@ class DashboardScreen(Screen):
                 done = False
         origin = nonfinite_origin(snap)
         layers_key = (snap.layers.step, len(snap.layers.names), prec, origin)
+        table_urgent = layers_key[1:]
         if layers_key != self._layers_key:
-            if tick - self._table_at >= TABLE_INTERVAL_S:
-                self._layers_key, self._table_at = layers_key, tick
+            if table_urgent != self._table_urgent or tick - self._table_at >= pace.table_s:
+                self._layers_key, self._table_at, self._table_urgent = layers_key, tick, table_urgent
                 self.layer_table.show(layer_rows(snap.layers, prec), snap.layers.step,
                                       short_dtype(prec.dtype), origin)
             else:
