@@ -1,0 +1,147 @@
+"""A real full disk: `amp-tui train --headless` with its run dir on a tiny tmpfs.
+
+Nothing is injected: the run writes until the kernel answers ENOSPC, once while saving a
+checkpoint and once while appending to the session. The tmpfs is mounted in a private mount
+namespace (`unshare --mount`, as root or in a user namespace), so nothing outside the test sees
+it; the run dir is copied out before the namespace, and the tmpfs with it, goes away. Skipped,
+with the reason, where mounting is not permitted (many containers).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from amp_tui.checkpoint import list_checkpoints
+from amp_tui.session import read_session
+
+from test_dashboard_faults import restorable
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+# About 109 KB a checkpoint (Adam: weights and two moments).
+SCRIPT = '''
+import torch
+from torch import nn
+
+def setup(ctx=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1))
+    xs = torch.randn(64, 64)
+    batches = [(xs[i:i + 16], xs[i:i + 16].sum(1, keepdim=True)) for i in range(0, 64, 16)]
+    def loss_fn(model, batch):
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+    return {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=1e-3),
+            "loss_fn": loss_fn, "batches": batches}
+'''
+
+# Runs in the namespace: mount, train until the disk is full, copy the run dir out.
+IN_NAMESPACE = '''
+mount -t tmpfs -o "size=$1" tmpfs "$2" || exit 90
+out=$3
+shift 3
+"$@" > "$out/stdout" 2> "$out/stderr"
+echo $? > "$out/status"
+cp -a "$MNT_RUN" "$out/run"
+'''
+
+
+def _private_mount_prefix() -> tuple[list[str] | None, str]:
+    """A command prefix under which `mount -t tmpfs` works and is seen by nothing else, or None
+    and why not."""
+    if not sys.platform.startswith("linux"):
+        return None, "a tmpfs mount needs Linux"
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None, "no unshare command (util-linux)"
+    why = ""
+    for prefix in ([unshare, "--mount", "--propagation", "private"],
+                   [unshare, "--mount", "--propagation", "private", "--map-root-user"]):
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                probe = subprocess.run([*prefix, "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                                        folder], capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                why = str(exc)
+                continue
+            if probe.returncode == 0:
+                return prefix, ""
+            why = probe.stderr.strip() or f"exit status {probe.returncode}"
+    return None, f"cannot mount a tmpfs in a private mount namespace here ({why})"
+
+
+@pytest.fixture(scope="module")
+def private_mount():
+    prefix, why = _private_mount_prefix()
+    if prefix is None:
+        pytest.skip(why)
+    return prefix
+
+
+def train_on_a_full_disk(prefix, tmp_path, size: str, *options: str):
+    """Run the real CLI headless with its run dir on a tmpfs of `size`; return (status, stdout,
+    stderr, the run dir as it was on the tmpfs)."""
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT, encoding="utf-8")
+    mount_point, out = tmp_path / "tmpfs", tmp_path / "out"
+    mount_point.mkdir()
+    out.mkdir()
+    command = [sys.executable, "-m", "amp_tui", "train", str(script), "--headless", "--device",
+               "cpu", "--run-dir", str(mount_point / "run"), "--init-scale", "256",
+               "--steps", "1000", *options]
+    done = subprocess.run([*prefix, "sh", "-c", IN_NAMESPACE, "sh", size, str(mount_point),
+                           str(out), *command], cwd=REPO, capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "MNT_RUN": str(mount_point / "run")})
+    assert done.returncode == 0, f"the namespace script failed: {done.stderr}"
+    status = int((out / "status").read_text())
+    return (status, (out / "stdout").read_text(), (out / "stderr").read_text(), out / "run",
+            script)
+
+
+def assert_nothing_lost(run_dir: Path, script: Path, *, newest_step: int):
+    session = read_session(run_dir)
+    steps = [r["step"] for r in session.steps]
+    assert steps == list(range(len(steps))) and steps      # every flushed step, in order
+    assert session.skipped_lines <= 1                      # at most a torn last line
+    found = list_checkpoints(run_dir / "checkpoints")
+    assert found and found[0].step == newest_step
+    assert restorable(found[0].path, script).step == newest_step   # digests and shapes check out
+    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == []                                 # no partial checkpoint left behind
+    return session
+
+
+def test_a_checkpoint_that_does_not_fit_stops_headless_and_keeps_the_previous_one(
+        private_mount, tmp_path):
+    # 400 KB: three checkpoints fit, the fourth (at step 20) does not
+    status, out, err, run_dir, script = train_on_a_full_disk(
+        private_mount, tmp_path, "400k", "--checkpoint-every", "5")
+    assert status == 1, (out, err)
+    assert "No space left on device" in out and "Traceback" not in err
+    session = assert_nothing_lost(run_dir, script, newest_step=15)
+    errors = [e for e in session.events if e["kind"] == "error"]
+    assert [e["during"] for e in errors] == ["save"] and "No space left" in errors[0]["message"]
+    assert errors[0]["step"] == 20 and len(session.steps) == 20   # it stopped right there
+    assert session.end is not None and session.end["exit_status"] == 1
+
+
+def test_a_session_that_does_not_fit_stops_headless_and_keeps_what_was_flushed(
+        private_mount, tmp_path):
+    # 160 KB: one checkpoint at step 3, then the session grows until the disk is full
+    status, out, err, run_dir, script = train_on_a_full_disk(
+        private_mount, tmp_path, "160k", "--at", "3:save")
+    assert status == 1, (out, err)
+    assert "could not append to" in out and "No space left on device" in out
+    assert "Traceback" not in err
+    session = assert_nothing_lost(run_dir, script, newest_step=3)
+    assert len(session.steps) > 20
+    assert session.end is None        # the end record could not be written either
