@@ -249,11 +249,14 @@ class Run:
                 traceback.print_exc(file=sys.stderr)
 
     def _on_io_error(self, message: str) -> None:
-        """The session can't be appended to (a full disk...): tell the observers, then halt."""
-        if self._session_failed:
+        """The session can't be appended to (a full disk...): tell the observers, then halt.
+        The records stay pending in the writer and reach the file once it takes them again."""
+        if self._session_failed and (self.state == "paused" or self._stop_requested.is_set()):
             return  # already reported; the run is paused or stopping
         self._session_failed = True
         record = event_record(self.step, "error", message, during="io")
+        with contextlib.suppress(OSError):
+            self._writer.write(record)   # kept pending: the recording says why, once it can
         for observer in list(self.observers):
             with contextlib.suppress(Exception):
                 observer(record)
@@ -265,6 +268,8 @@ class Run:
         if self.config.on_io_error == "pause":
             self._single_steps = 0
             self._set_state("paused")
+            self.event("paused", "paused: the disk refused a write; free some space, then resume "
+                       "(the records kept meanwhile are written then)", reason="io")
         else:
             self.exit_status = EXIT_ERROR
             self._stop_requested.set()

@@ -8,7 +8,6 @@ included), unknown record types, and lines over MAX_LINE_BYTES, which they never
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import time
@@ -33,47 +32,62 @@ class SessionFormatError(Exception):
 
 
 class SessionWriter:
-    """Appends records; flushes at least once a second and at once after every event."""
+    """Appends records; flushes at least once a second and at once after every event.
+
+    Records are kept as bytes until `os.write` has taken them: a write that fails (a full disk)
+    loses nothing and tears no line, because the unwritten tail stays pending and the next flush
+    (after space was freed) writes it from exactly where the failed one stopped.
+    """
 
     def __init__(self, path: Path, header: dict, *, flush_interval: float = 1.0, append: bool = False):
         self.path = Path(path)
         self.flush_interval = flush_interval
         if append:
             _end_torn_line(self.path)
-        self._file: io.TextIOWrapper = open(self.path, "a" if append else "x", encoding="utf-8")
+        flags = os.O_WRONLY | os.O_APPEND | (0 if append else os.O_CREAT | os.O_EXCL)
+        self._fd: int | None = os.open(self.path, flags, 0o644)
+        self._pending = bytearray()
         self._last_flush = time.monotonic()
         if not append:
             self._write({"type": "header", "format": FORMAT, "version": VERSION, **header}, flush=True)
 
     @property
     def closed(self) -> bool:
-        return self._file.closed
+        return self._fd is None
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes written by the run but not yet taken by the file (after a failed flush)."""
+        return len(self._pending)
 
     def _write(self, record: dict, *, flush: bool) -> None:
-        self._file.write(jsonsafe.dumps(record) + "\n")
-        now = time.monotonic()
-        if flush or now - self._last_flush >= self.flush_interval:
-            self._file.flush()
-            self._last_flush = now
+        self._pending += (jsonsafe.dumps(record) + "\n").encode("utf-8")
+        if flush or time.monotonic() - self._last_flush >= self.flush_interval:
+            self.flush()
 
     def write(self, record: dict) -> None:
+        """Raises OSError when the file refuses the bytes; they stay pending for the next flush."""
         self._write(record, flush=record.get("type") != "step")
 
     def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-            self._last_flush = time.monotonic()
+        if self._fd is None:
+            return
+        while self._pending:
+            written = os.write(self._fd, self._pending)   # a full disk raises, keeping the rest
+            del self._pending[:written]
+        self._last_flush = time.monotonic()
 
     def close(self, end: dict | None = None) -> None:
-        if self._file.closed:
+        if self._fd is None:
             return
         try:
             if end is not None:
                 self._write({"type": "end", **end}, flush=True)
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            self.flush()
+            os.fsync(self._fd)
         finally:
-            self._file.close()
+            os.close(self._fd)
+            self._fd = None
 
 
 def _end_torn_line(path: Path) -> None:

@@ -199,6 +199,9 @@ class LiveSource:
 
     def __init__(self, run):
         self.run = run
+        # Someone is watching: a full disk pauses the run, to be resumed once space is freed,
+        # instead of stopping it as headless does.
+        run.config.on_io_error = "pause"
         self.buffer = RunBuffer("live")
         run.observers.append(self.buffer.feed)
         self._thread: threading.Thread | None = None

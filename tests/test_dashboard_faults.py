@@ -212,3 +212,71 @@ async def test_ctrl_c_leaves_a_replay_or_an_attached_job_as_q_does(mode):
         await pilot.press("ctrl+c")
         await until(pilot, lambda: not app.is_running, "the app to exit", timeout=5)
     assert source.stopped and source.sent == []
+
+
+# ---- a full disk pauses the dashboard; freeing space and resuming loses nothing -----------------
+
+@run_async
+async def test_a_full_disk_pauses_the_dashboard_and_resuming_writes_what_was_kept(mlp_script, tmp_path,
+                                                                                 monkeypatch):
+    import amp_tui.session as session_module
+    from test_session import _FullDisk
+    disk = _FullDisk()
+    monkeypatch.setattr(session_module, "os", disk)
+    run, source = build_live(mlp_script, tmp_path / "run", "--steps", "400")
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await until(pilot, lambda: run.step > 3, "some steps")
+        disk.full, disk.room = True, 100      # the disk fills up mid-record
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=20)
+        await until(pilot, lambda: "could not write" in toasts(app), "the notice")
+        assert "No space left on device" in toasts(app)
+        assert "free some space" in toasts(app)
+        paused_at = run.step
+        await pilot.pause(0.5)
+        assert run.step == paused_at and source.alive          # held, not stopped
+        disk.full = False                                      # space is freed
+        await pilot.press("space")
+        await until(pilot, lambda: run.step > paused_at + 3, "the run to go on")
+        await pilot.press("q")
+        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+    session = read_session(run.session_path)
+    assert [r["step"] for r in session.steps] == list(range(len(session.steps)))   # none lost
+    assert session.skipped_lines == 0                                             # none torn
+    assert len(session.steps) > paused_at + 3
+    kinds = [(e["kind"], e.get("during") or e.get("reason")) for e in session.events]
+    assert ("error", "io") in kinds and ("paused", "io") in kinds
+    assert session.end is not None and session.end["status"] in ("stopped", "finished")
+
+
+@run_async
+async def test_a_checkpoint_that_does_not_fit_pauses_the_dashboard_and_keeps_the_previous_one(
+        mlp_script, tmp_path, monkeypatch):
+    import errno
+    real_fsync = os.fsync
+    refusing = {"on": True}
+
+    def fsync(fd):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if refusing["on"] and name.startswith(".step-0000004"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    run, source = build_live(mlp_script, tmp_path / "run", "--steps", "400", "--checkpoint-every", "2")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=20)
+        await until(pilot, lambda: "could not write" in toasts(app), "the notice")
+        assert "No space left on device" in toasts(app)
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["step-0000002.safetensors"]
+        assert restorable(checkpoints / "step-0000002.safetensors", mlp_script).step == 2
+        refusing["on"] = False
+        await pilot.press("space")
+        await until(pilot, lambda: (checkpoints / "step-0000006.safetensors").exists(), "the next checkpoint")
+        await pilot.press("q")
+        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+    session = read_session(run.session_path)
+    errors = [e for e in session.events if e["kind"] == "error"]
+    assert [e["during"] for e in errors] == ["save"] and errors[0]["step"] == 4
+    assert [r["step"] for r in session.steps] == list(range(len(session.steps)))

@@ -9,6 +9,7 @@ with the reason, where mounting is not permitted (many containers).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -145,3 +146,51 @@ def test_a_session_that_does_not_fit_stops_headless_and_keeps_what_was_flushed(
     session = assert_nothing_lost(run_dir, script, newest_step=3)
     assert len(session.steps) > 20
     assert session.end is None        # the end record could not be written either
+
+
+# Runs in the namespace: a session on a tmpfs that fills up, then gets room again.
+WRITER_ON_A_FILLING_DISK = '''
+import json, os, sys
+from amp_tui.session import SessionWriter
+folder, out = sys.argv[1], sys.argv[2]
+writer = SessionWriter(os.path.join(folder, "session.jsonl"), {"layers": []})
+record = lambda i: {"type": "event", "step": i, "kind": "x", "message": "m" * 1000}
+writer.write(record(0))
+with open(os.path.join(folder, "filler"), "wb", buffering=0) as filler:   # take every free byte
+    try:
+        while True:
+            filler.write(b"f" * 4096)
+    except OSError:
+        pass
+failures = []
+for i in range(1, 21):
+    try:
+        writer.write(record(i))
+    except OSError as exc:
+        failures.append(exc.strerror)
+pending = writer.pending_bytes
+os.remove(os.path.join(folder, "filler"))                  # space is freed
+writer.write(record(21))
+writer.close({"step": 22})
+json.dump({"failures": failures, "pending": pending}, open(os.path.join(out, "result.json"), "w"))
+os.system(f"cp {folder}/session.jsonl {out}/")
+'''
+
+
+def test_a_session_on_a_full_disk_keeps_every_record_for_when_space_is_freed(private_mount, tmp_path):
+    """Real ENOSPC from the kernel: the writes refused while the disk is full stay pending, and
+    once a file is deleted they reach the session whole and in order, with no torn line."""
+    mount_point, out = tmp_path / "tmpfs", tmp_path / "out"
+    mount_point.mkdir()
+    out.mkdir()
+    code = f'mount -t tmpfs -o size=64k tmpfs "$1" || exit 90; "{sys.executable}" -c "$2" "$1" "$3"'
+    done = subprocess.run([*private_mount, "sh", "-c", code, "sh", str(mount_point),
+                           WRITER_ON_A_FILLING_DISK, str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["failures"] and set(result["failures"]) == {"No space left on device"}
+    assert result["pending"] > 0
+    s = read_session(out / "session.jsonl")
+    assert [e["step"] for e in s.events] == list(range(22)) and s.skipped_lines == 0
+    assert s.end == {"type": "end", "step": 22}

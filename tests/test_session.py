@@ -77,3 +77,52 @@ def test_append_after_a_torn_line_starts_clean(tmp_path):
     w.close()
     s = read_session(path)
     assert [r["step"] for r in s.steps] == [0, 1] and s.skipped_lines == 1
+
+
+class _FullDisk:
+    """`os` as amp_tui.session sees it, with a disk that fills up: while `full`, a write takes at
+    most `room` bytes (a partial write, as the kernel does) and the next one raises ENOSPC."""
+
+    def __init__(self):
+        import os
+        self._os, self.full, self.room = os, False, 0
+
+    def __getattr__(self, name):
+        return getattr(self._os, name)
+
+    def write(self, fd, data):
+        import errno
+        if not self.full:
+            return self._os.write(fd, data)
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        taken = self._os.write(fd, bytes(data[:self.room]))
+        self.room -= taken
+        return taken
+
+
+def test_a_full_disk_loses_no_record_and_tears_no_line(tmp_path, monkeypatch):
+    """The records written while the disk was full reach the file, whole and in order, once it
+    takes bytes again; the failed writes raise so the run can pause or stop."""
+    import amp_tui.session as session_module
+    disk = _FullDisk()
+    monkeypatch.setattr(session_module, "os", disk)
+    path = tmp_path / "session.jsonl"
+    writer = SessionWriter(path, {"layers": []})
+    record = lambda i: {"type": "event", "step": i, "kind": "x", "message": "m" * 50}  # noqa: E731
+    writer.write(record(0))
+    disk.full, disk.room = True, 30          # record 1 fits in part only
+    failures = 0
+    for i in range(1, 4):
+        try:
+            writer.write(record(i))
+        except OSError:
+            failures += 1
+    assert failures == 3 and writer.pending_bytes > 0
+    assert not path.read_bytes().endswith(b"\n")          # a record is cut short on disk...
+    disk.full = False                                    # ...until space is freed
+    writer.write(record(4))
+    writer.close({"step": 5})
+    s = read_session(path)
+    assert [e["step"] for e in s.events] == [0, 1, 2, 3, 4] and s.skipped_lines == 0
+    assert s.end == {"type": "end", "step": 5}

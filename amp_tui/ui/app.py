@@ -131,6 +131,13 @@ class AmpTuiApp(App[int]):
             if event.get("kind") == "alert":
                 self.notify(brief(event.get("message", "")), title=f"alert at step {event.get('step')}",
                             severity="warning", timeout=12, markup=False)
+            elif event.get("kind") == "error" and event.get("during") in ("io", "save"):
+                # A full disk: the run pauses (the previous checkpoint is intact); freeing space
+                # and resuming writes the records kept meanwhile.
+                after = (" The run is paused: free some space, then space resumes."
+                         if snap.mode == "live" else "")
+                self.notify(brief(event.get("message", "")) + after, title="could not write",
+                            severity="error", timeout=20, markup=False)
         if snap.state != self._last_state:
             if snap.state in ENDED_STATES:
                 self._pending.clear()

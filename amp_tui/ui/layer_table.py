@@ -4,7 +4,7 @@ Sorted by least headroom by default (non-finite rows on top), so the layer about
 the first row even in a model with hundreds of layers. Click a column header to sort by it
 (again to reverse), or use the command palette ("Sort layers: …").
 
-A Line API widget rather than a DataTable: it is redrawn twice a second while training runs on
+A Line API widget rather than a DataTable: it is redrawn every few seconds while training runs on
 another thread of the same process, and only the visible rows are ever formatted, so a model with
 500 layers costs the same as one with 20 (a DataTable updating 2,000 cells took ~0.2 s a time).
 """
