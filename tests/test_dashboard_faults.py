@@ -280,3 +280,40 @@ async def test_a_checkpoint_that_does_not_fit_pauses_the_dashboard_and_keeps_the
     errors = [e for e in session.events if e["kind"] == "error"]
     assert [e["during"] for e in errors] == ["save"] and errors[0]["step"] == 4
     assert [r["step"] for r in session.steps] == list(range(len(session.steps)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, needs a Linux pty")
+def test_sigint_sent_to_the_dashboard_does_what_ctrl_c_does(tmp_path):
+    """`kill -INT` (the terminal itself sends Ctrl+C as a key): the app shuts down as for q (a
+    step boundary, no checkpoint, the session flushed, the terminal restored, exit 0)."""
+    run_dir = tmp_path / "run"
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "amp_tui", "train", str(SCRIPT),
+                             "--run-dir", str(run_dir), "--device", "cpu"],
+                            stdin=slave, stdout=slave, stderr=slave, cwd=REPO,
+                            start_new_session=True)
+    os.close(slave)
+    drain = Drain(master)
+    drain.start()
+    try:
+        deadline = time.monotonic() + 90
+        while step_records(run_dir) < 3:
+            assert proc.poll() is None, f"amp-tui exited early with status {proc.returncode}"
+            assert time.monotonic() < deadline, "the dashboard never got a run going"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=EXIT_BOUND_S)
+        restored = termios.tcgetattr(master)[3] & termios.ICANON   # the app left raw mode
+    finally:
+        drain.stop()
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert status == 0 and restored
+    session = read_session(run_dir)
+    assert session.end is not None and session.end["status"] == "stopped"
+    assert session.end["step"] == len(session.steps) and session.skipped_lines == 0
+    assert not [e for e in session.events if e["kind"] == "checkpoint_saved"]   # as q: none
