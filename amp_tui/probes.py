@@ -233,24 +233,25 @@ class LayerProbe:
         `underflow`) the underflow counts, still on the device."""
         grad = self._grad
         grads, index = [], []
-        for i, p in enumerate(self._params):
-            g = p.grad
-            if g is not None and g.numel():
-                g = g.detach()
-                grad.measure(i, g)
-                grads.append(g)
-                index.append(i)
+        # One no_grad() for all (a gradient built with create_graph would otherwise record).
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                g = p.grad
+                if g is not None and g.numel():
+                    grad.measure(i, g)
+                    grads.append(g)
+                    index.append(i)
+            # Per parameter: nonzero count, count below 2**-24, count below 2**-24 / scale. The
+            # comparisons count zeros too; the host subtracts them (numel is known there).
+            self._under = []
+            # Counting costs four small ops per parameter, more than the extremes: hence optional.
+            for g in (grads if underflow else ()):
+                a = g.abs()
+                self._under.append(torch.count_nonzero(a))
+                self._under.append(torch.count_nonzero(a < FP16_TINY))
+                if scale:
+                    self._under.append(torch.count_nonzero(a < FP16_TINY / scale))
         self._grads_recorded = True
-        # Per parameter: nonzero count, count below 2**-24, count below 2**-24 / scale. The
-        # comparisons count zeros too; the host subtracts them (numel is known there).
-        self._under = []
-        # Counting costs four small ops per parameter, more than the extremes: hence optional.
-        for g in (grads if underflow else ()):
-            a = g.abs()
-            self._under.append(torch.count_nonzero(a))
-            self._under.append(torch.count_nonzero(a < FP16_TINY))
-            if scale:
-                self._under.append(torch.count_nonzero(a < FP16_TINY / scale))
         self._scaled = scale is not None
         self._under_index = index if underflow else []
         self._under_numel = [g.numel() for g in grads] if underflow else []
