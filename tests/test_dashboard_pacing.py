@@ -62,8 +62,8 @@ async def test_live_status_bar_is_paced_and_ends_on_the_newest_step():
         draws = count_status_draws(app)
         last = await feed_steps(source, records, 50, seconds=2.0, rate=50)
         await pilot.pause(TRAINING_PACE.status_s + 0.2)
-        # 100 steps arrived; a fresh one showed every quarter second or so, not 20 times a second
-        assert 4 <= len(draws) <= 2.0 / TRAINING_PACE.status_s + 3, draws
+        # 100 steps arrived; a fresh one showed at the pace, not 20 times a second
+        assert 2.0 / TRAINING_PACE.status_s - 1 <= len(draws) <= 2.0 / TRAINING_PACE.status_s + 3, draws
         assert all(b - a >= TRAINING_PACE.status_s * 0.9 for a, b in zip(draws, draws[1:]))
         # nothing is lost: once the steps stop, the newest one is on screen
         assert f"step {last + 1}/" in status(app), status(app)  # shown as steps done

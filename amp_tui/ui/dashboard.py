@@ -42,9 +42,9 @@ class Pacing:
                          # 10-50 ms, more on a big terminal or a busy CPU)
 
 
-# Beside a training run (in this process or another on the same machine): four status updates a
-# second is as fast as anyone reads, and every repaint spared is time the training gets back.
-TRAINING_PACE = Pacing(status_s=0.25, table_s=2.0, charts_s=5.0, chart_budget=0.01)
+# Beside a training run (in this process or another on the same machine) every repaint spared is
+# time the training gets back: the step counter twice a second is still a live number.
+TRAINING_PACE = Pacing(status_s=0.5, table_s=2.0, charts_s=5.0, chart_budget=0.01)
 # A replay has nothing to compete with: keys that step or seek show their frame at once.
 REPLAY_PACE = Pacing(status_s=0.0, table_s=0.5, charts_s=1.0, chart_budget=0.04)
 
