@@ -91,14 +91,12 @@ class Drain(threading.Thread):
         self.join(5)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, needs a Linux pty")
-@pytest.mark.parametrize("fault", ["end of file", "SIGHUP"])
-def test_the_terminal_gone_stops_at_a_step_boundary_checkpoints_flushes_and_exits(fault, tmp_path):
-    """The terminal closes with no signal (its input at end of file), or SIGHUP arrives."""
+def dashboard_on_a_pty(run_dir: Path) -> tuple[subprocess.Popen, int, Drain]:
+    """The real `amp-tui train` on the demo, on a pseudo-terminal of its own (its own session:
+    closing our side sends it no signal), once it has recorded a few steps: (process, our side of
+    the terminal, the thread draining its output)."""
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT.relative_to(REPO)} is not there yet")
-    run_dir = tmp_path / "run"
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "amp_tui", "train", str(SCRIPT),
@@ -108,12 +106,29 @@ def test_the_terminal_gone_stops_at_a_step_boundary_checkpoints_flushes_and_exit
     os.close(slave)
     drain = Drain(master)
     drain.start()
+    deadline = time.monotonic() + 90
     try:
-        deadline = time.monotonic() + 90
         while step_records(run_dir) < 3:
             assert proc.poll() is None, f"amp-tui exited early with status {proc.returncode}"
             assert time.monotonic() < deadline, "the dashboard never got a run going"
             time.sleep(0.1)
+    except BaseException:
+        drain.stop()
+        os.close(master)
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, master, drain
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, needs a Linux pty")
+@pytest.mark.parametrize("fault", ["end of file", "SIGHUP"])
+def test_the_terminal_gone_stops_at_a_step_boundary_checkpoints_flushes_and_exits(fault, tmp_path):
+    """The terminal closes with no signal (its input at end of file), or SIGHUP arrives."""
+    run_dir = tmp_path / "run"
+    proc, master, drain = dashboard_on_a_pty(run_dir)
+    try:
         if fault == "SIGHUP":
             proc.send_signal(signal.SIGHUP)
         else:
@@ -288,21 +303,8 @@ def test_sigint_sent_to_the_dashboard_does_what_ctrl_c_does(tmp_path):
     """`kill -INT` (the terminal itself sends Ctrl+C as a key): the app shuts down as for q (a
     step boundary, no checkpoint, the session flushed, the terminal restored, exit 0)."""
     run_dir = tmp_path / "run"
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "amp_tui", "train", str(SCRIPT),
-                             "--run-dir", str(run_dir), "--device", "cpu"],
-                            stdin=slave, stdout=slave, stderr=slave, cwd=REPO,
-                            start_new_session=True)
-    os.close(slave)
-    drain = Drain(master)
-    drain.start()
+    proc, master, drain = dashboard_on_a_pty(run_dir)
     try:
-        deadline = time.monotonic() + 90
-        while step_records(run_dir) < 3:
-            assert proc.poll() is None, f"amp-tui exited early with status {proc.returncode}"
-            assert time.monotonic() < deadline, "the dashboard never got a run going"
-            time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
         status = proc.wait(timeout=EXIT_BOUND_S)
         restored = termios.tcgetattr(master)[3] & termios.ICANON   # the app left raw mode

@@ -90,7 +90,9 @@ def actions(run_dir: Path) -> list[str]:
     return out
 
 
-def test_keys_drive_the_real_dashboard_and_q_exits_cleanly(tmp_path):
+def start_dashboard(tmp_path, name: str) -> tuple[Terminal, Path, Path]:
+    """The real `amp-tui train` on the demo in a tmux pane, running: (terminal, run dir, the file
+    that gets its exit status)."""
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT.relative_to(REPO)} is not there yet")
     run_dir = tmp_path / "run"
@@ -98,11 +100,20 @@ def test_keys_drive_the_real_dashboard_and_q_exits_cleanly(tmp_path):
     command = (f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m amp_tui train "
                f"{shlex.quote(str(SCRIPT.relative_to(REPO)))} --run-dir {shlex.quote(str(run_dir))} "
                f"--device cpu; echo $? > {shlex.quote(str(status))}")
-    terminal = Terminal(f"amp-tui-e2e-{os.getpid()}")
+    terminal = Terminal(f"{name}-{os.getpid()}")
     terminal.start(f"sh -c {shlex.quote(command)}")
     try:
         wait_for(terminal, lambda: "RUNNING" in terminal.screen() and "layers (" in terminal.screen(),
                  "the dashboard to show a running run", timeout=90)
+    except BaseException:
+        terminal.close()
+        raise
+    return terminal, run_dir, status
+
+
+def test_keys_drive_the_real_dashboard_and_q_exits_cleanly(tmp_path):
+    terminal, run_dir, status = start_dashboard(tmp_path, "amp-tui-e2e")
+    try:
 
         def key(keys: tuple[str, ...], action: str, shown: str) -> None:
             count = len(actions(run_dir))
@@ -142,18 +153,8 @@ def test_keys_drive_the_real_dashboard_and_q_exits_cleanly(tmp_path):
 
 def test_ctrl_c_in_the_real_dashboard_stops_cleanly_like_q(tmp_path):
     """The terminal sends Ctrl+C as a byte (the dashboard's raw mode: no SIGINT): it is q."""
-    if not SCRIPT.exists():
-        pytest.skip(f"{SCRIPT.relative_to(REPO)} is not there yet")
-    run_dir = tmp_path / "run"
-    status = tmp_path / "status"
-    command = (f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m amp_tui train "
-               f"{shlex.quote(str(SCRIPT.relative_to(REPO)))} --run-dir {shlex.quote(str(run_dir))} "
-               f"--device cpu; echo $? > {shlex.quote(str(status))}")
-    terminal = Terminal(f"amp-tui-e2e-ctrl-c-{os.getpid()}")
-    terminal.start(f"sh -c {shlex.quote(command)}")
+    terminal, run_dir, status = start_dashboard(tmp_path, "amp-tui-e2e-ctrl-c")
     try:
-        wait_for(terminal, lambda: "RUNNING" in terminal.screen() and "layers (" in terminal.screen(),
-                 "the dashboard to show a running run", timeout=90)
         terminal.press("C-c")
         wait_for(terminal, status.exists, "amp-tui to exit", timeout=30)
         assert status.read_text().strip() == "0"
