@@ -114,3 +114,22 @@ async def test_a_replay_is_not_paced():
         await pilot.pause(0.1)
         # every refresh tick that saw a new step drew it: well over the live pace's 4 a second
         assert len(draws) > 1.0 / TRAINING_PACE.status_s + 4, draws
+
+
+@run_async
+async def test_the_first_steps_reach_the_charts_at_once_however_costly_their_last_draw():
+    """Beside training the charts redraw every few seconds; "waiting for the first step" must not
+    stay up meanwhile."""
+    records = synthetic_records(50)
+    source = FixedSource(records[:1])          # the header only
+    app = create_app(source, refresh_rate=20)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.3)
+        charts = (app.dashboard.loss_chart, app.dashboard.scale_chart)
+        for chart in charts:
+            chart.cost_s = 1.0                 # as if the empty chart had been slow to draw
+        source.buffer.feed(records[1])
+        started = time.monotonic()
+        while not all(chart._history is not None and chart._history.steps for chart in charts):
+            assert time.monotonic() - started < TRAINING_PACE.status_s, "the charts waited for the pace"
+            await pilot.pause(0.02)

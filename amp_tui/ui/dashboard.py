@@ -152,7 +152,12 @@ class DashboardScreen(Screen):
                        len(h.skipped_steps), len(h.intervention_steps))
         if history_key != self._history_key:
             cost = self.loss_chart.cost_s + self.scale_chart.cost_s
-            if tick - self._charts_at >= max(pace.charts_s, cost / pace.chart_budget):
+            # The first points, and a new intervention mark, don't wait for the pace: "waiting
+            # for the first step" must not stay up while the status bar counts steps.
+            charts_urgent = (bool(h.steps), len(h.intervention_steps))
+            last = self._history_key
+            if (last is None or charts_urgent != (bool(last[0]), last[4])
+                    or tick - self._charts_at >= max(pace.charts_s, cost / pace.chart_budget)):
                 self._history_key, self._charts_at = history_key, tick
                 self.loss_chart.show(h)
                 self.scale_chart.show(h)
