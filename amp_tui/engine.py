@@ -110,8 +110,8 @@ class GuardedTrainer:
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         # Parameters the optimizer steps but no probed module owns: their gradients still need
         # the device-side non-finite check when the probes judge the rest on the host.
-        self._unprobed_params = ([p for p in self._params if not self.probe.owns(p)]
-                                 if self.probe else self._params)
+        owned = self.probe.owned_ids() if self.probe else set()
+        self._unprobed_params = [p for p in self._params if id(p) not in owned]
 
     # ---- precision policy ---------------------------------------------------------------
     @property

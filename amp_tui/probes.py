@@ -170,8 +170,9 @@ class LayerProbe:
     def active(self) -> bool:
         return self._armed
 
-    def owns(self, param: torch.nn.Parameter) -> bool:
-        return any(p is param for p in self._params)
+    def owned_ids(self) -> set[int]:
+        """id() of every parameter the probed modules own."""
+        return {id(p) for p in self._params}
 
     def begin(self) -> None:
         """Start probing a step: unprobed steps (with the hooks off) pay nothing."""
