@@ -246,7 +246,7 @@ async def test_a_full_disk_pauses_the_dashboard_and_resuming_writes_what_was_kep
         await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=20)
         await until(pilot, lambda: "could not write" in toasts(app), "the notice")
         assert "No space left on device" in toasts(app)
-        assert "free some space" in toasts(app)
+        await until(pilot, lambda: "free some space" in toasts(app), "the pause notice")
         paused_at = run.step
         await pilot.pause(0.5)
         assert run.step == paused_at and source.alive          # held, not stopped

@@ -132,12 +132,13 @@ class AmpTuiApp(App[int]):
                 self.notify(brief(event.get("message", "")), title=f"alert at step {event.get('step')}",
                             severity="warning", timeout=12, markup=False)
             elif event.get("kind") == "error" and event.get("during") in ("io", "save"):
-                # A full disk: the run pauses (the previous checkpoint is intact); freeing space
-                # and resuming writes the records kept meanwhile.
-                after = (" The run is paused: free some space, then space resumes."
-                         if snap.mode == "live" else "")
-                self.notify(brief(event.get("message", "")) + after, title="could not write",
+                self.notify(brief(event.get("message", "")), title="could not write",
                             severity="error", timeout=20, markup=False)
+            elif event.get("kind") == "paused" and event.get("reason") == "io":
+                # A full disk (the previous checkpoint is intact): freeing space and resuming
+                # writes the records kept meanwhile.
+                self.notify("The run is paused: free some space, then space resumes.",
+                            title="paused", severity="warning", timeout=20, markup=False)
         if snap.state != self._last_state:
             if snap.state in ENDED_STATES:
                 self._pending.clear()
