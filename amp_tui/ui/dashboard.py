@@ -104,6 +104,7 @@ class DashboardScreen(Screen):
         self._status_at = -math.inf
         self._status_urgent: tuple | None = None
         self._table_urgent: tuple | None = None
+        self._charts_urgent: tuple | None = None
 
     def compose(self) -> ComposeResult:
         yield self.status_bar
@@ -155,10 +156,9 @@ class DashboardScreen(Screen):
             # The first points, and a new intervention mark, don't wait for the pace: "waiting
             # for the first step" must not stay up while the status bar counts steps.
             charts_urgent = (bool(h.steps), len(h.intervention_steps))
-            last = self._history_key
-            if (last is None or charts_urgent != (bool(last[0]), last[4])
+            if (charts_urgent != self._charts_urgent
                     or tick - self._charts_at >= max(pace.charts_s, cost / pace.chart_budget)):
-                self._history_key, self._charts_at = history_key, tick
+                self._history_key, self._charts_at, self._charts_urgent = history_key, tick, charts_urgent
                 self.loss_chart.show(h)
                 self.scale_chart.show(h)
             else:
