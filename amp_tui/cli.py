@@ -260,9 +260,7 @@ def use_dashboard(args) -> bool:
 def run_headless(run, warnings: list[str]) -> int:
     from rich.console import Console
 
-    from amp_tui.headless import HeadlessPrinter
-    from amp_tui.report import render_summary, summarize
-    from amp_tui.session import read_session
+    from amp_tui.headless import HeadlessPrinter, print_after_run
 
     console = Console(highlight=False, stderr=False)
     for warning in warnings:
@@ -291,7 +289,7 @@ def run_headless(run, warnings: list[str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    render_summary(summarize(read_session(run.session_path)), console)
+    print_after_run(run, console)
     return status
 
 

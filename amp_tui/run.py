@@ -31,9 +31,13 @@ from amp_tui.local_fp32 import LocalFp32, ModuleMatchError
 from amp_tui.jsonsafe import encode_float
 from amp_tui.numfmt import number
 from amp_tui.script import ScriptError, TrainSetup, describe_exception
+from amp_tui.report import RunOutcome, describe_records
 from amp_tui.session import SessionWriter, event_record, step_record
 
 NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback")
+# The state a run ends in, and the status its end record gives, from the state it was in.
+ENDED_STATES = {"finished": "finished", "stopped": "stopped", "error": "error"}
+ENDING_WAIT_S = 5.0   # how long another thread waits for the training thread to end the file
 
 # Exit statuses of a run (the CLI returns them).
 EXIT_OK = 0
@@ -58,6 +62,7 @@ class RunConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     fp32_modules: list[str] = field(default_factory=list)
     on_io_error: str = "stop"           # a full disk: "stop" (headless) or "pause" (dashboard)
+    flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)
     control: bool = False                # serve the control socket (amp-tui ctl / attach)
     resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
 
@@ -181,7 +186,21 @@ class Run:
         self._checkpoint_on_stop = False
         self._stop_reason: str | None = None
         self._session_failed = False
+        self._pause_reason: str | None = None     # "io": held until the disk takes writes again
+        self._io_error: str | None = None         # the last write the disk refused
+        self._checkpoint_due: str | None = None   # the source of a save the disk refused
+        self._give_up_unwritten = False           # quit even if the recording can't be completed
+        # Set when a stop was held because records could not be written (a full disk): whoever
+        # asked is told how many would be lost and may ask again to give them up.
+        self.stop_held = threading.Event()
+        self.held_message: str | None = None      # what the held stop would have lost
+        self._stop_replies: list[Command] = []    # ctl stops answered once the end is tried
+        self._ending = threading.Event()          # the training thread is writing the end
+        self._ended = threading.Event()           # the end is written, or given up
+        self.unwritten: dict[str, int] = {}       # records given up at the end, by type
+        self.recording_error: str | None = None   # why they were: the OS's words and the path
         self._control = None
+        self._thread: threading.Thread | None = None   # the thread that runs the loop
         self._single_steps = 0
         self.nonfinite_events = 0
         self.started_at = time.time()
@@ -190,15 +209,30 @@ class Run:
     def submit(self, command: Command) -> None:
         self.commands.submit(command)
 
-    def request_stop(self, *, checkpoint: bool = False, reason: str | None = None) -> None:
+    def request_stop(self, *, checkpoint: bool = False, reason: str | None = None,
+                     give_up_unwritten: bool = False) -> None:
         """Stop at the next step boundary (from any thread, e.g. a signal handler); with
-        `checkpoint`, save one first (an SSH drop must not lose the run's progress)."""
+        `checkpoint`, save one first (an SSH drop must not lose the run's progress).
+
+        Records that a full disk refused are written before the run ends; where the disk still
+        refuses them, a watched run (the dashboard) holds the stop and sets `stop_held`, so the
+        user can free space or confirm. `give_up_unwritten` confirms: the run ends without them,
+        and says how many were lost."""
         if checkpoint:
             self._checkpoint_on_stop = True
         if reason and self._stop_reason is None:
             self._stop_reason = reason
+        if give_up_unwritten:
+            self._give_up_unwritten = True
+        self.stop_held.clear()
         self._stop_requested.set()
         self.commands.wakeup.set()
+
+    def unattended(self) -> None:
+        """Nobody is watching any more (the terminal is gone): a full disk stops the run as in
+        headless mode instead of pausing it for a user who can't answer."""
+        self.config.on_io_error = "stop"
+        self._give_up_unwritten = True
 
     @property
     def step(self) -> int:
@@ -264,9 +298,10 @@ class Run:
 
     def _halt_for_io(self, message: str) -> None:
         """Keep what is written; pause (dashboard) or stop with a non-zero status (headless)."""
-        self.error = message
-        if self.config.on_io_error == "pause":
+        self.error = self._io_error = message
+        if self._waits_for_space():
             self._single_steps = 0
+            self._pause_reason = "io"
             self._set_state("paused")
             self.event("paused", "paused: the disk refused a write; free some space, then resume "
                        "(the records kept meanwhile are written then)", reason="io")
@@ -285,7 +320,8 @@ class Run:
         ckpt.cleanup_temporary_files(self.checkpoint_dir)
         header = self.header()
         resuming = self.config.resume_from is not None
-        self._writer = SessionWriter(self.session_path, header, append=resuming)
+        self._writer = SessionWriter(self.session_path, header, append=resuming,
+                                     flush_interval=self.config.flush_interval)
         for observer in list(self.observers):
             observer({"type": "header", **header})
         if resuming:
@@ -317,6 +353,7 @@ class Run:
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self) -> int:
+        self._thread = threading.current_thread()
         if self._writer is None:
             try:
                 self.open()
@@ -351,12 +388,16 @@ class Run:
             if self._stop_requested.is_set():
                 if self._stop_reason:
                     self.event("stopping", f"stopping: {self._stop_reason}", reason=self._stop_reason)
-                if self._checkpoint_on_stop:
-                    self._save_checkpoint(source=self._stop_reason or "stop")
+                if self._checkpoint_on_stop or self._checkpoint_due is not None:
+                    self._save_checkpoint(source=self._stop_reason or self._checkpoint_due or "stop")
                 if self.state not in ("error",):
                     self._set_state("stopped")
                 return
-            if cfg.steps is not None and self.step >= cfg.steps:
+            if self._checkpoint_due is not None and self.state == "running":
+                # A save the disk refused, tried again first once the user resumed.
+                self._save_checkpoint(source=self._checkpoint_due)
+                continue
+            if cfg.steps is not None and self.step >= cfg.steps and self._pause_reason != "io":
                 self._set_state("finished")
                 return
             if self.state == "paused" and self._single_steps == 0:
@@ -517,6 +558,7 @@ class Run:
                 self._set_state("paused")
             elif action == "resume":
                 self._single_steps = 0
+                self._pause_reason = None
                 self._set_state("running")
             else:
                 if self.state != "paused":
@@ -566,8 +608,11 @@ class Run:
         except ckpt.CheckpointError as exc:
             self.event("error", str(exc), during="save", source=source)
             if isinstance(exc.__cause__, OSError):  # a full disk, not a bad model state
+                if self._waits_for_space():
+                    self._checkpoint_due = source   # saved once the user frees space and resumes
                 self._halt_for_io(str(exc))
             return None
+        self._checkpoint_due = None
         size = os.path.getsize(info.path)
         self.event("checkpoint_saved", f"checkpoint {self._rel(info.path)} saved at step {self.step} "
                    f"({size / 1e6:.1f} MB, {time.perf_counter() - started:.2f}s)",
@@ -628,23 +673,129 @@ class Run:
         self._set_state("error")
         self.event("error", message, step=step, during="step", traceback=tb[-20000:])
 
+    def _waits_for_space(self) -> bool:
+        """A full disk pauses the run (someone watching can free space), or stops it."""
+        return self.config.on_io_error == "pause" and not self._give_up_unwritten
+
+    def outcome(self) -> RunOutcome:
+        return RunOutcome(state=self.state, steps=self.step, unwritten=dict(self.unwritten),
+                          recording_error=self.recording_error)
+
+    def pending_records(self) -> dict[str, int]:
+        """Records the disk has refused so far and that are still kept, by type."""
+        writer = self._writer
+        return writer.pending_records() if writer is not None and not writer.closed else {}
+
     def close(self) -> None:
+        """End the recording with its end record. The last flush counts like every other one:
+        where the disk refuses it, a watched run pauses on the training thread until space is
+        freed (or the user gives the records up); otherwise the records are given up, counted in
+        `unwritten`, and the exit status says so."""
         self.trainer.close()
-        if self._control is not None:
+        if self._ending.is_set() and threading.current_thread() is not self._thread:
+            # The training thread is writing the end, or waiting for space to: it gives up
+            # itself (two threads never write to the file at once).
+            self.unattended()
+            self.request_stop(give_up_unwritten=True)
+            self._ended.wait(ENDING_WAIT_S)
+            return
+        if self._writer is not None and not self._writer.closed:
+            self._finish_recording(ENDED_STATES.get(self.state, "stopped"))
+        if self._control is not None:   # after the end: ctl resume may be what completes it
             self._control.close()
             self._control = None
-        if self._writer is None or self._writer.closed:
-            return
-        status = {"finished": "finished", "stopped": "stopped", "error": "error"}.get(self.state, "stopped")
+
+    def _end_record(self, status: str) -> dict:
         t = self.trainer
-        end = {"step": self.step, "status": status, "updates": t.updates_applied,
-               "skipped_total": t.skipped_total, "dtype": t.dtype, "scale": t.scale,
-               "time": round(time.time(), 3), "exit_status": self.exit_status}
-        with contextlib.suppress(OSError):
-            self._writer.close(end)
+        return {"step": self.step, "status": status, "updates": t.updates_applied,
+                "skipped_total": t.skipped_total, "dtype": t.dtype, "scale": t.scale,
+                "time": round(time.time(), 3), "exit_status": self.exit_status}
+
+    def _finish_recording(self, status: str) -> None:
+        waiting_allowed = threading.current_thread() is self._thread   # others can't block
+        if waiting_allowed:
+            self._ending.set()
+        try:
+            self._write_end(status, waiting_allowed)
+        finally:
+            self._ended.set()
+
+    def _write_end(self, status: str, waiting_allowed: bool) -> None:
+        while True:
+            end = self._end_record(status)
+            try:
+                self._writer.finish(end)
+                break
+            except OSError as exc:
+                why = f"{exc.strerror or exc}: {self.session_path}"
+                if not (waiting_allowed and self._waits_for_space()):
+                    self._give_up(status, why)
+                    return
+                self._session_failed = False   # each try at the end is reported
+                self._on_io_error(f"could not write the end of {self.session_path}: "
+                                  f"{exc.strerror or exc}")
+                self._wait_for_space(why)
+        if self.error is not None and self.error == self._io_error and self._checkpoint_due is None:
+            self.error = None   # the disk took everything in the end: nothing was lost
+        self._set_state(status)
+        self._answer_stops(Outcome(True, "stopped; every record is written"))
         for observer in list(self.observers):
             with contextlib.suppress(Exception):
                 observer({"type": "end", **end})
+
+    def _answer_stops(self, outcome: Outcome) -> None:
+        replies, self._stop_replies = self._stop_replies, []
+        for command in replies:
+            if command.on_done is not None:
+                command.on_done(outcome)
+
+    def _wait_for_space(self, why: str) -> None:
+        """Paused after the last flush failed: return to try it again once the user resumes,
+        single-steps or stops. A stop while the records still can't be written is held once and
+        `stop_held` set, so whoever asked can say what would be lost; a second stop (with
+        `give_up_unwritten`) tries once more and then ends without them."""
+        if self._stop_requested.is_set() and not self._give_up_unwritten:
+            self._stop_requested.clear()
+            self.held_message = (f"{describe_records(self.pending_records())} would be lost "
+                                 f"({why}). Free some space and stop again to write them; "
+                                 "stopping again without freeing any ends the run without them")
+            self.stop_held.set()
+            self._answer_stops(Outcome(False, self.held_message))
+        while True:
+            for command in self.commands.drain():
+                if command.action == "stop":
+                    # A second stop while one is held gives the records up if they still
+                    # don't fit; either way it is answered once the last flush was tried.
+                    if self.stop_held.is_set():
+                        self._give_up_unwritten = True
+                    self._intervention(command, {"state": self.state}, {"state": "stopped"},
+                                       "stop requested")
+                    self._stop_replies.append(command)
+                    self._stop_requested.set()
+                elif command.action in ("resume", "step", "pause"):
+                    self._apply(command)
+                elif command.on_done is not None:
+                    command.on_done(Outcome(False, f"{command.text()} refused: the run has ended "
+                                                   f"and its last records wait for the disk ({why})"))
+            if self.state == "running" or self._single_steps or self._stop_requested.is_set():
+                self._single_steps = 0
+                self._pause_reason = None
+                return
+            self.commands.wait(0.25)
+
+    def _give_up(self, status: str, why: str) -> None:
+        """End without what the disk refused: counted, said, and a non-zero exit status."""
+        self.unwritten = self._writer.abandon()
+        self.recording_error = why
+        self.error = self.error or why
+        self.exit_status = self.exit_status or EXIT_ERROR
+        self._set_state(status)
+        self._answer_stops(Outcome(True, f"stopped without {describe_records(self.unwritten)} "
+                                         f"({why})"))
+        end = {"type": "end", **self._end_record(status), "unwritten": dict(self.unwritten)}
+        for observer in list(self.observers):
+            with contextlib.suppress(Exception):
+                observer(end)
 
 
 class StepFailure(Exception):

@@ -650,6 +650,9 @@ def test_hangup_guard_stops_the_run_flushes_and_leaves(monkeypatch):
         def request_stop(self, checkpoint, reason):
             self.calls.append(("request_stop", checkpoint, reason))
 
+        def unattended(self):
+            self.calls.append("unattended")
+
     exits = []
     monkeypatch.setattr(hangup, "GRACE_S", 0.01)
     monkeypatch.setattr(hangup.os, "_exit", exits.append)
@@ -659,9 +662,9 @@ def test_hangup_guard_stops_the_run_flushes_and_leaves(monkeypatch):
     guard.finished.set()
     guard._stop_and_leave("SIGHUP", 129)
     assert app.calls == ["TerminalGone"] and source.calls == ["stop"]
-    assert run.calls == [("request_stop", True, "SIGHUP")]
+    assert run.calls == ["unattended", ("request_stop", True, "SIGHUP")]   # nobody left to ask
     assert exits == []
     # a hung step and a stuck UI: flush what finished, then end the process (128 + SIGHUP)
     app, source, run = Stub(True), Stub(False), Stub(True)
     hangup.HangupGuard(app, source, run, stop_timeout=1.0)._stop_and_leave("SIGHUP", 129)
-    assert run.calls == [("request_stop", True, "SIGHUP"), "close"] and exits == [129]
+    assert run.calls == ["unattended", ("request_stop", True, "SIGHUP"), "close"] and exits == [129]
