@@ -65,7 +65,10 @@ def describe_exception(exc: BaseException, script: Path) -> str:
     return f"{type(exc).__name__}{': ' + text if text else ''}{where_in_script(exc, script)}"
 
 
-def import_script(path: str | Path):
+def import_script(path: str | Path, argv: list[str] | None = None):
+    """Import the user's file as `python script.py ARGV...` would run it: `sys.argv` is
+    `[script, *argv]` while its module code runs, so argparse at import level sees its own
+    arguments, not amp-tui's command line."""
     script = Path(path)
     if not script.exists():
         raise ScriptError(f"script not found: {script}")
@@ -77,6 +80,8 @@ def import_script(path: str | Path):
     module = importlib.util.module_from_spec(spec)
     # The script's own folder comes first on sys.path so its sibling modules import.
     sys.path.insert(0, str(script.resolve().parent))
+    saved_argv = sys.argv
+    sys.argv = [str(script), *(argv or [])]
     try:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
@@ -87,6 +92,8 @@ def import_script(path: str | Path):
         if isinstance(exc, KeyboardInterrupt):
             raise
         raise ScriptError(f"importing {script.name} failed: {describe_exception(exc, script)}") from None
+    finally:
+        sys.argv = saved_argv
     return module
 
 
@@ -111,7 +118,7 @@ def _as_mapping(result: Any, script: Path) -> dict:
 def load_script(path: str | Path, *, device: str, argv: list[str], dtype: str = "float16") -> TrainSetup:
     """Import the script, call setup() and validate what it returns."""
     script = Path(path)
-    module = import_script(script)
+    module = import_script(script, argv)
     setup_fn = getattr(module, "setup", None)
     if setup_fn is None:
         raise ScriptError(f"{script.name} has no setup() function; the script contract needs one")

@@ -97,6 +97,40 @@ def setup(ctx):
     assert f"'sys.argv': ['{script}', '--lr', '3']" in seen
 
 
+MODULE_LEVEL_ARGPARSE = BASE + '''
+import argparse
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float, default=0.1)
+ARGS = parser.parse_args()          # at import, as scripts run with `python script.py` often do
+
+def setup():
+    (__import__("pathlib").Path(__file__).parent / "lr.txt").write_text(repr(ARGS.lr))
+    m, o, l, b = parts()
+    return {"model": m, "optimizer": o, "loss_fn": l, "batches": b}
+'''
+
+
+def test_module_level_argparse_sees_the_script_arguments(write_script, tmp_path, monkeypatch):
+    script = write_script(MODULE_LEVEL_ARGPARSE)
+    command = ["train", str(script), "--headless", "--steps", "1", "--run-dir", str(tmp_path / "run"),
+               "--", "--lr", "3"]
+    monkeypatch.setattr(sys, "argv", ["amp-tui", *command])  # what the script would see by default
+    assert main(command) == 0
+    assert (tmp_path / "lr.txt").read_text() == "3.0"
+    assert sys.argv == ["amp-tui", *command]  # amp-tui's own command line is put back
+
+
+def test_module_level_argparse_rejects_in_its_own_name(write_script, tmp_path, monkeypatch, capsys):
+    script = write_script(MODULE_LEVEL_ARGPARSE)
+    command = ["train", str(script), "--headless", "--run-dir", str(tmp_path / "run"), "--", "--bogus"]
+    monkeypatch.setattr(sys, "argv", ["amp-tui", *command])
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert f"{script.name}: error: unrecognized arguments: --bogus" in err
+    assert "amp-tui: error: train_script.py called sys.exit(2) while being imported" in err
+    assert "--headless" not in err and not (tmp_path / "run").exists()
+
+
 def test_setup_may_return_an_object(write_script, tmp_path):
     script = write_script(BASE + '''
 from amp_tui import TrainSetup
