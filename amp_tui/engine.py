@@ -41,7 +41,7 @@ class StepResult:
     nonfinite: str | None = None  # None, "loss" or "gradients"
     first_nonfinite_layer: str | None = None
     grad_norm: float | None = None
-    lr: float | None = None
+    lr: float | None = None       # the lr this step's update used (before scheduler.step())
     figures: LayerFigures | None = None
     diagnosis: Diagnosis | None = None
     next_scale: float | None = None  # the scale after scaler.update(): what the next step uses
@@ -229,6 +229,7 @@ class GuardedTrainer:
     def _step(self, micro_batches, probe: LayerProbe | None) -> StepResult:
         opt, scaler = self.optimizer, self.scaler
         used_scale = self._scale_value if scaler is not None else None
+        lr = self._lr_in_use()
         opt.zero_grad(set_to_none=True)
         n = len(micro_batches)
         losses: list[float] = []
@@ -253,7 +254,7 @@ class GuardedTrainer:
             if first is None and figures is not None:
                 index = figures.first_nonfinite("act")
                 first = self.layer_names[index] if index is not None else None
-            return self._finish(mean_loss, used_scale, skipped=True, nonfinite="loss",
+            return self._finish(mean_loss, used_scale, lr, skipped=True, nonfinite="loss",
                                 first_layer=first, figures=figures, micro=n, diagnosis=diagnosis)
 
         if scaler is not None:
@@ -296,17 +297,24 @@ class GuardedTrainer:
             if first is None and figures is not None:
                 index = figures.first_nonfinite("grad")
                 first = self.layer_names[index] if index is not None else None
-        return self._finish(mean_loss, used_scale, skipped=skipped,
+        return self._finish(mean_loss, used_scale, lr, skipped=skipped,
                             nonfinite="gradients" if skipped else None, first_layer=first,
                             figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis)
 
-    def _finish(self, loss, scale, *, skipped, nonfinite, first_layer, figures, micro, grad_norm=None,
-                diagnosis=None):
+    def _lr_in_use(self):
+        """The first param group's lr as this step's update uses it: read before the scheduler
+        moves it on for the next step."""
+        lr = self.optimizer.param_groups[0].get("lr")
+        if isinstance(lr, torch.Tensor):
+            return lr.detach().clone()  # schedulers update a tensor lr in place
+        return lr
+
+    def _finish(self, loss, scale, lr, *, skipped, nonfinite, first_layer, figures, micro,
+                grad_norm=None, diagnosis=None):
         if skipped:
             self.skipped_total += 1
         else:
             self.updates_applied += 1
-        lr = self.optimizer.param_groups[0].get("lr")
         return StepResult(
             step=self.step_index, loss=loss, scale=scale, skipped=skipped,
             skipped_total=self.skipped_total, updates_applied=self.updates_applied,

@@ -219,3 +219,65 @@ def test_headless_prints_events_and_a_summary(write_script, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "nonfinite" in out and "gradients overflowed at scale 65536" in out
     assert "updates applied" in out and "run dir" in out
+
+
+WARMUP_SCRIPT = '''
+import torch
+from torch import nn
+
+BASE_LR, WARMUP = 0.01, 4
+
+def parts():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=BASE_LR)
+    # Linear warm-up from 0: the update of step k uses BASE_LR * k / WARMUP.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, k / WARMUP))
+    xs = torch.randn(64, 8)
+    ys = xs.sum(1, keepdim=True) * SCALE_UP
+    batches = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, 64, 16)]
+    def loss_fn(model, batch):
+        return nn.functional.mse_loss(model(batch[0]), batch[1])
+    return model, opt, sched, loss_fn, batches
+
+def setup():
+    model, opt, sched, loss_fn, batches = parts()
+    return {"model": model, "optimizer": opt, "scheduler": sched, "loss_fn": loss_fn, "batches": batches}
+
+def plain_loop_lrs(steps):
+    """The lr each update of a plain loop uses: read when optimizer.step() runs."""
+    model, opt, sched, loss_fn, batches = parts()
+    used = []
+    for k in range(steps):
+        opt.zero_grad()
+        loss_fn(model, batches[k % len(batches)]).backward()
+        used.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return used
+'''
+
+
+def test_recorded_lr_is_the_one_the_step_used(write_script, tmp_path):
+    script = write_script(WARMUP_SCRIPT.replace("SCALE_UP", "1"))
+    _, _, lines = run_cli([str(script), "--steps", "7", "--dtype", "fp32"], tmp_path)
+    recorded = [r["lr"] for r in lines if r["type"] == "step"]
+    namespace = {}
+    exec(script.read_text(), namespace)
+    assert recorded == namespace["plain_loop_lrs"](7)
+    assert recorded[0] == 0.0  # the warm-up's first update moves nothing
+
+
+def test_recorded_lr_means_the_same_on_skipped_and_applied_steps(write_script, tmp_path):
+    # Targets 300x the features overflow fp16's backward at 65536: the first steps are skipped,
+    # and the scheduler only moves after an applied update.
+    script = write_script(WARMUP_SCRIPT.replace("SCALE_UP", "300"))
+    _, _, lines = run_cli([str(script), "--steps", "14"], tmp_path)
+    steps = [r for r in lines if r["type"] == "step"]
+    assert any(s["skipped"] for s in steps) and not all(s["skipped"] for s in steps)
+    namespace = {}
+    exec(script.read_text(), namespace)
+    base, warmup = namespace["BASE_LR"], namespace["WARMUP"]
+    for s in steps:
+        applied_before = s["updates"] - (0 if s["skipped"] else 1)
+        assert s["lr"] == pytest.approx(base * min(1.0, applied_before / warmup), rel=1e-12), s["step"]
