@@ -94,8 +94,14 @@ class BatchFeed:
             try:
                 return next(self._iter)
             except StopIteration:
-                raise ScriptError("'batches' yielded no batch (a generator can't be re-iterated: "
-                                  "return a list or a DataLoader)") from None
+                if self.consumed == 0:
+                    raise ScriptError("'batches' yielded no batch") from None
+                if self._iter is self._batches:
+                    raise ScriptError(f"'batches' ran out after {self.consumed} batches and can't start "
+                                      "over (its iter() is itself, like a generator's): return a list "
+                                      "or a DataLoader") from None
+                raise ScriptError(f"'batches' ran out after {self.consumed} batches and yielded none "
+                                  "when started over") from None
 
     def peek(self):
         batch = self._next_raw()
@@ -370,8 +376,8 @@ class Run:
 
     def _one_step(self) -> None:
         step = self.step
-        micro = self.feed.take(self.accumulate)
         try:
+            micro = self.feed.take(self.accumulate)  # the user's DataLoader or dataset may raise too
             result = self.trainer.step(micro)
         except (LossError, ScriptError) as exc:
             raise StepFailure(step, f"step {step}: {exc}", exc) from exc
@@ -622,7 +628,9 @@ class Run:
             return
         else:
             message, original, step = f"{type(exc).__name__}: {exc}", exc, self.step
-        tb = "".join(traceback.format_exception(type(original), original, original.__traceback__))
+        # A ScriptError is amp-tui's own wording of a contract breach: its frames are ours, not the user's.
+        tb = "" if isinstance(original, ScriptError) else "".join(
+            traceback.format_exception(type(original), original, original.__traceback__))
         self.error = message
         self.exit_status = EXIT_ERROR
         self._set_state("error")

@@ -11,7 +11,7 @@ import inspect
 import numbers
 import sys
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -140,6 +140,15 @@ def load_script(path: str | Path, *, device: str, argv: list[str], dtype: str = 
     return validate_setup(_as_mapping(result, script), script)
 
 
+def is_one_shot(batches: Any) -> bool:
+    """A generator, map(), iter(list)...: an iterator whose iter() is itself, so it can't start
+    over. One of the user's own classes whose __iter__ is Python code may start over in there;
+    it is judged when it runs out (BatchFeed). No iter() call here: a DataLoader's starts workers."""
+    if not isinstance(batches, Iterator):
+        return False
+    return not inspect.isfunction(inspect.getattr_static(type(batches), "__iter__", None))
+
+
 def validate_setup(values: dict, script: Path) -> TrainSetup:
     name = script.name
     missing = [k for k in REQUIRED if k not in values]
@@ -169,6 +178,11 @@ def validate_setup(values: dict, script: Path) -> TrainSetup:
     batches = values["batches"]
     if isinstance(batches, (str, bytes)) or not isinstance(batches, Iterable):
         raise ScriptError(f"'batches' from {name} is a {type(batches).__name__}, not an iterable of batches")
+    if is_one_shot(batches):
+        raise ScriptError(f"'batches' from {name} is a {type(batches).__name__}, an iterator that can be read "
+                          "only once, but amp-tui starts 'batches' over whenever they run out: return the "
+                          "list or DataLoader itself (an endless stream: an object whose __iter__ makes a "
+                          "new iterator)")
 
     scheduler = values.get("scheduler")
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
