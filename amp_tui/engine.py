@@ -112,6 +112,13 @@ class GuardedTrainer:
         # the device-side non-finite check when the probes judge the rest on the host.
         owned = self.probe.owned_ids() if self.probe else set()
         self._unprobed_params = [p for p in self._params if id(p) not in owned]
+        # Trainable parameters the optimizer doesn't hold: they get gradients and train nothing.
+        # GradScaler.unscale_ doesn't reach them and optimizer.zero_grad doesn't clear them, so
+        # both happen here, for their figures to be each step's true gradient like the others'.
+        held = {id(p) for p in self._params}
+        self.untrained_params = [p for p in model.parameters() if p.requires_grad and id(p) not in held]
+        if self.probe:
+            self.probe.set_untrained(self.untrained_params)
 
     # ---- precision policy ---------------------------------------------------------------
     @property
@@ -230,7 +237,7 @@ class GuardedTrainer:
         opt, scaler = self.optimizer, self.scaler
         used_scale = self._scale_value if scaler is not None else None
         lr = self._lr_in_use()
-        opt.zero_grad(set_to_none=True)
+        self._zero_grad()
         n = len(micro_batches)
         losses: list[float] = []
         bad_batch = None
@@ -247,7 +254,7 @@ class GuardedTrainer:
 
         if bad_batch is not None:
             # No backward, no update: the guard the seeds ask for. Then find where it went wrong.
-            opt.zero_grad(set_to_none=True)
+            self._zero_grad()
             figures = probe.collect()[0] if probe else None
             diagnosis = self._diagnose([bad_batch], used_scale, backward=False)
             first = diagnosis.forward_layer if diagnosis else None
@@ -259,6 +266,7 @@ class GuardedTrainer:
 
         if scaler is not None:
             scaler.unscale_(opt)
+            self._unscale_untrained(used_scale)
         found_inf = None
         if probe:
             probed = self.step_index // self.probe_every
@@ -301,6 +309,17 @@ class GuardedTrainer:
                             nonfinite="gradients" if skipped else None, first_layer=first,
                             figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis)
 
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.untrained_params:
+            p.grad = None
+
+    def _unscale_untrained(self, scale: float) -> None:
+        grads = [p.grad for p in self.untrained_params if p.grad is not None]
+        if grads:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, 1.0 / scale)  # the scale is a power of two: exact
+
     def _lr_in_use(self):
         """The first param group's lr as this step's update uses it: read before the scheduler
         moves it on for the next step."""
@@ -333,7 +352,7 @@ class GuardedTrainer:
                                  device=self.device, backward=backward)
             if diagnosis.forward_layer or diagnosis.backward_layer:
                 break
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         return diagnosis
 
     def _forward_unchecked(self, batch):

@@ -140,6 +140,18 @@ def load_script(path: str | Path, *, device: str, argv: list[str], dtype: str = 
     return validate_setup(_as_mapping(result, script), script)
 
 
+def untrained_warning(model: torch.nn.Module, optimizer: torch.optim.Optimizer, name: str) -> list[str]:
+    """Trainable parameters in no param group get gradients but never an update: say so once."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    names = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if not names:
+        return []
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return [f"'model' from {name} has trainable parameters in no optimizer param group; they get "
+            f"gradients but train nothing: {shown} (set requires_grad=False on them, or give them "
+            "to the optimizer)"]
+
+
 def is_one_shot(batches: Any) -> bool:
     """A generator, map(), iter(list)...: an iterator whose iter() is itself, so it can't start
     over. One of the user's own classes whose __iter__ is Python code may start over in there;
@@ -172,6 +184,7 @@ def validate_setup(values: dict, script: Path) -> TrainSetup:
             if id(p) not in model_params:
                 raise ScriptError(f"'optimizer' from {name} holds a parameter that is not in 'model'; "
                                   "build it from model.parameters()")
+    warnings += untrained_warning(model, optimizer, name)
     loss_fn = values["loss_fn"]
     if not callable(loss_fn):
         raise ScriptError(f"'loss_fn' from {name} is a {type(loss_fn).__name__}, not callable")

@@ -281,3 +281,66 @@ def test_recorded_lr_means_the_same_on_skipped_and_applied_steps(write_script, t
     for s in steps:
         applied_before = s["updates"] - (0 if s["skipped"] else 1)
         assert s["lr"] == pytest.approx(base * min(1.0, applied_before / warmup), rel=1e-12), s["step"]
+
+
+UNTRAINED_SCRIPT = '''
+import torch
+from torch import nn
+
+class Blow(torch.autograd.Function):
+    """Identity forward; the gradient through it is multiplied by BLOW (inf: a non-finite one)."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g):
+        return g * BLOW
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.aux = nn.Linear(16, 1)          # reachable from the model, in no param group
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.head(h), Blow.apply(self.aux(h.detach()).float())
+
+def setup():
+    torch.manual_seed(0)
+    model = Net()
+    # lr=0: nothing moves, so every step's true gradient is the same.
+    opt = torch.optim.SGD([*model.body.parameters(), *model.head.parameters()], lr=0.0)
+    x = torch.randn(16, 8)
+    def loss_fn(model, batch):
+        out, aux = model(batch)
+        return nn.functional.mse_loss(out, batch.sum(1, keepdim=True)) + 0.01 * aux.mean()
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": [x]}
+'''
+
+
+def _layer_grads(lines, layer):
+    index = lines[0]["layers"].index(layer)
+    return [r["layers"]["grad"][index] for r in lines if r["type"] == "step"]
+
+
+def test_untrained_parameters_are_named_once_and_their_gradients_unscaled(write_script, tmp_path, capsys):
+    script = write_script(UNTRAINED_SCRIPT.replace("BLOW", "1.0"))
+    figures = {}
+    for dtype in ("fp16", "bf16"):
+        _, _, lines = run_cli([str(script), "--steps", "4", "--dtype", dtype], tmp_path, dtype)
+        out = capsys.readouterr().out
+        assert out.count("warning:") == 1 and "train nothing: aux.weight, aux.bias" in " ".join(out.split())
+        figures[dtype] = _layer_grads(lines, "aux")
+        assert all(g == pytest.approx(figures[dtype][0], rel=1e-6) for g in figures[dtype])  # per step
+        assert not any(r["skipped"] for r in lines if r["type"] == "step")
+    # Unscaled like every other gradient: fp16 at scale 65536 shows what bf16 shows.
+    assert figures["fp16"][0] == pytest.approx(figures["bf16"][0], rel=0.05)
+
+
+def test_a_nonfinite_gradient_of_an_untrained_parameter_skips_nothing(write_script, tmp_path):
+    script = write_script(UNTRAINED_SCRIPT.replace("BLOW", "float('inf')"))
+    for dtype in ("fp16", "bf16"):
+        _, _, lines = run_cli([str(script), "--steps", "3", "--dtype", dtype], tmp_path, dtype)
+        steps = [r for r in lines if r["type"] == "step"]
+        assert not any(s["skipped"] for s in steps), dtype
+        assert all(g in ("Infinity", "NaN") for g in _layer_grads(lines, "aux")), dtype  # still shown
