@@ -49,6 +49,13 @@ class StepResult:
     wall_time: float = field(default_factory=time.time)
 
 
+@dataclass
+class _StartedStep:
+    batch: Any             # the micro-batch the forward ran on (step() checks it is the same)
+    loss: torch.Tensor     # with its graph, for the step's backward
+    seconds: float         # the forward's time, counted in the step's duration
+
+
 def check_loss(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise LossError(f"loss_fn returned a {type(loss).__name__}, not a tensor")
@@ -107,6 +114,7 @@ class GuardedTrainer:
         self.step_index = 0
         self.updates_applied = 0
         self.skipped_total = 0
+        self._started: _StartedStep | None = None  # a forward run ahead by start_step()
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         # Parameters the optimizer steps but no probed module owns: their gradients still need
         # the device-side non-finite check when the probes judge the rest on the host.
@@ -152,6 +160,7 @@ class GuardedTrainer:
             self.scaler = None
             self._scale_value = None
         self.dtype = new
+        self.discard_started_step()  # it ran under the old dtype
         if precision.uses_scaler(new):
             self._enter_fp16()
         return {"before": before, "after": self.describe_precision()}
@@ -205,21 +214,49 @@ class GuardedTrainer:
     def probing_next(self) -> bool:
         return self.probe is not None and self.step_index % self.probe_every == 0
 
-    def step(self, micro_batches: Sequence[Any]) -> StepResult:
-        """One iteration over `micro_batches` (already on the device): one update attempt."""
-        if not micro_batches:
-            raise ValueError("step() needs at least one micro-batch")
+    def start_step(self, batch: Any) -> torch.Tensor:
+        """Run the next step's forward on `batch` now, and keep it: when step() is then given
+        `batch` as its first micro-batch, it goes on from this forward instead of calling
+        loss_fn again. amp-tui's pre-flight check is this forward, so loss_fn runs exactly as
+        often, on the same state, as in a plain loop. Raises what the forward raises (LossError
+        for a loss that is not a scalar), keeping nothing."""
+        self.discard_started_step()
         started = time.perf_counter()
         probe = self.probe if self.probing_next() else None
         if probe:
             probe.begin()
         try:
-            result = self._step(micro_batches, probe)
+            loss = self._forward(batch)
         except BaseException:
             if probe:
                 probe.end()
             raise
-        result.duration = time.perf_counter() - started
+        self._started = _StartedStep(batch, loss, time.perf_counter() - started)
+        return loss
+
+    def discard_started_step(self) -> None:
+        """Forget the forward start_step() kept: the precision or the weights changed since, so
+        the step runs its forward again."""
+        self._started = None
+
+    def step(self, micro_batches: Sequence[Any]) -> StepResult:
+        """One iteration over `micro_batches` (already on the device): one update attempt."""
+        if not micro_batches:
+            raise ValueError("step() needs at least one micro-batch")
+        ahead, self._started = self._started, None
+        if ahead is not None and ahead.batch is not micro_batches[0]:
+            ahead = None  # kept for another batch
+        started = time.perf_counter()
+        probe = self.probe if self.probing_next() else None
+        if probe and ahead is None:
+            probe.begin()  # (start_step began it for its forward)
+        try:
+            result = self._step(micro_batches, probe, ahead.loss if ahead is not None else None)
+        except BaseException:
+            if probe:
+                probe.end()
+            raise
+        result.duration = time.perf_counter() - started + (ahead.seconds if ahead is not None else 0.0)
         self.step_index += 1
         if probe and not self.probing_next():
             probe.end()  # the hooks stay on only while the next step is probed too
@@ -227,13 +264,14 @@ class GuardedTrainer:
 
     def close(self) -> None:
         """Leave the user's model as it was given: no hooks of ours on it."""
+        self.discard_started_step()
         if self.probe:
             self.probe.end()
 
     def _forward(self, batch):
         return check_loss(self._forward_unchecked(batch))
 
-    def _step(self, micro_batches, probe: LayerProbe | None) -> StepResult:
+    def _step(self, micro_batches, probe: LayerProbe | None, first_loss: torch.Tensor | None) -> StepResult:
         opt, scaler = self.optimizer, self.scaler
         used_scale = self._scale_value if scaler is not None else None
         lr = self._lr_in_use()
@@ -241,8 +279,8 @@ class GuardedTrainer:
         n = len(micro_batches)
         losses: list[float] = []
         bad_batch = None
-        for batch in micro_batches:
-            loss = self._forward(batch)
+        for i, batch in enumerate(micro_batches):
+            loss = first_loss if i == 0 and first_loss is not None else self._forward(batch)
             value = float(loss.detach().float())  # the one sync the finite-loss check needs
             losses.append(value)
             if not math.isfinite(value):
