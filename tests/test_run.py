@@ -156,7 +156,7 @@ def setup():
     model = nn.Linear(4, 1)
     def loss_fn(m, b):
         calls["n"] += 1
-        if calls["n"] == 5:   # call 1 is the pre-flight check
+        if calls["n"] == 4:   # step 3 (the pre-flight check is step 0's own call)
             raise ValueError("bad batch 3")
         return m(b).pow(2).mean()
     return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
