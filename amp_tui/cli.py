@@ -153,7 +153,7 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
     from amp_tui.devices import resolve_device
     from amp_tui.guards import GuardConfig
     from amp_tui.checkpoint import list_checkpoints
-    from amp_tui.run import BatchFeed, Run, RunConfig, preflight
+    from amp_tui.run import BatchFeed, Run, RunConfig
     from amp_tui.script import ScriptError, load_script
 
     at = [parse_at(text) for text in args.at]
@@ -192,7 +192,6 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         if not match_modules(setup.model, pattern):
             raise ScriptError(f"--fp32-modules {pattern!r} matches no module of the model "
                               f"(module names look like {_example_names(setup.model)})")
-    preflight(setup, feed, device, dtype, args.script)
     policy = args.on_nonfinite or on_nonfinite_default
     guard = GuardConfig(
         min_scale=args.min_scale, alert_scale_drops=args.alert_scale_drops,
@@ -206,6 +205,9 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         at=at, command_line=command_line,
         guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from, control=True)
     run = Run(config, setup, device, feed)
+    # After every precision policy is in place (--dtype, --fp32-modules, --at 0:...): the check
+    # is the first step's own forward.
+    run.preflight()
     return run, setup.warnings
 
 

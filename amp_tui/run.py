@@ -25,16 +25,17 @@ from amp_tui import checkpoint as ckpt
 from amp_tui import precision
 from amp_tui.commands import Command, CommandQueue, Outcome
 from amp_tui.devices import describe_device, move_to_device
-from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult, check_loss
+from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult
 from amp_tui.guards import GuardConfig, PrecisionGuard
 from amp_tui.local_fp32 import LocalFp32, ModuleMatchError
 from amp_tui.jsonsafe import encode_float
 from amp_tui.numfmt import number
 from amp_tui.script import ScriptError, TrainSetup, describe_exception
 from amp_tui.report import RunOutcome, describe_records
-from amp_tui.session import SessionWriter, event_record, step_record
+from amp_tui.session import SessionFormatError, SessionWriter, event_record, step_record
 
 NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback")
+PRECISION_ACTIONS = ("dtype", "scale", "fp32")  # what --at 0:... may set before the pre-flight
 # The state a run ends in, and the status its end record gives, from the state it was in.
 ENDED_STATES = {"finished": "finished", "stopped": "stopped", "error": "error"}
 ENDING_WAIT_S = 5.0   # how long another thread waits for the training thread to end the file
@@ -84,12 +85,10 @@ class BatchFeed:
         self._batches = batches
         self._device = device
         self._iter = None
-        self._pending: list = []
+        self._peeked = None   # the next batch, already on the device (peek() read it)
         self.consumed = 0
 
     def _next_raw(self):
-        if self._pending:
-            return self._pending.pop(0)
         if self._iter is None:
             self._iter = iter(self._batches)
         try:
@@ -99,53 +98,38 @@ class BatchFeed:
             try:
                 return next(self._iter)
             except StopIteration:
-                raise ScriptError("'batches' yielded no batch (a generator can't be re-iterated: "
-                                  "return a list or a DataLoader)") from None
+                if self.consumed == 0:
+                    raise ScriptError("'batches' yielded no batch") from None
+                if self._iter is self._batches:
+                    raise ScriptError(f"'batches' ran out after {self.consumed} batches and can't start "
+                                      "over (its iter() is itself, like a generator's): return a list "
+                                      "or a DataLoader") from None
+                raise ScriptError(f"'batches' ran out after {self.consumed} batches and yielded none "
+                                  "when started over") from None
 
     def peek(self):
-        batch = self._next_raw()
-        self._pending.insert(0, batch)
-        return move_to_device(batch, self._device)
+        """The next batch on the device; take() hands out this same object."""
+        if self._peeked is None:
+            self._peeked = move_to_device(self._next_raw(), self._device)
+        return self._peeked
+
+    def _next(self):
+        batch, self._peeked = self._peeked, None
+        if batch is None:
+            batch = move_to_device(self._next_raw(), self._device)
+        self.consumed += 1
+        return batch
 
     def take(self, count: int) -> list:
-        out = []
-        for _ in range(count):
-            out.append(move_to_device(self._next_raw(), self._device))
-            self.consumed += 1
-        return out
+        return [self._next() for _ in range(count)]
 
     def skip(self, count: int) -> None:
         for _ in range(count):
-            self._next_raw()
+            if self._peeked is not None:
+                self._peeked = None
+            else:
+                self._next_raw()
             self.consumed += 1
-
-
-def preflight(setup: TrainSetup, feed: BatchFeed, device: torch.device, dtype: str, script: Path) -> None:
-    """Run loss_fn once on the first batch, before any file exists, so a broken script exits 2.
-
-    RNG and train/eval modes are put back, and eval mode keeps BatchNorm statistics unchanged, so
-    the run starts exactly as it would have without this check.
-    """
-    try:
-        batch = feed.peek()
-    except ScriptError:
-        raise ScriptError(f"'batches' from {script.name} is empty") from None
-    modes = [(m, m.training) for m in setup.model.modules()]
-    setup.model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            enabled = precision.uses_autocast(dtype)
-            with torch.autocast(device.type, dtype=precision.torch_dtype(dtype), enabled=enabled):
-                check_loss(setup.loss_fn(setup.model, batch))
-    except LossError as exc:
-        raise ScriptError(f"{script.name}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - the user's code failed: say where
-        raise ScriptError(f"loss_fn in {script.name} failed on the first batch: "
-                          f"{describe_exception(exc, script)}") from None
-    finally:
-        for module, mode in modes:
-            module.training = mode
-        setup.optimizer.zero_grad(set_to_none=True)
 
 
 class Run:
@@ -182,6 +166,9 @@ class Run:
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in config.at:
             self._scheduled.setdefault(step, []).append(command)
+        self._before_open: list[dict] = []  # records made before the session exists
+        self._header: dict | None = None    # taken before the pre-flight's --at actions apply
+        self._resumed = False
         self._stop_requested = threading.Event()
         self._checkpoint_on_stop = False
         self._stop_reason: str | None = None
@@ -270,7 +257,10 @@ class Run:
         }
 
     def _emit(self, record: dict) -> None:
-        if self._writer is not None and not self._writer.closed:
+        if self._writer is None:
+            self._before_open.append(record)  # the pre-flight's: written after the header
+            return
+        if not self._writer.closed:
             try:
                 self._writer.write(record)
                 self._session_failed = False
@@ -318,18 +308,62 @@ class Run:
         """Create the run directory and write the header (or, resuming, append to the session)."""
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         ckpt.cleanup_temporary_files(self.checkpoint_dir)
-        header = self.header()
+        header = self._header or self.header()
         resuming = self.config.resume_from is not None
         self._writer = SessionWriter(self.session_path, header, append=resuming,
                                      flush_interval=self.config.flush_interval)
         for observer in list(self.observers):
             observer({"type": "header", **header})
-        if resuming:
+        if resuming and not self._resumed:
             self._resume(self.config.resume_from)
+        early, self._before_open = self._before_open, []
+        for record in early:
+            self._emit(record)
         if self.config.control:
             from amp_tui.control import ControlServer
             self._control = ControlServer(self, self.run_dir)
             self._control.start()
+
+    def preflight(self) -> None:
+        """Check the script before anything is written, without an extra call: run the first
+        step's forward now, under the precision that step uses, and keep it for that step
+        (GuardedTrainer.start_step). So the run starts exactly as a plain loop would: loss_fn
+        is called once per micro-batch, in training mode, with the RNG and any state of the
+        script's own going on from there. A failure is a ScriptError (exit 2, no run directory).
+        """
+        script = self.config.script
+        if self.config.resume_from is not None:
+            try:
+                self._resume(self.config.resume_from)  # the check runs on the state it goes on from
+            except (OSError, ckpt.CheckpointError, SessionFormatError, ValueError) as exc:
+                raise ScriptError(f"--resume {self.run_dir}: {exc}") from None
+            self._resumed = True
+        self._header = self.header()  # the starting precision, as the --at events record it
+        self._apply_starting_precision()
+        try:
+            batch = self.feed.peek()
+        except ScriptError:
+            raise ScriptError(f"'batches' from {script.name} is empty") from None
+        except Exception as exc:  # noqa: BLE001 - the user's DataLoader or dataset failed
+            raise ScriptError(f"'batches' from {script.name} failed on the first batch: "
+                              f"{describe_exception(exc, script)}") from None
+        try:
+            self.trainer.start_step(batch)
+        except LossError as exc:
+            raise ScriptError(f"{script.name}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the user's code failed: say where
+            raise ScriptError(f"loss_fn in {script.name} failed on the first batch: "
+                              f"{describe_exception(exc, script)}") from None
+
+    def _apply_starting_precision(self) -> None:
+        """The first step's `--at` precision actions (dtype, scale, fp32) apply before the
+        pre-flight, so its forward runs as the step will: a module that fails under autocast
+        is what fp32=NAME is for. Only those that lead the step's list: an action scheduled
+        before them (save, pause...) keeps its place, and a change after it drops the kept
+        forward."""
+        scheduled = self._scheduled.get(self.step, [])
+        while scheduled and scheduled[0].action in PRECISION_ACTIONS:
+            self._apply(scheduled.pop(0))
 
     def _resume(self, path: Path) -> None:
         """Continue a crashed or stopped run from a checkpoint; the step counter goes on from the
@@ -341,6 +375,7 @@ class Run:
         loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
         loaded.apply(t.model, t.optimizer, t.scheduler)
         t.restore_scaler(loaded.scaler_state)
+        t.discard_started_step()
         extra = loaded.extra or {}
         t.updates_applied = int(extra.get("updates_applied", 0))
         t.skipped_total = int(extra.get("skipped_total", 0))
@@ -411,8 +446,8 @@ class Run:
 
     def _one_step(self) -> None:
         step = self.step
-        micro = self.feed.take(self.accumulate)
         try:
+            micro = self.feed.take(self.accumulate)  # the user's DataLoader or dataset may raise too
             result = self.trainer.step(micro)
         except (LossError, ScriptError) as exc:
             raise StepFailure(step, f"step {step}: {exc}", exc) from exc
@@ -579,6 +614,8 @@ class Run:
             from amp_tui.local_fp32 import match_modules
             already = set(match_modules(self.trainer.model, pattern)) & set(self.local_fp32.names)
             changed = self.local_fp32.remove(pattern) if already else self.local_fp32.add(pattern)
+            if changed:
+                self.trainer.discard_started_step()  # it ran under the old autocast policy
         except ModuleMatchError as exc:
             self.event("error", str(exc), during="fp32", source=command.source)
             return Outcome(False, str(exc))
@@ -646,6 +683,7 @@ class Run:
         before = t.describe_precision()
         loaded.apply(t.model, t.optimizer, t.scheduler)
         t.restore_scaler(loaded.scaler_state)
+        t.discard_started_step()  # it ran on the weights before the restore
         after = t.describe_precision()
         ck_step = loaded.step
         note = f" ({loaded.notice})" if loaded.notice else ""
@@ -667,7 +705,9 @@ class Run:
             return
         else:
             message, original, step = f"{type(exc).__name__}: {exc}", exc, self.step
-        tb = "".join(traceback.format_exception(type(original), original, original.__traceback__))
+        # A ScriptError is amp-tui's own wording of a contract breach: its frames are ours, not the user's.
+        tb = "" if isinstance(original, ScriptError) else "".join(
+            traceback.format_exception(type(original), original, original.__traceback__))
         self.error = message
         self.exit_status = EXIT_ERROR
         self._set_state("error")

@@ -79,7 +79,7 @@ def setup(ctx=None):
     xs = torch.randn(16, 4)
     batches = [(xs[i:i + 4], xs[i:i + 4].sum(1, keepdim=True)) for i in range(0, 16, 4)]
     def loss_fn(model, batch):
-        if model.training:           # not amp-tui's preflight check, which runs in eval mode
+        if model.training:           # every call is a step's (the pre-flight check is step 0's forward)
             steps["n"] += 1
             if steps["n"] == 4:      # steps 0..2 train, step 3 raises
                 raise_bad_batch()
@@ -103,7 +103,7 @@ def setup(ctx=None):
     model = nn.Linear(4, 1)
     xs = torch.randn(8, 4)
     def loss_fn(model, batch):
-        if model.training:           # not amp-tui's preflight check, which runs in eval mode
+        if model.training:           # every call is a step's (the pre-flight check is step 0's forward)
             steps["n"] += 1
             if steps["n"] > 2:
                 time.sleep(1.5)      # from step 2 on, every step outlasts the quit timeout
