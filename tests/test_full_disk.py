@@ -144,7 +144,11 @@ def test_a_session_that_does_not_fit_stops_headless_and_keeps_what_was_flushed(
     status, out, err, run_dir, script = train_on_a_full_disk(
         private_mount, tmp_path, "160k", "--at", "3:save")
     assert status == 1, (out, err)
-    assert "could not append to" in out and "No space left on device" in out
+    # Mid-run ("could not append to") or at the last flush, as the machine's speed has it:
+    # either way the full disk and the file are named.
+    text = " ".join(out.split())
+    assert "No space left on device" in text and "session.jsonl" in text
+    assert "could not append to" in text or "could not be written" in text
     assert "Traceback" not in err
     session = assert_nothing_lost(run_dir, script, newest_step=3)
     assert len(session.steps) > 20
