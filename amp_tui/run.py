@@ -29,7 +29,7 @@ from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResu
 from amp_tui.guards import GuardConfig, PrecisionGuard
 from amp_tui.local_fp32 import LocalFp32, ModuleMatchError
 from amp_tui.jsonsafe import encode_float
-from amp_tui.numfmt import number
+from amp_tui.numfmt import byte_size, number
 from amp_tui.script import ScriptError, TrainSetup, describe_exception
 from amp_tui.session import SessionWriter, event_record, step_record
 
@@ -570,7 +570,7 @@ class Run:
             return None
         size = os.path.getsize(info.path)
         self.event("checkpoint_saved", f"checkpoint {self._rel(info.path)} saved at step {self.step} "
-                   f"({size / 1e6:.1f} MB, {time.perf_counter() - started:.2f}s)",
+                   f"({byte_size(size)}, {time.perf_counter() - started:.2f}s)",
                    path=self._rel(info.path), checkpoint_step=self.step, dtype=t.dtype, bytes=size,
                    source=source)
         return info
