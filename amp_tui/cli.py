@@ -282,7 +282,7 @@ def run_headless(run, warnings: list[str]) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        with HeadlessPrinter(console, run.config.steps) as printer:
+        with HeadlessPrinter(console, run.config.steps, run_dir=run.run_dir) as printer:
             run.observers.append(printer)
             status = run.run()
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import socket
 import sys
 import threading
@@ -239,6 +240,10 @@ class Run:
         if self._writer is not None and not self._writer.closed:
             try:
                 self._writer.write(record)
+                if self.state == "paused" and record.get("type") == "step":
+                    # A single step while paused: no later record comes to push it to the file,
+                    # where `ctl`, `attach` and `replay --follow` look for it.
+                    self._writer.flush()
                 self._session_failed = False
             except OSError as exc:
                 self._on_io_error(f"could not append to {self.session_path}: {exc.strerror or exc}")
@@ -520,7 +525,7 @@ class Run:
                 self._set_state("running")
             else:
                 if self.state != "paused":
-                    return Outcome(False, "single step works while paused (press space first)")
+                    return Outcome(False, self._pause_first(command.source))
                 self._single_steps += 1
             text = {"pause": "paused", "resume": "resumed", "step": f"single step {self.step}"}[action]
             return self._intervention(command, before, {"state": self.state}, text)
@@ -529,6 +534,16 @@ class Run:
             self._stop_requested.set()
             return Outcome(True, "stopping at this step boundary")
         return Outcome(False, f"unknown command {action!r}")
+
+    def _pause_first(self, source: str) -> str:
+        """Why a single step was refused, in the terms of whoever asked for it."""
+        if source == "dashboard":
+            return "single step works while paused (press space first)"
+        if source.startswith("ctl"):
+            run_dir = shlex.quote(str(self.run_dir))
+            return (f"step works while the job is paused: send pause first "
+                    f"(amp-tui ctl {run_dir} pause), then step")
+        return "a single step works while the run is paused: pause it first"
 
     def _toggle_fp32(self, command: Command) -> Outcome:
         pattern = str(command.value)
