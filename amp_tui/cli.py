@@ -12,6 +12,7 @@ from pathlib import Path
 from amp_tui import __version__, argtypes
 
 EXIT_USAGE = 2
+DEFAULT_RUNS = "runs"   # where runs go without --run-dir, and what `amp-tui ls` lists by default
 
 
 def _dtype(text: str) -> str:
@@ -125,9 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("--refresh-rate", type=argtypes.positive, default=20.0, metavar="HZ",
                         help="dashboard refreshes per second at most (default 20)")
 
-    ls = sub.add_parser("ls", help="list runs under a folder with their state")
-    ls.add_argument("folder", type=Path, nargs="?", default=Path("runs"), metavar="DIR",
-                    help="folder of run directories (default runs/)")
+    ls = sub.add_parser("ls", help="list runs under some folders with their state",
+                        description="List the runs under each DIR (a folder of run directories, a "
+                                    "run directory, or a quoted glob like 'exp/*'), newest first.")
+    ls.add_argument("folders", nargs="*", metavar="DIR",
+                    help=f"folders of run directories (default {DEFAULT_RUNS}/: runs made with "
+                         "--run-dir elsewhere are listed only when named)")
     return parser
 
 
@@ -386,16 +390,24 @@ def cmd_ls(args) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from amp_tui.listing import list_runs, short_dtype
+    from amp_tui.listing import expand_folders, list_runs_in, short_dtype
 
-    if not args.folder.exists():
-        return _error(f"no folder {args.folder}", status=1)
-    rows = list_runs(args.folder)
+    named = list(args.folders)
+    folders, missing = expand_folders(named or [DEFAULT_RUNS])
+    if named and missing:
+        what = "folder or run" if len(missing) == 1 else "folders or runs"
+        return _error(f"no {what} matching {', '.join(repr(m) for m in missing)}", status=1)
+    rows = list_runs_in(folders)
     if not rows:
-        print(f"no runs under {args.folder}")
+        where = ", ".join(named) if named else f"{DEFAULT_RUNS}/"
+        hint = "" if named else " (runs made with --run-dir elsewhere: amp-tui ls DIR)"
+        print(f"no runs under {where}{hint}")
         return 0
+    # One folder: its runs' names are enough. Several: the path tells them apart.
+    several = len(folders) > 1
     styles = {"running": "green", "crashed": "red", "error": "red", "stopped": "yellow"}
-    cells = [[Text(r.run_dir.name), Text(r.state, style=styles.get(r.state, "")), Text(r.script),
+    cells = [[Text(str(r.run_dir) if several else r.run_dir.name),
+              Text(r.state, style=styles.get(r.state, "")), Text(r.script),
               Text(str(r.steps)), Text(short_dtype(r.dtype)), Text(str(r.skipped))] for r in rows]
     # Piped output has no width to fit: keep whole rows for grep and friends.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
