@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--init-scale", type=argtypes.positive, default=65536.0, metavar="X",
                        help="GradScaler's initial loss scale in fp16 (default 65536)")
     train.add_argument("--steps", type=argtypes.positive_int, default=None, metavar="N",
-                       help="iterations to run (default: until stopped)")
+                       help="iterations to run (default: until stopped); with --resume, that many "
+                            "more from where the recording goes on")
     train.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     train.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
                        help="where session.jsonl and checkpoints/ go (default runs/<time>-<script>)")
@@ -189,7 +190,11 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         from amp_tui.engine import PrecisionRefused
         raise PrecisionRefused(reason)
     setup = load_script(args.script, device=str(device), argv=script_argv, dtype=dtype)
-    resume_from = _newest_valid_checkpoint(candidates, setup, run_dir) if args.resume is not None else None
+    resume_from, resume_skipped = None, []
+    if args.resume is not None:
+        resume_from, resume_skipped = _newest_valid_checkpoint(candidates, setup, run_dir)
+        setup.warnings.extend(f"--resume: skipped {path.relative_to(run_dir)}: {reason}"
+                              for path, reason in resume_skipped)
     feed = BatchFeed(setup.batches, device)
     from amp_tui.local_fp32 import match_modules
     for pattern in args.fp32_modules:
@@ -208,27 +213,46 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         steps=args.steps, run_dir=run_dir, checkpoint_every=args.checkpoint_every,
         probe_every=args.probe_every, underflow_every=args.underflow_every, on_nonfinite=policy,
         at=at, command_line=command_line,
-        guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from, control=True)
+        guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from,
+        resume_skipped=[(str(path.relative_to(run_dir)), reason) for path, reason in resume_skipped],
+        control=True)
     run = Run(config, setup, device, feed)
     return run, setup.warnings
 
 
-def _newest_valid_checkpoint(candidates, setup, run_dir: Path) -> Path:
-    """The newest checkpoint that passes every check against this script's model (a partly written
-    or corrupted one is skipped, with its reason kept for the error message)."""
-    from amp_tui.checkpoint import CheckpointError, read_checkpoint
+def _newest_valid_checkpoint(candidates, setup, run_dir: Path) -> tuple[Path, list[tuple[Path, str]]]:
+    """The newest checkpoint that passes every check against this script's model, and the newer
+    ones skipped with the reason (a partly written or corrupted file, one whose header can't
+    even be read, a weights-only file that has no optimizer state to go on from)."""
+    from amp_tui.checkpoint import CheckpointError, checkpoint_files, read_checkpoint
     from amp_tui.script import ScriptError
-    reasons = []
+    skipped: list[tuple[Path, str]] = []
+    chosen = None
     for info in candidates:
         if info.kind != "full":
+            skipped.append((info.path, "weights only: no optimizer or scaler state to resume from"))
             continue
         try:
             read_checkpoint(info.path, model=setup.model, optimizer=setup.optimizer, scheduler=setup.scheduler)
-            return info.path
+            chosen = info
+            break
         except CheckpointError as exc:
-            reasons.append(str(exc))
-    detail = f" (newest refused: {reasons[0]})" if reasons else ""
-    raise ScriptError(f"--resume {run_dir}: no valid checkpoint in {run_dir / 'checkpoints'}{detail}")
+            skipped.append((info.path, str(exc)))
+    listed = {info.path for info in candidates}
+    for path in checkpoint_files(run_dir / "checkpoints"):
+        if path in listed:
+            continue
+        try:
+            newer = chosen is None or path.stat().st_mtime >= chosen.mtime
+            if newer:
+                read_checkpoint(path, model=setup.model, optimizer=setup.optimizer,
+                                scheduler=setup.scheduler)
+        except (CheckpointError, OSError) as exc:
+            skipped.append((path, str(exc)))
+    if chosen is None:
+        detail = f" (newest refused: {skipped[0][1]})" if skipped else ""
+        raise ScriptError(f"--resume {run_dir}: no valid checkpoint in {run_dir / 'checkpoints'}{detail}")
+    return chosen.path, skipped
 
 
 def _example_names(model, count: int = 3) -> str:

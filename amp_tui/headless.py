@@ -58,6 +58,8 @@ class HeadlessPrinter:
                 if self._live is not None and now - self._last_draw >= self.interval:
                     self._last_draw = now
                     self._live.update(self.status_line())
+        elif kind == "header":
+            self.total = record.get("steps")   # a resume stops later than its --steps alone
         elif kind == "event":
             self.print_event(record)
             if _pauses(record):

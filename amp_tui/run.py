@@ -48,7 +48,7 @@ class RunConfig:
     script_argv: list[str] = field(default_factory=list)
     dtype: str = "float16"
     init_scale: float = 65536.0
-    steps: int | None = None
+    steps: int | None = None            # iterations to run; a resume counts them from where it goes on
     run_dir: Path | None = None
     checkpoint_every: int | None = None
     probe_every: int = 1
@@ -61,6 +61,7 @@ class RunConfig:
     on_io_error: str = "stop"           # a full disk: "stop" (headless) or "pause" (dashboard)
     control: bool = False                # serve the control socket (amp-tui ctl / attach)
     resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
+    resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)
 
 
 def default_run_dir(script: Path, root: Path = Path("runs")) -> Path:
@@ -288,37 +289,65 @@ class Run:
         """Create the run directory and write the header (or, resuming, append to the session)."""
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         ckpt.cleanup_temporary_files(self.checkpoint_dir)
-        header = self.header()
         resuming = self.config.resume_from is not None
+        last_step = self._last_recorded_step() if resuming else -1
+        if resuming and self.config.steps is not None:
+            # --steps counts this command's iterations: a resume runs that many more.
+            self.config.steps += last_step + 1
+        header = self.header()   # resuming, only the observers see it: `steps` is where it stops
         self._writer = SessionWriter(self.session_path, header, append=resuming)
         for observer in list(self.observers):
             observer({"type": "header", **header})
         if resuming:
-            self._resume(self.config.resume_from)
+            self._resume(self.config.resume_from, last_step)
         if self.config.control:
             from amp_tui.control import ControlServer
             self._control = ControlServer(self, self.run_dir)
             self._control.start()
 
-    def _resume(self, path: Path) -> None:
+    def _last_recorded_step(self) -> int:
+        from amp_tui.session import read_session
+        return max((r["step"] for r in read_session(self.session_path).steps), default=-1)
+
+    def _resume(self, path: Path, last_step: int) -> None:
         """Continue a crashed or stopped run from a checkpoint; the step counter goes on from the
         last recorded step, like a restore, so the recording stays one forward timeline."""
-        from amp_tui.session import read_session
-        previous = read_session(self.session_path)
-        last_step = max((r["step"] for r in previous.steps), default=-1)
         t = self.trainer
         loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
         loaded.apply(t.model, t.optimizer, t.scheduler)
         t.restore_scaler(loaded.scaler_state)
-        extra = loaded.extra or {}
-        t.updates_applied = int(extra.get("updates_applied", 0))
-        t.skipped_total = int(extra.get("skipped_total", 0))
+        self._restore_counters(loaded)
         t.step_index = last_step + 1
+        extra = loaded.extra or {}
         self.feed.skip(int(extra.get("micro_batches_consumed", 0)))  # same data order as before
+        start, stop = t.step_index, self.config.steps
+        rolled_back = max(0, start - (loaded.step or 0))
+        undone = (f"the {rolled_back} recorded step{'s' if rolled_back != 1 else ''} after it "
+                  f"{'are' if rolled_back != 1 else 'is'} rolled back, " if rolled_back else "")
+        runs = (f"--steps {stop - start} runs steps {start}-{stop - 1}" if stop is not None
+                else "it runs until stopped")
+        skipped = self.config.resume_skipped
+        passed = (f"; skipped {len(skipped)} newer checkpoint{'s' if len(skipped) != 1 else ''} "
+                  f"that failed the checks: {', '.join(p for p, _ in skipped)}" if skipped else "")
         self.event("resumed", f"resumed from {self._rel(path)} (saved at step {loaded.step}, "
-                   f"{loaded.dtype}) after the recording's step {last_step}; the step counter goes "
-                   f"on from {t.step_index}", path=self._rel(path), checkpoint_step=loaded.step,
-                   checkpoint_dtype=loaded.dtype, previous_last_step=last_step)
+                   f"{loaded.dtype}) after the recording's step {last_step}: {undone}the step counter "
+                   f"goes on from {start}, and {runs}{passed}",
+                   path=self._rel(path), checkpoint_step=loaded.step, checkpoint_dtype=loaded.dtype,
+                   previous_last_step=last_step, rolled_back=rolled_back,
+                   steps=None if stop is None else stop - start, until_step=stop,
+                   updates=t.updates_applied, skipped_total=t.skipped_total,
+                   skipped_checkpoints=[{"path": p, "reason": why} for p, why in skipped])
+
+    def _restore_counters(self, loaded: ckpt.LoadedCheckpoint) -> None:
+        """The applied and skipped counts are part of the state a full checkpoint brings back:
+        after a restore or a resume they count what the weights went through, not the updates
+        rolled back with them."""
+        extra = loaded.extra or {}
+        t = self.trainer
+        if "updates_applied" in extra:
+            t.updates_applied = int(extra["updates_applied"])
+        if "skipped_total" in extra:
+            t.skipped_total = int(extra["skipped_total"])
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self) -> int:
@@ -616,6 +645,7 @@ class Run:
         before = t.describe_precision()
         loaded.apply(t.model, t.optimizer, t.scheduler)
         t.restore_scaler(loaded.scaler_state)
+        self._restore_counters(loaded)
         after = t.describe_precision()
         ck_step = loaded.step
         note = f" ({loaded.notice})" if loaded.notice else ""
