@@ -35,7 +35,7 @@ class AttachedSource:
     def start(self) -> None:
         self.replay.start()   # follow: at the end, playing (new records are shown as they land)
 
-    def stop(self, timeout: float = 10.0) -> bool:
+    def stop(self, timeout: float = 10.0, *, give_up_unwritten: bool = False) -> bool:
         """Detach: close the follower; the job keeps running."""
         self.replay.stop(timeout)
         return True
@@ -66,6 +66,9 @@ class AttachedSource:
             outcome = Outcome(False, f"{command.text()}: the job's answer was lost ({exc})")
         if command.on_done is not None:
             command.on_done(outcome)
+
+    def held_stop(self) -> str | None:
+        return None   # nothing here is recorded: a stop is never held
 
     def checkpoints(self) -> list:
         from amp_tui.checkpoint import CheckpointError, list_checkpoints

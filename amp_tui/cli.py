@@ -158,7 +158,7 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
     from amp_tui.devices import resolve_device
     from amp_tui.guards import GuardConfig
     from amp_tui.checkpoint import list_checkpoints
-    from amp_tui.run import BatchFeed, Run, RunConfig, preflight
+    from amp_tui.run import BatchFeed, Run, RunConfig
     from amp_tui.script import ScriptError, load_script
 
     at = [parse_at(text) for text in args.at]
@@ -201,7 +201,6 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         if not match_modules(setup.model, pattern):
             raise ScriptError(f"--fp32-modules {pattern!r} matches no module of the model "
                               f"(module names look like {_example_names(setup.model)})")
-    preflight(setup, feed, device, dtype, args.script)
     policy = args.on_nonfinite or on_nonfinite_default
     guard = GuardConfig(
         min_scale=args.min_scale, alert_scale_drops=args.alert_scale_drops,
@@ -217,6 +216,9 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         resume_skipped=[(str(path.relative_to(run_dir)), reason) for path, reason in resume_skipped],
         control=True)
     run = Run(config, setup, device, feed)
+    # After every precision policy is in place (--dtype, --fp32-modules, --at 0:...): the check
+    # is the first step's own forward.
+    run.preflight()
     return run, setup.warnings
 
 
@@ -288,9 +290,7 @@ def use_dashboard(args) -> bool:
 def run_headless(run, warnings: list[str]) -> int:
     from rich.console import Console
 
-    from amp_tui.headless import HeadlessPrinter
-    from amp_tui.report import render_summary, summarize
-    from amp_tui.session import read_session
+    from amp_tui.headless import HeadlessPrinter, print_after_run
 
     console = Console(highlight=False, stderr=False)
     for warning in warnings:
@@ -319,7 +319,7 @@ def run_headless(run, warnings: list[str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    render_summary(summarize(read_session(run.session_path)), console)
+    print_after_run(run, console)
     return status
 
 

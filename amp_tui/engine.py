@@ -41,12 +41,19 @@ class StepResult:
     nonfinite: str | None = None  # None, "loss" or "gradients"
     first_nonfinite_layer: str | None = None
     grad_norm: float | None = None
-    lr: float | None = None
+    lr: float | None = None       # the lr this step's update used (before scheduler.step())
     figures: LayerFigures | None = None
     diagnosis: Diagnosis | None = None
     next_scale: float | None = None  # the scale after scaler.update(): what the next step uses
     duration: float = 0.0
     wall_time: float = field(default_factory=time.time)
+
+
+@dataclass
+class _StartedStep:
+    batch: Any             # the micro-batch the forward ran on (step() checks it is the same)
+    loss: torch.Tensor     # with its graph, for the step's backward
+    seconds: float         # the forward's time, counted in the step's duration
 
 
 def check_loss(loss: Any) -> torch.Tensor:
@@ -107,11 +114,19 @@ class GuardedTrainer:
         self.step_index = 0
         self.updates_applied = 0
         self.skipped_total = 0
+        self._started: _StartedStep | None = None  # a forward run ahead by start_step()
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         # Parameters the optimizer steps but no probed module owns: their gradients still need
         # the device-side non-finite check when the probes judge the rest on the host.
         owned = self.probe.owned_ids() if self.probe else set()
         self._unprobed_params = [p for p in self._params if id(p) not in owned]
+        # Trainable parameters the optimizer doesn't hold: they get gradients and train nothing.
+        # GradScaler.unscale_ doesn't reach them and optimizer.zero_grad doesn't clear them, so
+        # both happen here, for their figures to be each step's true gradient like the others'.
+        held = {id(p) for p in self._params}
+        self.untrained_params = [p for p in model.parameters() if p.requires_grad and id(p) not in held]
+        if self.probe:
+            self.probe.set_untrained(self.untrained_params)
 
     # ---- precision policy ---------------------------------------------------------------
     @property
@@ -145,6 +160,7 @@ class GuardedTrainer:
             self.scaler = None
             self._scale_value = None
         self.dtype = new
+        self.discard_started_step()  # it ran under the old dtype
         if precision.uses_scaler(new):
             self._enter_fp16()
         return {"before": before, "after": self.describe_precision()}
@@ -198,21 +214,49 @@ class GuardedTrainer:
     def probing_next(self) -> bool:
         return self.probe is not None and self.step_index % self.probe_every == 0
 
-    def step(self, micro_batches: Sequence[Any]) -> StepResult:
-        """One iteration over `micro_batches` (already on the device): one update attempt."""
-        if not micro_batches:
-            raise ValueError("step() needs at least one micro-batch")
+    def start_step(self, batch: Any) -> torch.Tensor:
+        """Run the next step's forward on `batch` now, and keep it: when step() is then given
+        `batch` as its first micro-batch, it goes on from this forward instead of calling
+        loss_fn again. amp-tui's pre-flight check is this forward, so loss_fn runs exactly as
+        often, on the same state, as in a plain loop. Raises what the forward raises (LossError
+        for a loss that is not a scalar), keeping nothing."""
+        self.discard_started_step()
         started = time.perf_counter()
         probe = self.probe if self.probing_next() else None
         if probe:
             probe.begin()
         try:
-            result = self._step(micro_batches, probe)
+            loss = self._forward(batch)
         except BaseException:
             if probe:
                 probe.end()
             raise
-        result.duration = time.perf_counter() - started
+        self._started = _StartedStep(batch, loss, time.perf_counter() - started)
+        return loss
+
+    def discard_started_step(self) -> None:
+        """Forget the forward start_step() kept: the precision or the weights changed since, so
+        the step runs its forward again."""
+        self._started = None
+
+    def step(self, micro_batches: Sequence[Any]) -> StepResult:
+        """One iteration over `micro_batches` (already on the device): one update attempt."""
+        if not micro_batches:
+            raise ValueError("step() needs at least one micro-batch")
+        ahead, self._started = self._started, None
+        if ahead is not None and ahead.batch is not micro_batches[0]:
+            ahead = None  # kept for another batch
+        started = time.perf_counter()
+        probe = self.probe if self.probing_next() else None
+        if probe and ahead is None:
+            probe.begin()  # (start_step began it for its forward)
+        try:
+            result = self._step(micro_batches, probe, ahead.loss if ahead is not None else None)
+        except BaseException:
+            if probe:
+                probe.end()
+            raise
+        result.duration = time.perf_counter() - started + (ahead.seconds if ahead is not None else 0.0)
         self.step_index += 1
         if probe and not self.probing_next():
             probe.end()  # the hooks stay on only while the next step is probed too
@@ -220,21 +264,23 @@ class GuardedTrainer:
 
     def close(self) -> None:
         """Leave the user's model as it was given: no hooks of ours on it."""
+        self.discard_started_step()
         if self.probe:
             self.probe.end()
 
     def _forward(self, batch):
         return check_loss(self._forward_unchecked(batch))
 
-    def _step(self, micro_batches, probe: LayerProbe | None) -> StepResult:
+    def _step(self, micro_batches, probe: LayerProbe | None, first_loss: torch.Tensor | None) -> StepResult:
         opt, scaler = self.optimizer, self.scaler
         used_scale = self._scale_value if scaler is not None else None
-        opt.zero_grad(set_to_none=True)
+        lr = self._lr_in_use()
+        self._zero_grad()
         n = len(micro_batches)
         losses: list[float] = []
         bad_batch = None
-        for batch in micro_batches:
-            loss = self._forward(batch)
+        for i, batch in enumerate(micro_batches):
+            loss = first_loss if i == 0 and first_loss is not None else self._forward(batch)
             value = float(loss.detach().float())  # the one sync the finite-loss check needs
             losses.append(value)
             if not math.isfinite(value):
@@ -246,18 +292,19 @@ class GuardedTrainer:
 
         if bad_batch is not None:
             # No backward, no update: the guard the seeds ask for. Then find where it went wrong.
-            opt.zero_grad(set_to_none=True)
+            self._zero_grad()
             figures = probe.collect()[0] if probe else None
             diagnosis = self._diagnose([bad_batch], used_scale, backward=False)
             first = diagnosis.forward_layer if diagnosis else None
             if first is None and figures is not None:
                 index = figures.first_nonfinite("act")
                 first = self.layer_names[index] if index is not None else None
-            return self._finish(mean_loss, used_scale, skipped=True, nonfinite="loss",
+            return self._finish(mean_loss, used_scale, lr, skipped=True, nonfinite="loss",
                                 first_layer=first, figures=figures, micro=n, diagnosis=diagnosis)
 
         if scaler is not None:
             scaler.unscale_(opt)
+            self._unscale_untrained(used_scale)
         found_inf = None
         if probe:
             probed = self.step_index // self.probe_every
@@ -296,17 +343,35 @@ class GuardedTrainer:
             if first is None and figures is not None:
                 index = figures.first_nonfinite("grad")
                 first = self.layer_names[index] if index is not None else None
-        return self._finish(mean_loss, used_scale, skipped=skipped,
+        return self._finish(mean_loss, used_scale, lr, skipped=skipped,
                             nonfinite="gradients" if skipped else None, first_layer=first,
                             figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis)
 
-    def _finish(self, loss, scale, *, skipped, nonfinite, first_layer, figures, micro, grad_norm=None,
-                diagnosis=None):
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.untrained_params:
+            p.grad = None
+
+    def _unscale_untrained(self, scale: float) -> None:
+        grads = [p.grad for p in self.untrained_params if p.grad is not None]
+        if grads:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, 1.0 / scale)  # as GradScaler.unscale_ does for the rest
+
+    def _lr_in_use(self):
+        """The first param group's lr as this step's update uses it: read before the scheduler
+        moves it on for the next step."""
+        lr = self.optimizer.param_groups[0].get("lr")
+        if isinstance(lr, torch.Tensor):
+            return lr.detach().clone()  # schedulers update a tensor lr in place
+        return lr
+
+    def _finish(self, loss, scale, lr, *, skipped, nonfinite, first_layer, figures, micro,
+                grad_norm=None, diagnosis=None):
         if skipped:
             self.skipped_total += 1
         else:
             self.updates_applied += 1
-        lr = self.optimizer.param_groups[0].get("lr")
         return StepResult(
             step=self.step_index, loss=loss, scale=scale, skipped=skipped,
             skipped_total=self.skipped_total, updates_applied=self.updates_applied,
@@ -325,7 +390,7 @@ class GuardedTrainer:
                                  device=self.device, backward=backward)
             if diagnosis.forward_layer or diagnosis.backward_layer:
                 break
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         return diagnosis
 
     def _forward_unchecked(self, batch):

@@ -165,6 +165,13 @@ class LayerProbe:
         self._under_index: list[int] = []
         self._under_numel: list[int] = []
         self._scaled = False
+        self._judged = list(range(n_params))  # parameters whose non-finite gradient skips a step
+
+    def set_untrained(self, params) -> None:
+        """Parameters the optimizer doesn't hold: still measured, but a non-finite gradient of
+        theirs updates nothing, so it doesn't count in `grads_nonfinite`."""
+        untrained = {id(p) for p in params}
+        self._judged = [i for i, p in enumerate(self._params) if id(p) not in untrained]
 
     @property
     def active(self) -> bool:
@@ -309,7 +316,8 @@ class LayerProbe:
             order=list(self._order),
             underflow=underflow,
             underflow_scaled=underflow_scaled,
-            grads_nonfinite=not all(math.isfinite(v) for v in param_grad if v is not None),
+            grads_nonfinite=not all(math.isfinite(param_grad[i]) for i in self._judged
+                                    if param_grad[i] is not None),
         )
         self._act_more, self._under = [], []
         return figures, extra_host

@@ -659,7 +659,7 @@ class ReplaySource:
         if self.follow or self.autoplay:
             self.play()
 
-    def stop(self, timeout: float = 10.0) -> bool:
+    def stop(self, timeout: float = 10.0, *, give_up_unwritten: bool = False) -> bool:
         self.pause()
         self.started = False
         self.index.close()
@@ -668,6 +668,9 @@ class ReplaySource:
     def send(self, command: Command) -> tuple[bool, str]:
         return False, (f"replay: {command.text()} not sent: this is a recording (steer a live run, "
                        "or repeat these interventions with amp-tui train --at)")
+
+    def held_stop(self) -> str | None:
+        return None   # nothing here is recorded: a stop is never held
 
     def checkpoints(self) -> list:
         from amp_tui.checkpoint import CheckpointError, list_checkpoints

@@ -31,6 +31,11 @@ class Summary:
     skipped_lines: int = 0
     unknown_records: int = 0
     long_lines: int = 0        # of skipped_lines: longer than the readers' limit, never read
+    # What the run itself knew at its end, where its file could not say it (a full disk):
+    run_status: str | None = None       # the state the run ended in
+    steps_run: int | None = None        # the steps it trained
+    unwritten: dict[str, int] = field(default_factory=dict)  # records given up, by type
+    recording_error: str | None = None  # why: the OS's words and the path
 
     def as_json(self) -> dict:
         data = asdict(self)
@@ -40,7 +45,17 @@ class Summary:
         return data
 
 
-def summarize(session: Session) -> Summary:
+@dataclass
+class RunOutcome:
+    """The end of a run as the run knows it (the recording may say less: a full disk)."""
+
+    state: str
+    steps: int
+    unwritten: dict[str, int]
+    recording_error: str | None
+
+
+def summarize(session: Session, outcome: RunOutcome | None = None) -> Summary:
     steps = session.steps
     events = session.events
     last = steps[-1] if steps else None
@@ -69,6 +84,9 @@ def summarize(session: Session) -> Summary:
         skipped_lines=session.skipped_lines,
         unknown_records=session.unknown_records,
         long_lines=session.long_lines,
+        **({"run_status": outcome.state, "steps_run": outcome.steps,
+            "unwritten": dict(outcome.unwritten), "recording_error": outcome.recording_error}
+           if outcome is not None and outcome.unwritten else {}),
     )
 
 
@@ -98,6 +116,16 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
         ("device", s.device),
         ("status", s.status),
         ("steps", str(s.steps)),
+    ]
+    if s.unwritten:
+        # The file can't say how the run ended: say both, and what is missing from the file.
+        rows[3:] = [
+            ("status", f"{s.run_status} (the run, after {s.steps_run} steps)"),
+            ("recording", f"{s.status}: {describe_records(s.unwritten)} could not be written "
+                          f"({s.recording_error})"),
+            ("steps", f"{s.steps} recorded of {s.steps_run}"),
+        ]
+    rows += [
         ("updates applied", f"{s.updates_applied} of {s.steps}" + (
             f" ({s.rolled_back} rolled back by a restore or resume)" if s.rolled_back else "")),
         ("skipped", str(s.skipped)),
@@ -122,6 +150,21 @@ def clip(text: str, limit: int = TEXT_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}… ({len(text) - limit:,} more characters)"
+
+
+def describe_records(counts: dict[str, int]) -> str:
+    """{"step": 13, "event": 2, "end": 1} -> "13 step records, 2 events and the end record"."""
+    names = {"step": ("step record", "step records"), "event": ("event", "events"),
+             "header": ("the header", "headers"), "end": ("the end record", "end records")}
+    parts = []
+    for kind, n in counts.items():
+        if n <= 0:
+            continue
+        one, many = names.get(kind, ("record", "records"))
+        parts.append(one if n == 1 and kind in ("end", "header") else f"{n} {one if n == 1 else many}")
+    if not parts:
+        return "no record"
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def render_summary(s: Summary, console) -> None:

@@ -26,15 +26,20 @@ from amp_tui import checkpoint as ckpt
 from amp_tui import precision
 from amp_tui.commands import Command, CommandQueue, Outcome
 from amp_tui.devices import describe_device, move_to_device
-from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult, check_loss
+from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult
 from amp_tui.guards import GuardConfig, PrecisionGuard
 from amp_tui.local_fp32 import LocalFp32, ModuleMatchError
 from amp_tui.jsonsafe import encode_float
 from amp_tui.numfmt import byte_size, number
 from amp_tui.script import ScriptError, TrainSetup, describe_exception
-from amp_tui.session import SessionWriter, event_record, step_record
+from amp_tui.report import RunOutcome, describe_records
+from amp_tui.session import SessionFormatError, SessionWriter, event_record, step_record
 
 NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback")
+PRECISION_ACTIONS = ("dtype", "scale", "fp32")  # what --at 0:... may set before the pre-flight
+# The state a run ends in, and the status its end record gives, from the state it was in.
+ENDED_STATES = {"finished": "finished", "stopped": "stopped", "error": "error"}
+ENDING_WAIT_S = 5.0   # how long another thread waits for the training thread to end the file
 
 # Exit statuses of a run (the CLI returns them).
 EXIT_OK = 0
@@ -59,6 +64,7 @@ class RunConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     fp32_modules: list[str] = field(default_factory=list)
     on_io_error: str = "stop"           # a full disk: "stop" (headless) or "pause" (dashboard)
+    flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)
     control: bool = False                # serve the control socket (amp-tui ctl / attach)
     resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
     resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)
@@ -81,12 +87,10 @@ class BatchFeed:
         self._batches = batches
         self._device = device
         self._iter = None
-        self._pending: list = []
+        self._peeked = None   # the next batch, already on the device (peek() read it)
         self.consumed = 0
 
     def _next_raw(self):
-        if self._pending:
-            return self._pending.pop(0)
         if self._iter is None:
             self._iter = iter(self._batches)
         try:
@@ -96,53 +100,38 @@ class BatchFeed:
             try:
                 return next(self._iter)
             except StopIteration:
-                raise ScriptError("'batches' yielded no batch (a generator can't be re-iterated: "
-                                  "return a list or a DataLoader)") from None
+                if self.consumed == 0:
+                    raise ScriptError("'batches' yielded no batch") from None
+                if self._iter is self._batches:
+                    raise ScriptError(f"'batches' ran out after {self.consumed} batches and can't start "
+                                      "over (its iter() is itself, like a generator's): return a list "
+                                      "or a DataLoader") from None
+                raise ScriptError(f"'batches' ran out after {self.consumed} batches and yielded none "
+                                  "when started over") from None
 
     def peek(self):
-        batch = self._next_raw()
-        self._pending.insert(0, batch)
-        return move_to_device(batch, self._device)
+        """The next batch on the device; take() hands out this same object."""
+        if self._peeked is None:
+            self._peeked = move_to_device(self._next_raw(), self._device)
+        return self._peeked
+
+    def _next(self):
+        batch, self._peeked = self._peeked, None
+        if batch is None:
+            batch = move_to_device(self._next_raw(), self._device)
+        self.consumed += 1
+        return batch
 
     def take(self, count: int) -> list:
-        out = []
-        for _ in range(count):
-            out.append(move_to_device(self._next_raw(), self._device))
-            self.consumed += 1
-        return out
+        return [self._next() for _ in range(count)]
 
     def skip(self, count: int) -> None:
         for _ in range(count):
-            self._next_raw()
+            if self._peeked is not None:
+                self._peeked = None
+            else:
+                self._next_raw()
             self.consumed += 1
-
-
-def preflight(setup: TrainSetup, feed: BatchFeed, device: torch.device, dtype: str, script: Path) -> None:
-    """Run loss_fn once on the first batch, before any file exists, so a broken script exits 2.
-
-    RNG and train/eval modes are put back, and eval mode keeps BatchNorm statistics unchanged, so
-    the run starts exactly as it would have without this check.
-    """
-    try:
-        batch = feed.peek()
-    except ScriptError:
-        raise ScriptError(f"'batches' from {script.name} is empty") from None
-    modes = [(m, m.training) for m in setup.model.modules()]
-    setup.model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            enabled = precision.uses_autocast(dtype)
-            with torch.autocast(device.type, dtype=precision.torch_dtype(dtype), enabled=enabled):
-                check_loss(setup.loss_fn(setup.model, batch))
-    except LossError as exc:
-        raise ScriptError(f"{script.name}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - the user's code failed: say where
-        raise ScriptError(f"loss_fn in {script.name} failed on the first batch: "
-                          f"{describe_exception(exc, script)}") from None
-    finally:
-        for module, mode in modes:
-            module.training = mode
-        setup.optimizer.zero_grad(set_to_none=True)
 
 
 class Run:
@@ -179,11 +168,28 @@ class Run:
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in config.at:
             self._scheduled.setdefault(step, []).append(command)
+        self._before_open: list[dict] = []  # records made before the session exists
+        self._header: dict | None = None    # taken before the pre-flight's --at actions apply
+        self._resumed = False
         self._stop_requested = threading.Event()
         self._checkpoint_on_stop = False
         self._stop_reason: str | None = None
         self._session_failed = False
+        self._pause_reason: str | None = None     # "io": held until the disk takes writes again
+        self._io_error: str | None = None         # the last write the disk refused
+        self._checkpoint_due: str | None = None   # the source of a save the disk refused
+        self._give_up_unwritten = False           # quit even if the recording can't be completed
+        # Set when a stop was held because records could not be written (a full disk): whoever
+        # asked is told how many would be lost and may ask again to give them up.
+        self.stop_held = threading.Event()
+        self.held_message: str | None = None      # what the held stop would have lost
+        self._stop_replies: list[Command] = []    # ctl stops answered once the end is tried
+        self._ending = threading.Event()          # the training thread is writing the end
+        self._ended = threading.Event()           # the end is written, or given up
+        self.unwritten: dict[str, int] = {}       # records given up at the end, by type
+        self.recording_error: str | None = None   # why they were: the OS's words and the path
         self._control = None
+        self._thread: threading.Thread | None = None   # the thread that runs the loop
         self._single_steps = 0
         self.nonfinite_events = 0
         self.started_at = time.time()
@@ -192,15 +198,30 @@ class Run:
     def submit(self, command: Command) -> None:
         self.commands.submit(command)
 
-    def request_stop(self, *, checkpoint: bool = False, reason: str | None = None) -> None:
+    def request_stop(self, *, checkpoint: bool = False, reason: str | None = None,
+                     give_up_unwritten: bool = False) -> None:
         """Stop at the next step boundary (from any thread, e.g. a signal handler); with
-        `checkpoint`, save one first (an SSH drop must not lose the run's progress)."""
+        `checkpoint`, save one first (an SSH drop must not lose the run's progress).
+
+        Records that a full disk refused are written before the run ends; where the disk still
+        refuses them, a watched run (the dashboard) holds the stop and sets `stop_held`, so the
+        user can free space or confirm. `give_up_unwritten` confirms: the run ends without them,
+        and says how many were lost."""
         if checkpoint:
             self._checkpoint_on_stop = True
         if reason and self._stop_reason is None:
             self._stop_reason = reason
+        if give_up_unwritten:
+            self._give_up_unwritten = True
+        self.stop_held.clear()
         self._stop_requested.set()
         self.commands.wakeup.set()
+
+    def unattended(self) -> None:
+        """Nobody is watching any more (the terminal is gone): a full disk stops the run as in
+        headless mode instead of pausing it for a user who can't answer."""
+        self.config.on_io_error = "stop"
+        self._give_up_unwritten = True
 
     @property
     def step(self) -> int:
@@ -238,7 +259,10 @@ class Run:
         }
 
     def _emit(self, record: dict) -> None:
-        if self._writer is not None and not self._writer.closed:
+        if self._writer is None:
+            self._before_open.append(record)  # the pre-flight's: written after the header
+            return
+        if not self._writer.closed:
             try:
                 self._writer.write(record)
                 if self.state == "paused" and record.get("type") == "step":
@@ -270,9 +294,10 @@ class Run:
 
     def _halt_for_io(self, message: str) -> None:
         """Keep what is written; pause (dashboard) or stop with a non-zero status (headless)."""
-        self.error = message
-        if self.config.on_io_error == "pause":
+        self.error = self._io_error = message
+        if self._waits_for_space():
             self._single_steps = 0
+            self._pause_reason = "io"
             self._set_state("paused")
             self.event("paused", "paused: the disk refused a write; free some space, then resume "
                        "(the records kept meanwhile are written then)", reason="io")
@@ -290,34 +315,78 @@ class Run:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         ckpt.cleanup_temporary_files(self.checkpoint_dir)
         resuming = self.config.resume_from is not None
-        last_step = self._last_recorded_step() if resuming else -1
-        if resuming and self.config.steps is not None:
-            # --steps counts this command's iterations: a resume runs that many more.
-            self.config.steps += last_step + 1
-        header = self.header()   # resuming, only the observers see it: `steps` is where it stops
-        self._writer = SessionWriter(self.session_path, header, append=resuming)
+        if resuming and not self._resumed:
+            self._resume(self.config.resume_from)   # first: the header says where a resume stops
+            self._resumed = True
+        header = self._header or self.header()   # resuming, only the observers see it
+        self._writer = SessionWriter(self.session_path, header, append=resuming,
+                                     flush_interval=self.config.flush_interval)
         for observer in list(self.observers):
             observer({"type": "header", **header})
-        if resuming:
-            self._resume(self.config.resume_from, last_step)
+        early, self._before_open = self._before_open, []
+        for record in early:
+            self._emit(record)
         if self.config.control:
             from amp_tui.control import ControlServer
             self._control = ControlServer(self, self.run_dir)
             self._control.start()
 
-    def _last_recorded_step(self) -> int:
-        from amp_tui.session import read_session
-        return max((r["step"] for r in read_session(self.session_path).steps), default=-1)
+    def preflight(self) -> None:
+        """Check the script before anything is written, without an extra call: run the first
+        step's forward now, under the precision that step uses, and keep it for that step
+        (GuardedTrainer.start_step). So the run starts exactly as a plain loop would: loss_fn
+        is called once per micro-batch, in training mode, with the RNG and any state of the
+        script's own going on from there. A failure is a ScriptError (exit 2, no run directory).
+        """
+        script = self.config.script
+        if self.config.resume_from is not None:
+            try:
+                self._resume(self.config.resume_from)  # the check runs on the state it goes on from
+            except (OSError, ckpt.CheckpointError, SessionFormatError, ValueError) as exc:
+                raise ScriptError(f"--resume {self.run_dir}: {exc}") from None
+            self._resumed = True
+        self._header = self.header()  # the starting precision, as the --at events record it
+        self._apply_starting_precision()
+        try:
+            batch = self.feed.peek()
+        except ScriptError:
+            raise ScriptError(f"'batches' from {script.name} is empty") from None
+        except Exception as exc:  # noqa: BLE001 - the user's DataLoader or dataset failed
+            raise ScriptError(f"'batches' from {script.name} failed on the first batch: "
+                              f"{describe_exception(exc, script)}") from None
+        try:
+            self.trainer.start_step(batch)
+        except LossError as exc:
+            raise ScriptError(f"{script.name}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the user's code failed: say where
+            raise ScriptError(f"loss_fn in {script.name} failed on the first batch: "
+                              f"{describe_exception(exc, script)}") from None
 
-    def _resume(self, path: Path, last_step: int) -> None:
+    def _apply_starting_precision(self) -> None:
+        """The first step's `--at` precision actions (dtype, scale, fp32) apply before the
+        pre-flight, so its forward runs as the step will: a module that fails under autocast
+        is what fp32=NAME is for. Only those that lead the step's list: an action scheduled
+        before them (save, pause...) keeps its place, and a change after it drops the kept
+        forward."""
+        scheduled = self._scheduled.get(self.step, [])
+        while scheduled and scheduled[0].action in PRECISION_ACTIONS:
+            self._apply(scheduled.pop(0))
+
+    def _resume(self, path: Path) -> None:
         """Continue a crashed or stopped run from a checkpoint; the step counter goes on from the
-        last recorded step, like a restore, so the recording stays one forward timeline."""
+        last recorded step, like a restore, so the recording stays one forward timeline, and
+        --steps counts the iterations of this command: a resume runs that many more."""
+        from amp_tui.session import read_session
+        last_step = max((r["step"] for r in read_session(self.session_path).steps), default=-1)
         t = self.trainer
         loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
         loaded.apply(t.model, t.optimizer, t.scheduler)
         t.restore_scaler(loaded.scaler_state)
+        t.discard_started_step()
         self._restore_counters(loaded)
         t.step_index = last_step + 1
+        if self.config.steps is not None:
+            self.config.steps += t.step_index
         extra = loaded.extra or {}
         self.feed.skip(int(extra.get("micro_batches_consumed", 0)))  # same data order as before
         start, stop = t.step_index, self.config.steps
@@ -351,6 +420,7 @@ class Run:
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self) -> int:
+        self._thread = threading.current_thread()
         if self._writer is None:
             try:
                 self.open()
@@ -385,12 +455,16 @@ class Run:
             if self._stop_requested.is_set():
                 if self._stop_reason:
                     self.event("stopping", f"stopping: {self._stop_reason}", reason=self._stop_reason)
-                if self._checkpoint_on_stop:
-                    self._save_checkpoint(source=self._stop_reason or "stop")
+                if self._checkpoint_on_stop or self._checkpoint_due is not None:
+                    self._save_checkpoint(source=self._stop_reason or self._checkpoint_due or "stop")
                 if self.state not in ("error",):
                     self._set_state("stopped")
                 return
-            if cfg.steps is not None and self.step >= cfg.steps:
+            if self._checkpoint_due is not None and self.state == "running":
+                # A save the disk refused, tried again first once the user resumed.
+                self._save_checkpoint(source=self._checkpoint_due)
+                continue
+            if cfg.steps is not None and self.step >= cfg.steps and self._pause_reason != "io":
                 self._set_state("finished")
                 return
             if self.state == "paused" and self._single_steps == 0:
@@ -404,8 +478,8 @@ class Run:
 
     def _one_step(self) -> None:
         step = self.step
-        micro = self.feed.take(self.accumulate)
         try:
+            micro = self.feed.take(self.accumulate)  # the user's DataLoader or dataset may raise too
             result = self.trainer.step(micro)
         except (LossError, ScriptError) as exc:
             raise StepFailure(step, f"step {step}: {exc}", exc) from exc
@@ -551,6 +625,7 @@ class Run:
                 self._set_state("paused")
             elif action == "resume":
                 self._single_steps = 0
+                self._pause_reason = None
                 self._set_state("running")
             else:
                 if self.state != "paused":
@@ -581,6 +656,8 @@ class Run:
             from amp_tui.local_fp32 import match_modules
             already = set(match_modules(self.trainer.model, pattern)) & set(self.local_fp32.names)
             changed = self.local_fp32.remove(pattern) if already else self.local_fp32.add(pattern)
+            if changed:
+                self.trainer.discard_started_step()  # it ran under the old autocast policy
         except ModuleMatchError as exc:
             self.event("error", str(exc), during="fp32", source=command.source)
             return Outcome(False, str(exc))
@@ -610,8 +687,11 @@ class Run:
         except ckpt.CheckpointError as exc:
             self.event("error", str(exc), during="save", source=source)
             if isinstance(exc.__cause__, OSError):  # a full disk, not a bad model state
+                if self._waits_for_space():
+                    self._checkpoint_due = source   # saved once the user frees space and resumes
                 self._halt_for_io(str(exc))
             return None
+        self._checkpoint_due = None
         size = os.path.getsize(info.path)
         self.event("checkpoint_saved", f"checkpoint {self._rel(info.path)} saved at step {self.step} "
                    f"({byte_size(size)}, {time.perf_counter() - started:.2f}s)",
@@ -646,6 +726,7 @@ class Run:
         loaded.apply(t.model, t.optimizer, t.scheduler)
         t.restore_scaler(loaded.scaler_state)
         self._restore_counters(loaded)
+        t.discard_started_step()  # it ran on the weights before the restore
         after = t.describe_precision()
         ck_step = loaded.step
         note = f" ({loaded.notice})" if loaded.notice else ""
@@ -667,29 +748,137 @@ class Run:
             return
         else:
             message, original, step = f"{type(exc).__name__}: {exc}", exc, self.step
-        tb = "".join(traceback.format_exception(type(original), original, original.__traceback__))
+        # A ScriptError is amp-tui's own wording of a contract breach: its frames are ours, not the user's.
+        tb = "" if isinstance(original, ScriptError) else "".join(
+            traceback.format_exception(type(original), original, original.__traceback__))
         self.error = message
         self.exit_status = EXIT_ERROR
         self._set_state("error")
         self.event("error", message, step=step, during="step", traceback=tb[-20000:])
 
+    def _waits_for_space(self) -> bool:
+        """A full disk pauses the run (someone watching can free space), or stops it."""
+        return self.config.on_io_error == "pause" and not self._give_up_unwritten
+
+    def outcome(self) -> RunOutcome:
+        return RunOutcome(state=self.state, steps=self.step, unwritten=dict(self.unwritten),
+                          recording_error=self.recording_error)
+
+    def pending_records(self) -> dict[str, int]:
+        """Records the disk has refused so far and that are still kept, by type."""
+        writer = self._writer
+        return writer.pending_records() if writer is not None and not writer.closed else {}
+
     def close(self) -> None:
+        """End the recording with its end record. The last flush counts like every other one:
+        where the disk refuses it, a watched run pauses on the training thread until space is
+        freed (or the user gives the records up); otherwise the records are given up, counted in
+        `unwritten`, and the exit status says so."""
         self.trainer.close()
-        if self._control is not None:
+        if self._ending.is_set() and threading.current_thread() is not self._thread:
+            # The training thread is writing the end, or waiting for space to: it gives up
+            # itself (two threads never write to the file at once).
+            self.unattended()
+            self.request_stop(give_up_unwritten=True)
+            self._ended.wait(ENDING_WAIT_S)
+            return
+        if self._writer is not None and not self._writer.closed:
+            self._finish_recording(ENDED_STATES.get(self.state, "stopped"))
+        if self._control is not None:   # after the end: ctl resume may be what completes it
             self._control.close()
             self._control = None
-        if self._writer is None or self._writer.closed:
-            return
-        status = {"finished": "finished", "stopped": "stopped", "error": "error"}.get(self.state, "stopped")
+
+    def _end_record(self, status: str) -> dict:
         t = self.trainer
-        end = {"step": self.step, "status": status, "updates": t.updates_applied,
-               "skipped_total": t.skipped_total, "dtype": t.dtype, "scale": t.scale,
-               "time": round(time.time(), 3), "exit_status": self.exit_status}
-        with contextlib.suppress(OSError):
-            self._writer.close(end)
+        return {"step": self.step, "status": status, "updates": t.updates_applied,
+                "skipped_total": t.skipped_total, "dtype": t.dtype, "scale": t.scale,
+                "time": round(time.time(), 3), "exit_status": self.exit_status}
+
+    def _finish_recording(self, status: str) -> None:
+        waiting_allowed = threading.current_thread() is self._thread   # others can't block
+        if waiting_allowed:
+            self._ending.set()
+        try:
+            self._write_end(status, waiting_allowed)
+        finally:
+            self._ended.set()
+
+    def _write_end(self, status: str, waiting_allowed: bool) -> None:
+        while True:
+            end = self._end_record(status)
+            try:
+                self._writer.finish(end)
+                break
+            except OSError as exc:
+                why = f"{exc.strerror or exc}: {self.session_path}"
+                if not (waiting_allowed and self._waits_for_space()):
+                    self._give_up(status, why)
+                    return
+                self._session_failed = False   # each try at the end is reported
+                self._on_io_error(f"could not write the end of {self.session_path}: "
+                                  f"{exc.strerror or exc}")
+                self._wait_for_space(why)
+        if self.error is not None and self.error == self._io_error and self._checkpoint_due is None:
+            self.error = None   # the disk took everything in the end: nothing was lost
+        self._set_state(status)
+        self._answer_stops(Outcome(True, "stopped; every record is written"))
         for observer in list(self.observers):
             with contextlib.suppress(Exception):
                 observer({"type": "end", **end})
+
+    def _answer_stops(self, outcome: Outcome) -> None:
+        replies, self._stop_replies = self._stop_replies, []
+        for command in replies:
+            if command.on_done is not None:
+                command.on_done(outcome)
+
+    def _wait_for_space(self, why: str) -> None:
+        """Paused after the last flush failed: return to try it again once the user resumes,
+        single-steps or stops. A stop while the records still can't be written is held once and
+        `stop_held` set, so whoever asked can say what would be lost; a second stop (with
+        `give_up_unwritten`) tries once more and then ends without them."""
+        if self._stop_requested.is_set() and not self._give_up_unwritten:
+            self._stop_requested.clear()
+            self.held_message = (f"{describe_records(self.pending_records())} would be lost "
+                                 f"({why}). Free some space and stop again to write them; "
+                                 "stopping again without freeing any ends the run without them")
+            self.stop_held.set()
+            self._answer_stops(Outcome(False, self.held_message))
+        while True:
+            for command in self.commands.drain():
+                if command.action == "stop":
+                    # A second stop while one is held gives the records up if they still
+                    # don't fit; either way it is answered once the last flush was tried.
+                    if self.stop_held.is_set():
+                        self._give_up_unwritten = True
+                    self._intervention(command, {"state": self.state}, {"state": "stopped"},
+                                       "stop requested")
+                    self._stop_replies.append(command)
+                    self._stop_requested.set()
+                elif command.action in ("resume", "step", "pause"):
+                    self._apply(command)
+                elif command.on_done is not None:
+                    command.on_done(Outcome(False, f"{command.text()} refused: the run has ended "
+                                                   f"and its last records wait for the disk ({why})"))
+            if self.state == "running" or self._single_steps or self._stop_requested.is_set():
+                self._single_steps = 0
+                self._pause_reason = None
+                return
+            self.commands.wait(0.25)
+
+    def _give_up(self, status: str, why: str) -> None:
+        """End without what the disk refused: counted, said, and a non-zero exit status."""
+        self.unwritten = self._writer.abandon()
+        self.recording_error = why
+        self.error = self.error or why
+        self.exit_status = self.exit_status or EXIT_ERROR
+        self._set_state(status)
+        self._answer_stops(Outcome(True, f"stopped without {describe_records(self.unwritten)} "
+                                         f"({why})"))
+        end = {"type": "end", **self._end_record(status), "unwritten": dict(self.unwritten)}
+        for observer in list(self.observers):
+            with contextlib.suppress(Exception):
+                observer(end)
 
 
 class StepFailure(Exception):

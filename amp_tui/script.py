@@ -11,7 +11,7 @@ import inspect
 import numbers
 import sys
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -65,7 +65,10 @@ def describe_exception(exc: BaseException, script: Path) -> str:
     return f"{type(exc).__name__}{': ' + text if text else ''}{where_in_script(exc, script)}"
 
 
-def import_script(path: str | Path):
+def import_script(path: str | Path, argv: list[str] | None = None):
+    """Import the user's file as `python script.py ARGV...` would run it: `sys.argv` is
+    `[script, *argv]` while its module code runs, so argparse at import level sees its own
+    arguments, not amp-tui's command line."""
     script = Path(path)
     if not script.exists():
         raise ScriptError(f"script not found: {script}")
@@ -77,6 +80,8 @@ def import_script(path: str | Path):
     module = importlib.util.module_from_spec(spec)
     # The script's own folder comes first on sys.path so its sibling modules import.
     sys.path.insert(0, str(script.resolve().parent))
+    saved_argv = sys.argv
+    sys.argv = [str(script), *(argv or [])]
     try:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
@@ -87,6 +92,8 @@ def import_script(path: str | Path):
         if isinstance(exc, KeyboardInterrupt):
             raise
         raise ScriptError(f"importing {script.name} failed: {describe_exception(exc, script)}") from None
+    finally:
+        sys.argv = saved_argv
     return module
 
 
@@ -111,7 +118,7 @@ def _as_mapping(result: Any, script: Path) -> dict:
 def load_script(path: str | Path, *, device: str, argv: list[str], dtype: str = "float16") -> TrainSetup:
     """Import the script, call setup() and validate what it returns."""
     script = Path(path)
-    module = import_script(script)
+    module = import_script(script, argv)
     setup_fn = getattr(module, "setup", None)
     if setup_fn is None:
         raise ScriptError(f"{script.name} has no setup() function; the script contract needs one")
@@ -131,6 +138,27 @@ def load_script(path: str | Path, *, device: str, argv: list[str], dtype: str = 
     finally:
         sys.argv = saved_argv
     return validate_setup(_as_mapping(result, script), script)
+
+
+def untrained_warning(model: torch.nn.Module, optimizer: torch.optim.Optimizer, name: str) -> list[str]:
+    """Trainable parameters in no param group get gradients but never an update: say so once."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    names = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if not names:
+        return []
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return [f"'model' from {name} has trainable parameters in no optimizer param group; they get "
+            f"gradients but train nothing: {shown} (set requires_grad=False on them, or give them "
+            "to the optimizer)"]
+
+
+def is_one_shot(batches: Any) -> bool:
+    """A generator, map(), iter(list)...: an iterator whose iter() is itself, so it can't start
+    over. One of the user's own classes whose __iter__ is Python code may start over in there;
+    it is judged when it runs out (BatchFeed). No iter() call here: a DataLoader's starts workers."""
+    if not isinstance(batches, Iterator):
+        return False
+    return not inspect.isfunction(inspect.getattr_static(type(batches), "__iter__", None))
 
 
 def validate_setup(values: dict, script: Path) -> TrainSetup:
@@ -156,12 +184,18 @@ def validate_setup(values: dict, script: Path) -> TrainSetup:
             if id(p) not in model_params:
                 raise ScriptError(f"'optimizer' from {name} holds a parameter that is not in 'model'; "
                                   "build it from model.parameters()")
+    warnings += untrained_warning(model, optimizer, name)
     loss_fn = values["loss_fn"]
     if not callable(loss_fn):
         raise ScriptError(f"'loss_fn' from {name} is a {type(loss_fn).__name__}, not callable")
     batches = values["batches"]
     if isinstance(batches, (str, bytes)) or not isinstance(batches, Iterable):
         raise ScriptError(f"'batches' from {name} is a {type(batches).__name__}, not an iterable of batches")
+    if is_one_shot(batches):
+        raise ScriptError(f"'batches' from {name} is a {type(batches).__name__}, an iterator that can be read "
+                          "only once, but amp-tui starts 'batches' over whenever they run out: return the "
+                          "list or DataLoader itself (an endless stream: an object whose __iter__ makes a "
+                          "new iterator)")
 
     scheduler = values.get("scheduler")
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -188,8 +189,13 @@ class Source(Protocol):
 
     def start(self) -> None: ...
 
-    def stop(self, timeout: float = 10.0) -> bool:
-        """Stop at a step boundary and flush; False if it did not stop within `timeout`."""
+    def stop(self, timeout: float = 10.0, *, give_up_unwritten: bool = False) -> bool:
+        """Stop at a step boundary and flush; False if it did not stop within `timeout`, or if
+        the stop was held because the disk refuses records (`held_stop()` says what would be
+        lost). `give_up_unwritten`: stop even so."""
+
+    def held_stop(self) -> str | None:
+        """Why the last stop was held (records a full disk refused), or None."""
 
 
 class LiveSource:
@@ -240,12 +246,20 @@ class LiveSource:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self, timeout: float = 10.0) -> bool:
-        self.run.request_stop()
+    def stop(self, timeout: float = 10.0, *, give_up_unwritten: bool = False) -> bool:
+        self.run.request_stop(give_up_unwritten=give_up_unwritten)
         if self._thread is None:
             return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive():
+            remaining = deadline - time.monotonic()
+            if self.run.stop_held.is_set() or remaining <= 0:
+                return False
+            self._thread.join(min(remaining, 0.05))
+        return True
+
+    def held_stop(self) -> str | None:
+        return self.run.held_message if self.run.stop_held.is_set() else None
 
     def wait(self, timeout: float | None = None) -> bool:
         if self._thread is not None:

@@ -88,3 +88,15 @@ def test_checkpoint_round_trip_with_cuda_rng(tmp_path):
     loaded.apply(model, opt)
     assert torch.equal(torch.rand(3, device="cuda"), expected)
     assert loaded.scaler_state["scale"] == trainer.scaler_state()["scale"]
+
+
+def test_train_on_cuda_with_a_model_built_on_the_cpu(mlp_script, tmp_path):
+    # The contract: setup() builds on the CPU and amp-tui moves the model; the pre-flight check
+    # runs on the moved model, with the batch on the device, on the main thread, and step 0's
+    # backward on the training thread.
+    from amp_tui.cli import main
+    from amp_tui.session import read_session
+    run_dir = tmp_path / "run"
+    assert main(["train", str(mlp_script), "--headless", "--device", "cuda", "--steps", "3",
+                 "--run-dir", str(run_dir)]) == 0
+    assert [r["step"] for r in read_session(run_dir).steps] == [0, 1, 2]

@@ -79,7 +79,7 @@ def setup(ctx=None):
     xs = torch.randn(16, 4)
     batches = [(xs[i:i + 4], xs[i:i + 4].sum(1, keepdim=True)) for i in range(0, 16, 4)]
     def loss_fn(model, batch):
-        if model.training:           # not amp-tui's preflight check, which runs in eval mode
+        if model.training:           # every call is a step's (the pre-flight check is step 0's forward)
             steps["n"] += 1
             if steps["n"] == 4:      # steps 0..2 train, step 3 raises
                 raise_bad_batch()
@@ -103,7 +103,7 @@ def setup(ctx=None):
     model = nn.Linear(4, 1)
     xs = torch.randn(8, 4)
     def loss_fn(model, batch):
-        if model.training:           # not amp-tui's preflight check, which runs in eval mode
+        if model.training:           # every call is a step's (the pre-flight check is step 0's forward)
             steps["n"] += 1
             if steps["n"] > 2:
                 time.sleep(1.5)      # from step 2 on, every step outlasts the quit timeout
@@ -650,6 +650,9 @@ def test_hangup_guard_stops_the_run_flushes_and_leaves(monkeypatch):
         def request_stop(self, checkpoint, reason):
             self.calls.append(("request_stop", checkpoint, reason))
 
+        def unattended(self):
+            self.calls.append("unattended")
+
     exits = []
     monkeypatch.setattr(hangup, "GRACE_S", 0.01)
     monkeypatch.setattr(hangup.os, "_exit", exits.append)
@@ -659,9 +662,9 @@ def test_hangup_guard_stops_the_run_flushes_and_leaves(monkeypatch):
     guard.finished.set()
     guard._stop_and_leave("SIGHUP", 129)
     assert app.calls == ["TerminalGone"] and source.calls == ["stop"]
-    assert run.calls == [("request_stop", True, "SIGHUP")]
+    assert run.calls == ["unattended", ("request_stop", True, "SIGHUP")]   # nobody left to ask
     assert exits == []
     # a hung step and a stuck UI: flush what finished, then end the process (128 + SIGHUP)
     app, source, run = Stub(True), Stub(False), Stub(True)
     hangup.HangupGuard(app, source, run, stop_timeout=1.0)._stop_and_leave("SIGHUP", 129)
-    assert run.calls == [("request_stop", True, "SIGHUP"), "close"] and exits == [129]
+    assert run.calls == ["unattended", ("request_stop", True, "SIGHUP"), "close"] and exits == [129]

@@ -238,12 +238,14 @@ async def test_a_full_disk_pauses_the_dashboard_and_resuming_writes_what_was_kep
     from test_session import _FullDisk
     disk = _FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
-    run, source = build_live(mlp_script, tmp_path / "run", "--steps", "400")
+    # No step limit: the run is still going when the refused flush comes, however fast it is.
+    run, source = build_live(mlp_script, tmp_path / "run")
     app = create_app(source)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await until(pilot, lambda: run.step > 3, "some steps")
         disk.full, disk.room = True, 100      # the disk fills up mid-record
         await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=20)
+        assert run.pending_records()          # kept, not lost
         await until(pilot, lambda: "could not write" in toasts(app), "the notice")
         assert "No space left on device" in toasts(app)
         await until(pilot, lambda: "free some space" in toasts(app), "the pause notice")
@@ -319,3 +321,162 @@ def test_sigint_sent_to_the_dashboard_does_what_ctrl_c_does(tmp_path):
     assert session.end is not None and session.end["status"] == "stopped"
     assert session.end["step"] == len(session.steps) and session.skipped_lines == 0
     assert not [e for e in session.events if e["kind"] == "checkpoint_saved"]   # as q: none
+
+
+# ---- a full disk at the very end: the last flush counts like every other one ---------------------
+
+LAST_RUN_STEPS = 12
+
+
+def live_run_filling_the_disk_at_its_end(script, run_dir, monkeypatch, *options: str):
+    """A live run of LAST_RUN_STEPS steps whose disk takes every step record and then fills up:
+    the end record, the last one, is refused. Step records are flushed as they come (no flush
+    interval), so what is kept back does not depend on how fast the steps run."""
+    import amp_tui.session as session_module
+    from test_session import _FullDisk
+    disk = _FullDisk()
+    monkeypatch.setattr(session_module, "os", disk)
+    run, source = build_live(script, run_dir, "--steps", str(LAST_RUN_STEPS), *options)
+    run.config.flush_interval = 0.0
+
+    def fill_after_the_last_step(record):
+        if record.get("type") == "step" and record["step"] == LAST_RUN_STEPS - 1:
+            disk.full, disk.room = True, 7     # the end record goes in part, then ENOSPC
+    run.observers.append(fill_after_the_last_step)
+    return run, source, disk
+
+
+def assert_whole(run, status: str):
+    session = read_session(run.session_path)
+    assert [r["step"] for r in session.steps] == list(range(LAST_RUN_STEPS))
+    assert session.skipped_lines == 0
+    assert session.end is not None and session.end["status"] == status
+    kinds = [(e["kind"], e.get("during") or e.get("reason")) for e in session.events]
+    assert ("error", "io") in kinds and ("paused", "io") in kinds   # the file says what happened
+    return session
+
+
+@run_async
+async def test_a_full_disk_at_the_end_pauses_and_freeing_space_and_space_writes_the_end(
+        mlp_script, tmp_path, monkeypatch):
+    run, source, disk = live_run_filling_the_disk_at_its_end(mlp_script, tmp_path / "run", monkeypatch)
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=30)
+        await until(pilot, lambda: "could not write" in toasts(app), "the notice")
+        assert "No space left on device" in toasts(app)
+        await until(pilot, lambda: "free some space" in toasts(app), "the pause notice")
+        assert run.step == LAST_RUN_STEPS and source.alive       # trained, held for the disk
+        assert run.pending_records().get("end") == 1
+        disk.full = False                                        # space is freed
+        await pilot.press("space")
+        await until(pilot, lambda: not source.alive, "the run to end")
+        assert source.snapshot().state == "finished"
+        await pilot.press("q")
+        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+    assert_whole(run, "finished")
+    assert run.unwritten == {} and run.exit_status == 0 and run.error is None
+
+
+@run_async
+async def test_q_on_a_full_disk_says_what_would_be_lost_and_writes_it_once_space_is_freed(
+        mlp_script, tmp_path, monkeypatch):
+    run, source, disk = live_run_filling_the_disk_at_its_end(mlp_script, tmp_path / "run", monkeypatch)
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=30)
+        await pilot.press("q")
+        await until(pilot, lambda: "would be lost" in toasts(app), "the count of what q would lose")
+        assert "the end record" in toasts(app) and "q again" in toasts(app)
+        assert app.is_running and source.alive                    # nothing quit yet
+        disk.full = False                                         # space is freed: q writes it all
+        await pilot.press("q")
+        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+    assert not source.alive
+    assert_whole(run, "finished")
+    assert run.unwritten == {}
+
+
+@run_async
+async def test_a_second_q_quits_without_the_records_and_the_summary_and_status_say_so(
+        mlp_script, tmp_path, monkeypatch, capsys):
+    from amp_tui.ui.app import _finish
+    run, source, disk = live_run_filling_the_disk_at_its_end(mlp_script, tmp_path / "run", monkeypatch)
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=30)
+        await pilot.press("q")
+        await until(pilot, lambda: "would be lost" in toasts(app), "the count of what q would lose")
+        await pilot.press("q")                                    # the disk is still full
+        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+    assert not source.alive
+    assert run.unwritten.get("end") == 1 and run.exit_status != 0
+    session = read_session(run.session_path)
+    assert [r["step"] for r in session.steps] == list(range(LAST_RUN_STEPS))
+    assert session.end is None and session.skipped_lines == 0    # the cut end record is cut off
+    status = _finish(run, [], stopped=True, crashed=False)
+    out = capsys.readouterr().out
+    assert status != 0
+    assert "No space left on device" in out and str(run.session_path) in out
+    assert "could not be written" in out and "the end record" in out
+    assert "finished (the run, after 12 steps)" in out             # the run, and the file, apart
+
+
+@run_async
+async def test_a_checkpoint_at_the_last_step_that_does_not_fit_pauses_and_is_written_on_resume(
+        mlp_script, tmp_path, monkeypatch):
+    import errno
+    real_fsync = os.fsync
+    refusing = {"on": True}
+
+    def fsync(fd):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if refusing["on"] and name.startswith(".step-0000006"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    run, source = build_live(mlp_script, tmp_path / "run", "--steps", "6", "--checkpoint-every", "3")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=30)
+        await until(pilot, lambda: "No space left on device" in toasts(app), "the notice")
+        assert run.step == 6 and source.alive                   # trained, held for the checkpoint
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["step-0000003.safetensors"]
+        refusing["on"] = False
+        await pilot.press("space")
+        await until(pilot, lambda: not source.alive, "the run to end")
+        await pilot.press("q")
+        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+    assert restorable(checkpoints / "step-0000006.safetensors", mlp_script).step == 6
+    session = read_session(run.session_path)
+    assert session.end is not None and session.end["status"] == "finished"
+    saved = [e["checkpoint_step"] for e in session.events if e["kind"] == "checkpoint_saved"]
+    assert saved == [3, 6]
+
+
+def test_a_checkpoint_on_a_hang_up_that_does_not_fit_ends_the_run_as_headless_would(
+        mlp_script, tmp_path, monkeypatch):
+    """Nobody is left to free space (the terminal is gone): a refused checkpoint at the stop
+    ends the run with an error status instead of pausing for an answer that can't come."""
+    import errno
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".step-"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    run, source = build_live(mlp_script, tmp_path / "run")
+    stepped = threading.Event()
+    run.observers.append(lambda r: r.get("type") == "step" and r["step"] >= 2 and stepped.set())
+    source.start()
+    assert stepped.wait(60), "the run never got going"
+    run.unattended()                                   # what the hang-up guard does first
+    run.request_stop(checkpoint=True, reason="SIGHUP")
+    assert source.stop(30), "the run did not stop"
+    assert run.exit_status == 1
+    session = read_session(run.session_path)
+    errors = [e for e in session.events if e["kind"] == "error"]
+    assert [e["during"] for e in errors] == ["save"] and "No space left" in errors[0]["message"]
+    assert session.end is not None and session.end["exit_status"] == 1

@@ -146,3 +146,34 @@ def test_full_disk_on_a_checkpoint_keeps_the_previous_one(mlp_script, tmp_path, 
     assert err["during"] == "save" and "No space left on device" in err["message"]
     assert good.exists() and s.end["status"] == "stopped" and s.end["step"] == 4
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000002.safetensors"]
+
+
+def test_a_run_that_fits_the_disk_until_its_last_record_exits_1_and_says_so(
+        mlp_script, tmp_path, monkeypatch, capsys):
+    """Every step record reaches the file; the end record, the last one, does not: headless
+    names the full disk and the file, counts what was lost, and exits 1 (it exited 0)."""
+    import amp_tui.session as session_module
+    from amp_tui.cli import run_headless
+    from test_session import _FullDisk
+    disk = _FullDisk()
+    monkeypatch.setattr(session_module, "os", disk)
+    run_dir = tmp_path / "run"
+    args = build_parser().parse_args(["train", str(mlp_script), "--steps", "8", "--run-dir",
+                                      str(run_dir), "--headless"])
+    run, _ = prepare_run(args, [], [])
+    run.config.flush_interval = 0.0          # each step record is on disk before the next step
+
+    def fill_after_the_last_step(record):
+        if record.get("type") == "step" and record["step"] == 7:
+            disk.full, disk.room = True, 10  # the end record goes in part, then ENOSPC
+    run.observers.append(fill_after_the_last_step)
+    capsys.readouterr()
+    assert run_headless(run, []) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "No space left on device" in out and str(run.session_path) in out
+    assert "the end record could not be written" in out
+    assert "finished (the run, after 8 steps)" in out and "steps 8 recorded of 8" in out
+    assert run.unwritten == {"end": 1}
+    s = read_session(run_dir)
+    assert [r["step"] for r in s.steps] == list(range(8))
+    assert s.end is None and s.skipped_lines == 0      # the cut end record is cut off again

@@ -10,6 +10,7 @@ with the reason, where mounting is not permitted (many containers).
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -88,17 +89,19 @@ def private_mount():
     return prefix
 
 
-def train_on_a_full_disk(prefix, tmp_path, size: str, *options: str):
+def train_on_a_full_disk(prefix, tmp_path, size: str, *options: str, script: Path | None = None,
+                         steps: int = 1000):
     """Run the real CLI headless with its run dir on a tmpfs of `size`; return (status, stdout,
-    stderr, the run dir as it was on the tmpfs)."""
-    script = tmp_path / "train_script.py"
-    script.write_text(SCRIPT, encoding="utf-8")
+    stderr, the run dir as it was on the tmpfs, the script)."""
+    if script is None:
+        script = tmp_path / "train_script.py"
+        script.write_text(SCRIPT, encoding="utf-8")
     mount_point, out = tmp_path / "tmpfs", tmp_path / "out"
     mount_point.mkdir()
     out.mkdir()
     command = [sys.executable, "-m", "amp_tui", "train", str(script), "--headless", "--device",
                "cpu", "--run-dir", str(mount_point / "run"), "--init-scale", "256",
-               "--steps", "1000", *options]
+               "--steps", str(steps), *options]
     done = subprocess.run([*prefix, "sh", "-c", IN_NAMESPACE, "sh", size, str(mount_point),
                            str(out), *command], cwd=REPO, capture_output=True, text=True,
                           timeout=240, env={**os.environ, "MNT_RUN": str(mount_point / "run")})
@@ -194,3 +197,92 @@ def test_a_session_on_a_full_disk_keeps_every_record_for_when_space_is_freed(pri
     s = read_session(out / "session.jsonl")
     assert [e["step"] for e in s.events] == list(range(22)) and s.skipped_lines == 0
     assert s.end == {"type": "end", "step": 22}
+
+
+def test_a_disk_that_fills_before_the_end_record_exits_1_and_counts_what_was_lost(
+        private_mount, tmp_path):
+    """A tmpfs too small for the whole recording (12 KiB): wherever the disk fills, before the
+    end or at the last flush (that depends on the machine's speed), the run says the disk is
+    full, names the file, counts the records it could not write and exits 1; what is on disk is
+    whole lines, every step in order."""
+    status, out, err, run_dir, _ = train_on_a_full_disk(
+        private_mount, tmp_path, "12k", script=REPO / "demos" / "healthy.py", steps=40)
+    text = " ".join(out.split())        # Rich folds long lines at the terminal's width
+    assert status == 1, (out, err)
+    assert "Traceback" not in err
+    assert "No space left on device" in text and "session.jsonl" in text
+    session = read_session(run_dir)
+    recorded = [r["step"] for r in session.steps]
+    assert recorded == list(range(len(recorded))) and session.skipped_lines == 0   # none torn
+    assert session.end is None
+    ran = int(re.search(r"\(the run, after (\d+) steps\)", text).group(1))
+    lost = int(re.search(r"(\d+) step records?", text).group(1))
+    assert ran > len(recorded) and lost == ran - len(recorded)      # counted, not silently gone
+    assert "the end record could not be written" in text
+    assert f"steps {len(recorded)} recorded of {ran}" in text
+
+
+# Runs in the namespace: the dashboard (Pilot) on a run whose tmpfs a filler file takes over
+# after the header; the end record can't be written until the filler is deleted.
+DASHBOARD_ON_A_FILLING_DISK = '''
+import asyncio, json, os, sys
+sys.path.insert(0, sys.argv[3])
+from test_dashboard import build_live, toasts, until
+from amp_tui.ui.app import create_app
+folder, out, _, script = sys.argv[1:5]
+run, source = build_live(script, os.path.join(folder, "run"), "--steps", "30", "--init-scale", "256")
+run.config.flush_interval = 3600.0       # every step record waits for the end: the last flush
+filler_path = os.path.join(folder, "filler")
+
+def fill(record):
+    if record.get("type") == "step" and record["step"] == 5:
+        with open(filler_path, "wb", buffering=0) as filler:    # take every free byte
+            try:
+                while True:
+                    filler.write(b"f" * 4096)
+            except OSError:
+                pass
+run.observers.append(fill)
+
+async def main():
+    app = create_app(source)
+    result = {}
+    async with app.run_test(size=(120, 40), notifications=True) as pilot:
+        await until(pilot, lambda: source.snapshot().state == "paused", "the pause", timeout=60)
+        await until(pilot, lambda: "No space left on device" in toasts(app), "the notice")
+        result["paused_at"] = run.step
+        result["pending"] = run.pending_records()
+        os.remove(filler_path)                                   # space is freed
+        await pilot.press("space")
+        await until(pilot, lambda: not source.alive, "the run to end", timeout=60)
+        await pilot.press("q")
+        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=30)
+    result["exit_status"] = run.exit_status
+    result["unwritten"] = run.unwritten
+    json.dump(result, open(os.path.join(out, "result.json"), "w"))
+    os.system(f"cp {folder}/run/session.jsonl {out}/")
+
+asyncio.run(main())
+'''
+
+
+def test_the_dashboard_on_a_disk_full_at_the_end_pauses_and_writes_everything_once_freed(
+        private_mount, tmp_path):
+    mount_point, out = tmp_path / "tmpfs", tmp_path / "out"
+    mount_point.mkdir()
+    out.mkdir()
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT, encoding="utf-8")
+    code = (f'mount -t tmpfs -o size=256k tmpfs "$1" || exit 90; '
+            f'"{sys.executable}" -c "$2" "$1" "$3" "$4" "$5"')
+    done = subprocess.run([*private_mount, "sh", "-c", code, "sh", str(mount_point),
+                           DASHBOARD_ON_A_FILLING_DISK, str(out), str(REPO / "tests"), str(script)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["paused_at"] == 30                     # trained every step, then held
+    assert result["pending"]["step"] > 0 and result["pending"]["end"] == 1
+    assert result["unwritten"] == {} and result["exit_status"] == 0
+    session = read_session(out / "session.jsonl")
+    assert [r["step"] for r in session.steps] == list(range(30)) and session.skipped_lines == 0
+    assert session.end is not None and session.end["status"] == "finished"

@@ -15,8 +15,8 @@ from amp_tui.session import read_session
 
 
 
-# Kills itself with SIGKILL in the loss_fn call of step DIE_AT (`-- DIE_AT`; the pre-flight is
-# call 0), as `kill -9` would: wherever the run was, nothing after it is written.
+# Kills itself with SIGKILL in the loss_fn call of step DIE_AT (`-- DIE_AT`; the pre-flight's
+# forward is step 0's own), as `kill -9` would: wherever the run was, nothing after it is written.
 SELF_KILLING_SCRIPT = '''
 import os
 import signal
@@ -25,7 +25,7 @@ from torch import nn
 
 def setup(ctx):
     torch.manual_seed(0)
-    die_at = int(ctx.argv[0]) + 1 if ctx.argv else None
+    die_at = int(ctx.argv[0]) if ctx.argv else None
     calls = [0]
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     def loss_fn(m, b):

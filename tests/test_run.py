@@ -156,7 +156,7 @@ def setup():
     model = nn.Linear(4, 1)
     def loss_fn(m, b):
         calls["n"] += 1
-        if calls["n"] == 5:   # call 1 is the pre-flight check
+        if calls["n"] == 4:   # step 3 (the pre-flight check is step 0's own call)
             raise ValueError("bad batch 3")
         return m(b).pow(2).mean()
     return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
@@ -219,3 +219,128 @@ def test_headless_prints_events_and_a_summary(write_script, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "nonfinite" in out and "gradients overflowed at scale 65536" in out
     assert "updates applied" in out and "run dir" in out
+
+
+WARMUP_SCRIPT = '''
+import torch
+from torch import nn
+
+BASE_LR, WARMUP = 0.01, 4
+
+def parts():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=BASE_LR)
+    # Linear warm-up from 0: the update of step k uses BASE_LR * k / WARMUP.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, k / WARMUP))
+    xs = torch.randn(64, 8)
+    ys = xs.sum(1, keepdim=True) * SCALE_UP
+    batches = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, 64, 16)]
+    def loss_fn(model, batch):
+        return nn.functional.mse_loss(model(batch[0]), batch[1])
+    return model, opt, sched, loss_fn, batches
+
+def setup():
+    model, opt, sched, loss_fn, batches = parts()
+    return {"model": model, "optimizer": opt, "scheduler": sched, "loss_fn": loss_fn, "batches": batches}
+
+def plain_loop_lrs(steps):
+    """The lr each update of a plain loop uses: read when optimizer.step() runs."""
+    model, opt, sched, loss_fn, batches = parts()
+    used = []
+    for k in range(steps):
+        opt.zero_grad()
+        loss_fn(model, batches[k % len(batches)]).backward()
+        used.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return used
+'''
+
+
+def test_recorded_lr_is_the_one_the_step_used(write_script, tmp_path):
+    script = write_script(WARMUP_SCRIPT.replace("SCALE_UP", "1"))
+    _, _, lines = run_cli([str(script), "--steps", "7", "--dtype", "fp32"], tmp_path)
+    recorded = [r["lr"] for r in lines if r["type"] == "step"]
+    namespace = {}
+    exec(script.read_text(), namespace)
+    assert recorded == namespace["plain_loop_lrs"](7)
+    assert recorded[0] == 0.0  # the warm-up's first update moves nothing
+
+
+def test_recorded_lr_means_the_same_on_skipped_and_applied_steps(write_script, tmp_path):
+    # Targets 300x the features overflow fp16's backward at 65536: the first steps are skipped,
+    # and the scheduler only moves after an applied update.
+    script = write_script(WARMUP_SCRIPT.replace("SCALE_UP", "300"))
+    _, _, lines = run_cli([str(script), "--steps", "14"], tmp_path)
+    steps = [r for r in lines if r["type"] == "step"]
+    assert any(s["skipped"] for s in steps) and not all(s["skipped"] for s in steps)
+    namespace = {}
+    exec(script.read_text(), namespace)
+    base, warmup = namespace["BASE_LR"], namespace["WARMUP"]
+    for s in steps:
+        applied_before = s["updates"] - (0 if s["skipped"] else 1)
+        assert s["lr"] == pytest.approx(base * min(1.0, applied_before / warmup), rel=1e-12), s["step"]
+
+
+UNTRAINED_SCRIPT = '''
+import torch
+from torch import nn
+
+class Blow(torch.autograd.Function):
+    """Identity forward; the gradient through it is multiplied by BLOW (inf: a non-finite one)."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g):
+        return g * BLOW
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.aux = nn.Linear(16, 1)          # reachable from the model, in no param group
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.head(h), Blow.apply(self.aux(h.detach()).float())
+
+def setup():
+    torch.manual_seed(0)
+    model = Net()
+    # lr=0: nothing moves, so every step's true gradient is the same.
+    opt = torch.optim.SGD([*model.body.parameters(), *model.head.parameters()], lr=0.0)
+    x = torch.randn(16, 8)
+    def loss_fn(model, batch):
+        out, aux = model(batch)
+        return nn.functional.mse_loss(out, batch.sum(1, keepdim=True)) + 0.01 * aux.mean()
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": [x]}
+'''
+
+
+def _layer_grads(lines, layer):
+    index = lines[0]["layers"].index(layer)
+    return [r["layers"]["grad"][index] for r in lines if r["type"] == "step"]
+
+
+def test_untrained_parameters_are_named_once_and_their_gradients_unscaled(write_script, tmp_path, capsys):
+    script = write_script(UNTRAINED_SCRIPT.replace("BLOW", "1.0"))
+    figures = {}
+    for dtype in ("fp16", "bf16"):
+        _, _, lines = run_cli([str(script), "--steps", "4", "--dtype", dtype], tmp_path, dtype)
+        out = capsys.readouterr().out
+        assert out.count("warning:") == 1 and "train nothing: aux.weight, aux.bias" in " ".join(out.split())
+        figures[dtype] = _layer_grads(lines, "aux")
+        assert all(g == pytest.approx(figures[dtype][0], rel=1e-6) for g in figures[dtype])  # per step
+        assert not any(r["skipped"] for r in lines if r["type"] == "step")
+    # Unscaled like every other gradient: fp16 at scale 65536 shows what bf16 shows.
+    assert figures["fp16"][0] == pytest.approx(figures["bf16"][0], rel=0.05)
+
+
+def test_a_nonfinite_gradient_of_an_untrained_parameter_skips_nothing(write_script, tmp_path):
+    script = write_script(UNTRAINED_SCRIPT.replace("BLOW", "float('inf')"))
+    for dtype in ("fp16", "bf16"):
+        _, _, lines = run_cli([str(script), "--steps", "3", "--dtype", dtype], tmp_path, dtype)
+        steps = [r for r in lines if r["type"] == "step"]
+        assert not any(s["skipped"] for s in steps), dtype
+        assert all(g in ("Infinity", "NaN") for g in _layer_grads(lines, "aux")), dtype  # still shown

@@ -1,11 +1,13 @@
 """Loading a user's script: every problem exits 2 with one clear line, before any run dir exists."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 
 from amp_tui.cli import main
+from amp_tui.session import read_session
 
 BASE = '''
 import torch
@@ -46,6 +48,12 @@ CASES = {
     "bad accumulate": (BASE + "def setup():\n    m, o, l, b = parts()\n    return {'model': m, 'optimizer': o, 'loss_fn': l, 'batches': b, 'accumulate': 0}\n",
                        "'accumulate' from train_script.py must be a positive integer"),
     "returns a list": ("def setup():\n    return [1, 2]\n", "returned list; it must return a dict"),
+    "generator batches": (BASE + "def setup():\n    m, o, l, b = parts()\n"
+                          "    return {'model': m, 'optimizer': o, 'loss_fn': l, 'batches': (x for x in b * 3)}\n",
+                          "'batches' from train_script.py is a generator, an iterator that can be read only once"),
+    "map batches": (BASE + "def setup():\n    m, o, l, b = parts()\n"
+                    "    return {'model': m, 'optimizer': o, 'loss_fn': l, 'batches': map(tuple, b * 3)}\n",
+                    "'batches' from train_script.py is a map, an iterator that can be read only once"),
 }
 
 
@@ -97,6 +105,40 @@ def setup(ctx):
     assert f"'sys.argv': ['{script}', '--lr', '3']" in seen
 
 
+MODULE_LEVEL_ARGPARSE = BASE + '''
+import argparse
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float, default=0.1)
+ARGS = parser.parse_args()          # at import, as scripts run with `python script.py` often do
+
+def setup():
+    (__import__("pathlib").Path(__file__).parent / "lr.txt").write_text(repr(ARGS.lr))
+    m, o, l, b = parts()
+    return {"model": m, "optimizer": o, "loss_fn": l, "batches": b}
+'''
+
+
+def test_module_level_argparse_sees_the_script_arguments(write_script, tmp_path, monkeypatch):
+    script = write_script(MODULE_LEVEL_ARGPARSE)
+    command = ["train", str(script), "--headless", "--steps", "1", "--run-dir", str(tmp_path / "run"),
+               "--", "--lr", "3"]
+    monkeypatch.setattr(sys, "argv", ["amp-tui", *command])  # what the script would see by default
+    assert main(command) == 0
+    assert (tmp_path / "lr.txt").read_text() == "3.0"
+    assert sys.argv == ["amp-tui", *command]  # amp-tui's own command line is put back
+
+
+def test_module_level_argparse_rejects_in_its_own_name(write_script, tmp_path, monkeypatch, capsys):
+    script = write_script(MODULE_LEVEL_ARGPARSE)
+    command = ["train", str(script), "--headless", "--run-dir", str(tmp_path / "run"), "--", "--bogus"]
+    monkeypatch.setattr(sys, "argv", ["amp-tui", *command])
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert f"{script.name}: error: unrecognized arguments: --bogus" in err
+    assert "amp-tui: error: train_script.py called sys.exit(2) while being imported" in err
+    assert "--headless" not in err and not (tmp_path / "run").exists()
+
+
 def test_setup_may_return_an_object(write_script, tmp_path):
     script = write_script(BASE + '''
 from amp_tui import TrainSetup
@@ -118,3 +160,47 @@ def test_bad_flags_exit_2(mlp_script, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", str(mlp_script), "--init-scale", "-4"])
     assert exc.value.code == 2
+
+
+ITERATOR_CLASS = BASE + '''
+class Batches:
+    """An iterator class of the user's own: RESTART decides whether __iter__ starts over."""
+    def __init__(self, items):
+        self.items, self.i = items, 0
+    def __iter__(self):
+        if RESTART:
+            self.i = 0
+        return self
+    def __next__(self):
+        if self.i == len(self.items):
+            raise StopIteration
+        self.i += 1
+        return self.items[self.i - 1]
+
+def setup():
+    m, o, l, b = parts()
+    return {"model": m, "optimizer": o, "loss_fn": l, "batches": Batches(b * 3)}
+'''
+
+
+def test_an_iterator_that_runs_out_stops_the_run_with_one_line(write_script, tmp_path, capsys):
+    script = write_script(ITERATOR_CLASS.replace("RESTART", "False"))
+    run_dir = tmp_path / "run"
+    status = main(["train", str(script), "--headless", "--steps", "6", "--run-dir", str(run_dir)])
+    out = capsys.readouterr().out
+    assert status == 1
+    lines = [json.loads(line) for line in (run_dir / "session.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["type"] == "step"] == [0, 1, 2]  # every batch was used
+    error = next(r for r in lines if r.get("kind") == "error")
+    assert error["step"] == 3 and error["message"] == (
+        "step 3: 'batches' ran out after 3 batches and can't start over (its iter() is itself, "
+        "like a generator's): return a list or a DataLoader")
+    assert error["traceback"] == "" and "Traceback" not in out and "amp_tui" not in out
+    assert lines[-1]["type"] == "end" and lines[-1]["status"] == "error"
+
+
+def test_an_iterator_class_that_starts_over_is_accepted(write_script, tmp_path):
+    script = write_script(ITERATOR_CLASS.replace("RESTART", "True"))
+    run_dir = tmp_path / "run"
+    assert main(["train", str(script), "--headless", "--steps", "7", "--run-dir", str(run_dir)]) == 0
+    assert read_session(run_dir).steps[-1]["step"] == 6

@@ -126,3 +126,42 @@ def test_a_full_disk_loses_no_record_and_tears_no_line(tmp_path, monkeypatch):
     s = read_session(path)
     assert [e["step"] for e in s.events] == [0, 1, 2, 3, 4] and s.skipped_lines == 0
     assert s.end == {"type": "end", "step": 5}
+
+
+def test_a_refused_end_stays_pending_once_and_abandon_counts_and_cuts_what_was_refused(
+        tmp_path, monkeypatch):
+    import amp_tui.session as session_module
+    disk = _FullDisk()
+    monkeypatch.setattr(session_module, "os", disk)
+    path = tmp_path / "session.jsonl"
+    writer = SessionWriter(path, {"layers": []}, flush_interval=3600)
+    for i in range(3):
+        writer.write({"type": "step", "step": i})
+    disk.full, disk.room = True, 20              # the first step goes in part
+    for _ in range(2):                           # tried twice: the end record is kept once
+        with pytest.raises(OSError):
+            writer.finish({"step": 3, "status": "finished"})
+    assert not writer.closed
+    assert writer.pending_records() == {"step": 3, "end": 1}
+    assert not path.read_bytes().endswith(b"\n")     # a record is cut short on disk
+    assert writer.abandon() == {"step": 3, "end": 1}
+    assert writer.closed and path.read_bytes().endswith(b"\n")   # ... and cut off again
+    s = read_session(path)
+    assert s.steps == [] and s.end is None and s.skipped_lines == 0
+
+
+def test_a_refused_end_is_written_whole_once_space_is_freed(tmp_path, monkeypatch):
+    import amp_tui.session as session_module
+    disk = _FullDisk()
+    monkeypatch.setattr(session_module, "os", disk)
+    path = tmp_path / "session.jsonl"
+    writer = SessionWriter(path, {"layers": []}, flush_interval=3600)
+    writer.write({"type": "step", "step": 0})
+    disk.full, disk.room = True, 30
+    with pytest.raises(OSError):
+        writer.finish({"step": 1, "status": "finished"})
+    disk.full = False
+    writer.finish({"step": 1, "status": "finished"})
+    s = read_session(path)
+    assert [r["step"] for r in s.steps] == [0] and s.end["status"] == "finished"
+    assert s.skipped_lines == 0 and len(s.records) == 2

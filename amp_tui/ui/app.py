@@ -62,6 +62,8 @@ class AmpTuiApp(App[int]):
         self.dashboard = DashboardScreen(compact_footer=source.mode == "replay")
         self.forced_exit = False        # the run did not stop in time; run_dashboard must not wait
         self.stopping = False
+        # The last stop was held (the disk refuses the run's last records): q again gives them up.
+        self._give_up_on_quit = False
         self._version: int | None = None
         self._second: int | None = None
         self._heavy_pending = False
@@ -352,6 +354,9 @@ class AmpTuiApp(App[int]):
             self.notify(f"detaching: the job keeps running (amp-tui attach "
                         f"{_attr(self.source, 'run_dir')} comes back; Q stops it)",
                         title="detach", markup=False)
+        elif self._give_up_on_quit:
+            self.notify("writing the last records once more; quitting without them if the disk "
+                        "still refuses them…", title="quit", severity="warning", markup=False)
         elif self.source.mode == "live":
             self.notify("stopping at the next step boundary… (q again forces the exit)",
                         title="quit", markup=False)
@@ -381,12 +386,21 @@ class AmpTuiApp(App[int]):
         self.refresh_view_soon()
 
     def _wait_for_stop(self) -> None:
-        stopped = self.source.stop(self.stop_timeout)
+        stopped = self.source.stop(self.stop_timeout, give_up_unwritten=self._give_up_on_quit)
         self.post_message(SourceStopped(stopped, self.stop_timeout))
 
     def on_source_stopped(self, message: SourceStopped) -> None:
         if message.stopped:
             self.exit()
+            return
+        held = self.source.held_stop()
+        if held is not None:
+            # Quitting now would lose records: say how many, and let a second q confirm.
+            self.stopping = False
+            self._give_up_on_quit = True
+            self.notify(f"{visible(held)}. Press q again to quit without them.",
+                        title="records not written", severity="error", timeout=30, markup=False)
+            self.refresh_view_soon()
             return
         self.forced_exit = True
         self.notify(f"the current step did not finish within {message.timeout:g} s: "
@@ -449,6 +463,8 @@ def run_dashboard(run, warnings: list[str], refresh_rate: float = 20.0) -> int:
             crashed = app.return_code not in (None, 0)
         finally:
             # The app may have exited without the quit sequence (a crash, SIGHUP): stop here.
+            # Nobody can free space or answer any more: what the disk refuses is given up.
+            run.unattended()
             stopped = source.stop(0.0 if app.forced_exit else STOP_TIMEOUT_S)
             if not stopped:
                 run.close()   # flush the session; the training thread is stuck inside a step
@@ -460,8 +476,7 @@ def _finish(run, warnings: list[str], stopped: bool, crashed: bool) -> int:
     from rich.console import Console
     from rich.text import Text
 
-    from amp_tui.report import render_summary, summarize
-    from amp_tui.session import SessionFormatError, read_session
+    from amp_tui.headless import print_after_run
 
     console = Console(highlight=False)
     try:
@@ -470,10 +485,7 @@ def _finish(run, warnings: list[str], stopped: bool, crashed: bool) -> int:
         if not stopped:
             console.print(Text("amp-tui: the training step did not finish in time; exited without "
                                "waiting for it", style="bold red"))
-        try:
-            render_summary(summarize(read_session(run.session_path)), console)
-        except (SessionFormatError, OSError) as exc:
-            console.print(Text(f"amp-tui: no session to summarize: {exc}", style="red"))
+        print_after_run(run, console)
     except OSError:
         pass  # the terminal is gone (SSH drop): the session on disk is what matters
     if crashed or not stopped or run.state == "error" or run.error is not None:

@@ -39,13 +39,16 @@ class FixedSource:
             command.on_done(self.answer)
         return True, f"{command.text()} queued"
 
+    def held_stop(self) -> str | None:
+        return None   # nothing here is recorded: a stop is never held
+
     def checkpoints(self) -> list:
         return list(self._checkpoints)
 
     def start(self) -> None:
         self.started = True
 
-    def stop(self, timeout: float = 10.0) -> bool:
+    def stop(self, timeout: float = 10.0, *, give_up_unwritten: bool = False) -> bool:
         self.stopped = True
         return True
 

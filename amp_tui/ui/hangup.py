@@ -85,6 +85,7 @@ class HangupGuard:
                              name="amp-tui-hangup", daemon=True).start()
 
     def _stop_and_leave(self, reason: str, exit_status: int) -> None:
+        self.run.unattended()   # nobody can free space or answer: a full disk stops, as headless
         self.run.request_stop(checkpoint=True, reason=reason)   # keep the progress, then stop
         self.app.post_message(TerminalGone())      # the normal path, if the UI still runs
         if not self.source.stop(self.stop_timeout):
