@@ -954,6 +954,15 @@ def _is_temporary(name: str) -> bool:
     return name.startswith(".") or ".tmp" in name
 
 
+def checkpoint_files(folder: Path) -> list[Path]:
+    """Every checkpoint file in `folder`, readable or not (temporary files of saves left out)."""
+    try:
+        return sorted(Path(e.path) for e in os.scandir(folder)
+                      if e.name.endswith(_SUFFIX) and not _is_temporary(e.name))
+    except OSError:
+        return []
+
+
 def list_checkpoints(folder: Path) -> list[CheckpointInfo]:
     """Checkpoints in `folder`, newest first (highest step, then latest mtime; weights-only
     files, which have no step, after the full ones). Reads headers only; skips temporary,

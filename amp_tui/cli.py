@@ -12,6 +12,7 @@ from pathlib import Path
 from amp_tui import __version__, argtypes
 
 EXIT_USAGE = 2
+DEFAULT_RUNS = "runs"   # where runs go without --run-dir, and what `amp-tui ls` lists by default
 
 
 def _dtype(text: str) -> str:
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--init-scale", type=argtypes.positive, default=65536.0, metavar="X",
                        help="GradScaler's initial loss scale in fp16 (default 65536)")
     train.add_argument("--steps", type=argtypes.positive_int, default=None, metavar="N",
-                       help="iterations to run (default: until stopped)")
+                       help="iterations to run (default: until stopped); with --resume, that many "
+                            "more from where the recording goes on")
     train.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     train.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
                        help="where session.jsonl and checkpoints/ go (default runs/<time>-<script>)")
@@ -125,9 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("--refresh-rate", type=argtypes.positive, default=20.0, metavar="HZ",
                         help="dashboard refreshes per second at most (default 20)")
 
-    ls = sub.add_parser("ls", help="list runs under a folder with their state")
-    ls.add_argument("folder", type=Path, nargs="?", default=Path("runs"), metavar="DIR",
-                    help="folder of run directories (default runs/)")
+    ls = sub.add_parser("ls", help="list runs under some folders with their state",
+                        description="List the runs under each DIR (a folder of run directories, a "
+                                    "run directory, or a quoted glob like 'exp/*'), newest first.")
+    ls.add_argument("folders", nargs="*", metavar="DIR",
+                    help=f"folders of run directories (default {DEFAULT_RUNS}/: runs made with "
+                         "--run-dir elsewhere are listed only when named)")
     return parser
 
 
@@ -185,7 +190,11 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         from amp_tui.engine import PrecisionRefused
         raise PrecisionRefused(reason)
     setup = load_script(args.script, device=str(device), argv=script_argv, dtype=dtype)
-    resume_from = _newest_valid_checkpoint(candidates, setup, run_dir) if args.resume is not None else None
+    resume_from, resume_skipped = None, []
+    if args.resume is not None:
+        resume_from, resume_skipped = _newest_valid_checkpoint(candidates, setup, run_dir)
+        setup.warnings.extend(f"--resume: skipped {path.relative_to(run_dir)}: {reason}"
+                              for path, reason in resume_skipped)
     feed = BatchFeed(setup.batches, device)
     from amp_tui.local_fp32 import match_modules
     for pattern in args.fp32_modules:
@@ -203,7 +212,9 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         steps=args.steps, run_dir=run_dir, checkpoint_every=args.checkpoint_every,
         probe_every=args.probe_every, underflow_every=args.underflow_every, on_nonfinite=policy,
         at=at, command_line=command_line,
-        guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from, control=True)
+        guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from,
+        resume_skipped=[(str(path.relative_to(run_dir)), reason) for path, reason in resume_skipped],
+        control=True)
     run = Run(config, setup, device, feed)
     # After every precision policy is in place (--dtype, --fp32-modules, --at 0:...): the check
     # is the first step's own forward.
@@ -211,22 +222,39 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
     return run, setup.warnings
 
 
-def _newest_valid_checkpoint(candidates, setup, run_dir: Path) -> Path:
-    """The newest checkpoint that passes every check against this script's model (a partly written
-    or corrupted one is skipped, with its reason kept for the error message)."""
-    from amp_tui.checkpoint import CheckpointError, read_checkpoint
+def _newest_valid_checkpoint(candidates, setup, run_dir: Path) -> tuple[Path, list[tuple[Path, str]]]:
+    """The newest checkpoint that passes every check against this script's model, and the newer
+    ones skipped with the reason (a partly written or corrupted file, one whose header can't
+    even be read, a weights-only file that has no optimizer state to go on from)."""
+    from amp_tui.checkpoint import CheckpointError, checkpoint_files, read_checkpoint
     from amp_tui.script import ScriptError
-    reasons = []
+    skipped: list[tuple[Path, str]] = []
+    chosen = None
     for info in candidates:
         if info.kind != "full":
+            skipped.append((info.path, "weights only: no optimizer or scaler state to resume from"))
             continue
         try:
             read_checkpoint(info.path, model=setup.model, optimizer=setup.optimizer, scheduler=setup.scheduler)
-            return info.path
+            chosen = info
+            break
         except CheckpointError as exc:
-            reasons.append(str(exc))
-    detail = f" (newest refused: {reasons[0]})" if reasons else ""
-    raise ScriptError(f"--resume {run_dir}: no valid checkpoint in {run_dir / 'checkpoints'}{detail}")
+            skipped.append((info.path, str(exc)))
+    listed = {info.path for info in candidates}
+    for path in checkpoint_files(run_dir / "checkpoints"):
+        if path in listed:
+            continue
+        try:
+            newer = chosen is None or path.stat().st_mtime >= chosen.mtime
+            if newer:
+                read_checkpoint(path, model=setup.model, optimizer=setup.optimizer,
+                                scheduler=setup.scheduler)
+        except (CheckpointError, OSError) as exc:
+            skipped.append((path, str(exc)))
+    if chosen is None:
+        detail = f" (newest refused: {skipped[0][1]})" if skipped else ""
+        raise ScriptError(f"--resume {run_dir}: no valid checkpoint in {run_dir / 'checkpoints'}{detail}")
+    return chosen.path, skipped
 
 
 def _example_names(model, count: int = 3) -> str:
@@ -282,7 +310,7 @@ def run_headless(run, warnings: list[str]) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        with HeadlessPrinter(console, run.config.steps) as printer:
+        with HeadlessPrinter(console, run.config.steps, run_dir=run.run_dir) as printer:
             run.observers.append(printer)
             status = run.run()
     except KeyboardInterrupt:
@@ -386,16 +414,24 @@ def cmd_ls(args) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from amp_tui.listing import list_runs, short_dtype
+    from amp_tui.listing import expand_folders, list_runs_in, short_dtype
 
-    if not args.folder.exists():
-        return _error(f"no folder {args.folder}", status=1)
-    rows = list_runs(args.folder)
+    named = list(args.folders)
+    folders, missing = expand_folders(named or [DEFAULT_RUNS])
+    if named and missing:
+        what = "folder or run" if len(missing) == 1 else "folders or runs"
+        return _error(f"no {what} matching {', '.join(repr(m) for m in missing)}", status=1)
+    rows = list_runs_in(folders)
     if not rows:
-        print(f"no runs under {args.folder}")
+        where = ", ".join(named) if named else f"{DEFAULT_RUNS}/"
+        hint = "" if named else " (runs made with --run-dir elsewhere: amp-tui ls DIR)"
+        print(f"no runs under {where}{hint}")
         return 0
+    # One folder: its runs' names are enough. Several: the path tells them apart.
+    several = len(folders) > 1
     styles = {"running": "green", "crashed": "red", "error": "red", "stopped": "yellow"}
-    cells = [[Text(r.run_dir.name), Text(r.state, style=styles.get(r.state, "")), Text(r.script),
+    cells = [[Text(str(r.run_dir) if several else r.run_dir.name),
+              Text(r.state, style=styles.get(r.state, "")), Text(r.script),
               Text(str(r.steps)), Text(short_dtype(r.dtype)), Text(str(r.skipped))] for r in rows]
     # Piped output has no width to fit: keep whole rows for grep and friends.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)

@@ -58,9 +58,47 @@ def next_rung(dtype: str, bf16_ok: bool) -> str | None:
     return None
 
 
+GROWTH = 2.0  # "growing": each of the last LOSS_RUN losses above GROWTH times the trend's floor
+LOSS_RUN = 3
+
+
+class LossTrend:
+    """Whether the loss of one dtype keeps growing.
+
+    The floor is the lowest "highest of LOSS_RUN finite losses in a row" seen so far; the loss
+    grows when each of the last LOSS_RUN finite losses is above GROWTH times that floor. Batch
+    noise moves single losses both ways and never lifts a whole run of them that far; a
+    diverging model does within a few steps. Skipped updates leave the weights as they were, so
+    a loss scale that overflows holds the loss level: growth comes from the updates applied.
+    """
+
+    def __init__(self):
+        self._recent: collections.deque[float] = collections.deque(maxlen=LOSS_RUN)
+        self.floor = math.inf
+        self.last: float | None = None
+
+    def add(self, loss: float) -> None:
+        if not math.isfinite(loss):
+            return
+        self.last = loss
+        self._recent.append(abs(loss))
+        if len(self._recent) == LOSS_RUN:
+            self.floor = min(self.floor, max(self._recent))
+
+    @property
+    def known(self) -> bool:
+        """Enough losses to tell growth from noise."""
+        return self.floor < math.inf
+
+    @property
+    def growing(self) -> bool:
+        return self.known and len(self._recent) == LOSS_RUN and min(self._recent) > GROWTH * self.floor
+
+
 class PrecisionGuard:
     def __init__(self, config: GuardConfig):
         self.config = config
+        self._trends: dict[str, LossTrend] = {}   # by dtype, kept across dtype changes
         self._drops = 0
         self._bad_streak = 0
         self._window: collections.deque[bool] = collections.deque(maxlen=max(1, config.alert_window))
@@ -83,6 +121,7 @@ class PrecisionGuard:
             self._storm.clear()
             self._raised.clear()
         bad = result.nonfinite is not None
+        self._trends.setdefault(result.dtype, LossTrend()).add(result.loss)
         if result.first_nonfinite_layer:
             self._last_layer = result.first_nonfinite_layer
         self._window.append(result.skipped)
@@ -155,6 +194,11 @@ class PrecisionGuard:
     def likely_cause(self, result: StepResult) -> tuple[str, str]:
         """The seeds' facts, applied to what this run shows."""
         layer = self._last_layer
+        diverging = self._divergence(result.dtype)
+        if diverging is not None:
+            return diverging
+        if result.scale is None:
+            return self._cause_without_scaler(result.dtype, layer)
         if result.nonfinite == "loss" and layer:
             return (f"an activation overflows fp16's 65504 in {layer}",
                     f"switch to bf16 (d), or run that layer in fp32: --fp32-modules '{layer}'")
@@ -175,3 +219,30 @@ class PrecisionGuard:
             return (f"values overflow fp16 around {layer}",
                     f"switch to bf16 (d), or --fp32-modules '{layer}'")
         return ("values leave fp16's range (max 65504)", "lower the scale (s) or switch to bf16 (d)")
+
+    def _divergence(self, dtype: str) -> tuple[str, str] | None:
+        """The loss grows in this dtype and in every other one the run has trained in long enough:
+        the training diverges, and neither the loss scale nor the dtype is to blame."""
+        trend = self._trends.get(dtype)
+        if trend is None or not trend.growing:
+            return None
+        known = {d: t for d, t in self._trends.items() if t.known}
+        if any(not t.growing for t in known.values()):
+            return None   # another dtype trains fine: this one's range is the problem
+        names = " and ".join(precision.SHORT[d] for d in precision.SHORT if d in known)
+        check = "" if "float32" in known else "; fp32 (d) confirms it"
+        return (f"the loss keeps growing in {names} ({trend.floor:.3g} → {trend.last:.3g}): the "
+                "training diverges, which no loss scale or dtype fixes",
+                f"lower the learning rate or clip the gradients (max_grad_norm); check the data and "
+                f"the loss; restore a checkpoint (r){check}")
+
+    @staticmethod
+    def _cause_without_scaler(dtype: str, layer: str | None) -> tuple[str, str]:
+        """bf16 and fp32 have no loss scale to blame, and fp32's range is the widest there is."""
+        where = f" around {layer}" if layer else ""
+        if dtype == "float32":
+            return (f"values become non-finite in fp32{where}: this is not a precision problem",
+                    "look at the learning rate, the data and the loss; restore a checkpoint (r)")
+        return (f"values become non-finite in {precision.SHORT[dtype]}{where}, which has fp32's range: "
+                "rarely a precision problem",
+                "try fp32 (d): if it fails there too, look at the learning rate, the data and the loss")

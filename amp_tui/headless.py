@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shlex
 import threading
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
@@ -23,9 +25,11 @@ EVENT_STYLES = {
 class HeadlessPrinter:
     """An observer of a Run: redraws the live line at most `rate` times a second."""
 
-    def __init__(self, console: Console, total_steps: int | None, rate: float = 8.0):
+    def __init__(self, console: Console, total_steps: int | None, rate: float = 8.0,
+                 run_dir: Path | None = None):
         self.console = console
         self.total = total_steps
+        self.run_dir = run_dir  # for the way out of a pause: amp-tui ctl RUN_DIR resume
         self.interval = 1.0 / rate
         self._last_draw = 0.0
         self._lock = threading.Lock()
@@ -54,8 +58,12 @@ class HeadlessPrinter:
                 if self._live is not None and now - self._last_draw >= self.interval:
                     self._last_draw = now
                     self._live.update(self.status_line())
+        elif kind == "header":
+            self.total = record.get("steps")   # a resume stops later than its --steps alone
         elif kind == "event":
             self.print_event(record)
+            if _pauses(record):
+                self.print_resume_hint()
 
     def print_event(self, record: dict) -> None:
         style = EVENT_STYLES.get(record.get("kind", ""), "")
@@ -66,6 +74,12 @@ class HeadlessPrinter:
         tb = record.get("traceback")
         if tb:
             self.console.print(Text(tb.rstrip(), style="red"))
+
+    def print_resume_hint(self) -> None:
+        """Headless, nothing on this terminal resumes a paused run: say what does."""
+        ctl = f"amp-tui ctl {shlex.quote(str(self.run_dir or 'RUN_DIR'))}"
+        self.console.print(Text(f"{'':>13}paused: continue with `{ctl} resume`, or `{ctl} step` "
+                                "for one step at a time", style="magenta"), soft_wrap=True)
 
     def status_line(self) -> Text:
         r = self._last or {}
@@ -82,6 +96,15 @@ class HeadlessPrinter:
         text.append(f"  skipped {r.get('skipped_total', 0)}", style="yellow" if r.get("skipped_total") else "")
         text.append(f"  {step / elapsed:.1f} it/s", style="dim")
         return text
+
+
+def _pauses(record: dict) -> bool:
+    """A `paused` event (--on-nonfinite pause, a full disk) or a pause intervention (--at, ctl)."""
+    if record.get("kind") == "paused":
+        return True
+    after = record.get("after")
+    return (record.get("kind") == "intervention" and record.get("action") == "pause"
+            and isinstance(after, dict) and after.get("state") == "paused")
 
 
 def _num(x: float | None) -> str:

@@ -1,7 +1,8 @@
-"""`amp-tui ls`: the runs under a folder, with their state, read cheaply (header + file tail)."""
+"""`amp-tui ls`: the runs under some folders, with their state, read cheaply (header + file tail)."""
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,35 @@ def list_runs(folder: Path) -> list[RunRow]:
     rows = [describe_run(d) for d in folder.iterdir() if (d / "session.jsonl").is_file()] \
         if folder.is_dir() else []
     return sorted(rows, key=lambda r: r.modified, reverse=True)
+
+
+def expand_folders(patterns: list[str]) -> tuple[list[Path], list[str]]:
+    """The folders (or run directories) named, a quoted glob like 'exp/*' expanded as the shell
+    would; and the names that matched nothing. A path that exists is taken as it is, even if its
+    name holds glob characters."""
+    found: list[Path] = []
+    missing: list[str] = []
+    for pattern in patterns:
+        if Path(pattern).exists():
+            found.append(Path(pattern))
+            continue
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else []
+        dirs = [Path(m) for m in matches if Path(m).is_dir()]
+        if dirs:
+            found.extend(dirs)
+        else:
+            missing.append(pattern)
+    return found, missing
+
+
+def list_runs_in(folders: list[Path]) -> list[RunRow]:
+    """The runs of every folder, each run once (a run named twice, or through two patterns),
+    newest first."""
+    rows: dict[Path, RunRow] = {}
+    for folder in folders:
+        for row in list_runs(folder):
+            rows.setdefault(row.run_dir.resolve(), row)
+    return sorted(rows.values(), key=lambda r: r.modified, reverse=True)
 
 
 def short_dtype(dtype: str | None) -> str:

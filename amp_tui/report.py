@@ -18,8 +18,9 @@ class Summary:
     device: str
     status: str                # finished / stopped / error / running-or-crashed
     steps: int                 # iterations recorded
-    updates_applied: int
-    skipped: int
+    updates_applied: int       # updates the weights went through (a restore or resume brings a
+    skipped: int               # checkpoint's counts back): the end record's counts
+    rolled_back: int           # recorded iterations undone by a restore or a resume
     final_dtype: str | None
     final_scale: float | None
     final_loss: float | None
@@ -63,14 +64,16 @@ def summarize(session: Session, outcome: RunOutcome | None = None) -> Summary:
     device = header.get("device") or {}
     path = session.path
     run_dir = str(path.parent) if path is not None else ""
+    updates, skipped = _counts(end, last, steps)
     return Summary(
         run_dir=run_dir,
         script=str(header.get("script", "")),
         device=f"{device.get('backend', '?')} {device.get('name', '')}".strip(),
         status=(end or {}).get("status", "incomplete"),
         steps=len(steps),
-        updates_applied=sum(1 for s in steps if not s.get("skipped")),
-        skipped=sum(1 for s in steps if s.get("skipped")),
+        updates_applied=updates,
+        skipped=skipped,
+        rolled_back=max(0, len(steps) - updates - skipped),
         final_dtype=(end or last or {}).get("dtype", header.get("dtype")),
         final_scale=_final_scale(end, last),
         final_loss=decode_float(last.get("loss")) if last else None,
@@ -85,6 +88,18 @@ def summarize(session: Session, outcome: RunOutcome | None = None) -> Summary:
             "unwritten": dict(outcome.unwritten), "recording_error": outcome.recording_error}
            if outcome is not None and outcome.unwritten else {}),
     )
+
+
+def _counts(end: dict | None, last: dict | None, steps: list[dict]) -> tuple[int, int]:
+    """(updates applied, skipped) as the run counted them: the end record's, else the last step's.
+
+    Recounting the step records would count the iterations a restore or a resume rolled back
+    as if the weights still held them."""
+    for record in (end, last):
+        if record is not None and isinstance(record.get("updates"), int) \
+                and isinstance(record.get("skipped_total"), int):
+            return record["updates"], record["skipped_total"]
+    return (sum(1 for s in steps if not s.get("skipped")), sum(1 for s in steps if s.get("skipped")))
 
 
 def _final_scale(end: dict | None, last: dict | None) -> float | None:
@@ -111,7 +126,8 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
             ("steps", f"{s.steps} recorded of {s.steps_run}"),
         ]
     rows += [
-        ("updates applied", f"{s.updates_applied} of {s.steps}"),
+        ("updates applied", f"{s.updates_applied} of {s.steps}" + (
+            f" ({s.rolled_back} rolled back by a restore or resume)" if s.rolled_back else "")),
         ("skipped", str(s.skipped)),
         ("final dtype", s.final_dtype or "?"),
         ("final scale", scale),

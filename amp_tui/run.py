@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import socket
 import sys
 import threading
@@ -29,7 +30,7 @@ from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResu
 from amp_tui.guards import GuardConfig, PrecisionGuard
 from amp_tui.local_fp32 import LocalFp32, ModuleMatchError
 from amp_tui.jsonsafe import encode_float
-from amp_tui.numfmt import number
+from amp_tui.numfmt import byte_size, number
 from amp_tui.script import ScriptError, TrainSetup, describe_exception
 from amp_tui.report import RunOutcome, describe_records
 from amp_tui.session import SessionFormatError, SessionWriter, event_record, step_record
@@ -52,7 +53,7 @@ class RunConfig:
     script_argv: list[str] = field(default_factory=list)
     dtype: str = "float16"
     init_scale: float = 65536.0
-    steps: int | None = None
+    steps: int | None = None            # iterations to run; a resume counts them from where it goes on
     run_dir: Path | None = None
     checkpoint_every: int | None = None
     probe_every: int = 1
@@ -66,6 +67,7 @@ class RunConfig:
     flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)
     control: bool = False                # serve the control socket (amp-tui ctl / attach)
     resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
+    resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)
 
 
 def default_run_dir(script: Path, root: Path = Path("runs")) -> Path:
@@ -263,6 +265,10 @@ class Run:
         if not self._writer.closed:
             try:
                 self._writer.write(record)
+                if self.state == "paused" and record.get("type") == "step":
+                    # A single step while paused: no later record comes to push it to the file,
+                    # where `ctl`, `attach` and `replay --follow` look for it.
+                    self._writer.flush()
                 self._session_failed = False
             except OSError as exc:
                 self._on_io_error(f"could not append to {self.session_path}: {exc.strerror or exc}")
@@ -308,14 +314,15 @@ class Run:
         """Create the run directory and write the header (or, resuming, append to the session)."""
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         ckpt.cleanup_temporary_files(self.checkpoint_dir)
-        header = self._header or self.header()
         resuming = self.config.resume_from is not None
+        if resuming and not self._resumed:
+            self._resume(self.config.resume_from)   # first: the header says where a resume stops
+            self._resumed = True
+        header = self._header or self.header()   # resuming, only the observers see it
         self._writer = SessionWriter(self.session_path, header, append=resuming,
                                      flush_interval=self.config.flush_interval)
         for observer in list(self.observers):
             observer({"type": "header", **header})
-        if resuming and not self._resumed:
-            self._resume(self.config.resume_from)
         early, self._before_open = self._before_open, []
         for record in early:
             self._emit(record)
@@ -367,24 +374,49 @@ class Run:
 
     def _resume(self, path: Path) -> None:
         """Continue a crashed or stopped run from a checkpoint; the step counter goes on from the
-        last recorded step, like a restore, so the recording stays one forward timeline."""
+        last recorded step, like a restore, so the recording stays one forward timeline, and
+        --steps counts the iterations of this command: a resume runs that many more."""
         from amp_tui.session import read_session
-        previous = read_session(self.session_path)
-        last_step = max((r["step"] for r in previous.steps), default=-1)
+        last_step = max((r["step"] for r in read_session(self.session_path).steps), default=-1)
         t = self.trainer
         loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
         loaded.apply(t.model, t.optimizer, t.scheduler)
         t.restore_scaler(loaded.scaler_state)
         t.discard_started_step()
-        extra = loaded.extra or {}
-        t.updates_applied = int(extra.get("updates_applied", 0))
-        t.skipped_total = int(extra.get("skipped_total", 0))
+        self._restore_counters(loaded)
         t.step_index = last_step + 1
+        if self.config.steps is not None:
+            self.config.steps += t.step_index
+        extra = loaded.extra or {}
         self.feed.skip(int(extra.get("micro_batches_consumed", 0)))  # same data order as before
+        start, stop = t.step_index, self.config.steps
+        rolled_back = max(0, start - (loaded.step or 0))
+        undone = (f"the {rolled_back} recorded step{'s' if rolled_back != 1 else ''} after it "
+                  f"{'are' if rolled_back != 1 else 'is'} rolled back, " if rolled_back else "")
+        runs = (f"--steps {stop - start} runs steps {start}-{stop - 1}" if stop is not None
+                else "it runs until stopped")
+        skipped = self.config.resume_skipped
+        passed = (f"; skipped {len(skipped)} newer checkpoint{'s' if len(skipped) != 1 else ''} "
+                  f"that failed the checks: {', '.join(p for p, _ in skipped)}" if skipped else "")
         self.event("resumed", f"resumed from {self._rel(path)} (saved at step {loaded.step}, "
-                   f"{loaded.dtype}) after the recording's step {last_step}; the step counter goes "
-                   f"on from {t.step_index}", path=self._rel(path), checkpoint_step=loaded.step,
-                   checkpoint_dtype=loaded.dtype, previous_last_step=last_step)
+                   f"{loaded.dtype}) after the recording's step {last_step}: {undone}the step counter "
+                   f"goes on from {start}, and {runs}{passed}",
+                   path=self._rel(path), checkpoint_step=loaded.step, checkpoint_dtype=loaded.dtype,
+                   previous_last_step=last_step, rolled_back=rolled_back,
+                   steps=None if stop is None else stop - start, until_step=stop,
+                   updates=t.updates_applied, skipped_total=t.skipped_total,
+                   skipped_checkpoints=[{"path": p, "reason": why} for p, why in skipped])
+
+    def _restore_counters(self, loaded: ckpt.LoadedCheckpoint) -> None:
+        """The applied and skipped counts are part of the state a full checkpoint brings back:
+        after a restore or a resume they count what the weights went through, not the updates
+        rolled back with them."""
+        extra = loaded.extra or {}
+        t = self.trainer
+        if "updates_applied" in extra:
+            t.updates_applied = int(extra["updates_applied"])
+        if "skipped_total" in extra:
+            t.skipped_total = int(extra["skipped_total"])
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self) -> int:
@@ -597,7 +629,7 @@ class Run:
                 self._set_state("running")
             else:
                 if self.state != "paused":
-                    return Outcome(False, "single step works while paused (press space first)")
+                    return Outcome(False, self._pause_first(command.source))
                 self._single_steps += 1
             text = {"pause": "paused", "resume": "resumed", "step": f"single step {self.step}"}[action]
             return self._intervention(command, before, {"state": self.state}, text)
@@ -606,6 +638,16 @@ class Run:
             self._stop_requested.set()
             return Outcome(True, "stopping at this step boundary")
         return Outcome(False, f"unknown command {action!r}")
+
+    def _pause_first(self, source: str) -> str:
+        """Why a single step was refused, in the terms of whoever asked for it."""
+        if source == "dashboard":
+            return "single step works while paused (press space first)"
+        if source.startswith("ctl"):
+            run_dir = shlex.quote(str(self.run_dir))
+            return (f"step works while the job is paused: send pause first "
+                    f"(amp-tui ctl {run_dir} pause), then step")
+        return "a single step works while the run is paused: pause it first"
 
     def _toggle_fp32(self, command: Command) -> Outcome:
         pattern = str(command.value)
@@ -652,7 +694,7 @@ class Run:
         self._checkpoint_due = None
         size = os.path.getsize(info.path)
         self.event("checkpoint_saved", f"checkpoint {self._rel(info.path)} saved at step {self.step} "
-                   f"({size / 1e6:.1f} MB, {time.perf_counter() - started:.2f}s)",
+                   f"({byte_size(size)}, {time.perf_counter() - started:.2f}s)",
                    path=self._rel(info.path), checkpoint_step=self.step, dtype=t.dtype, bytes=size,
                    source=source)
         return info
@@ -683,6 +725,7 @@ class Run:
         before = t.describe_precision()
         loaded.apply(t.model, t.optimizer, t.scheduler)
         t.restore_scaler(loaded.scaler_state)
+        self._restore_counters(loaded)
         t.discard_started_step()  # it ran on the weights before the restore
         after = t.describe_precision()
         ck_step = loaded.step

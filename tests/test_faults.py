@@ -82,7 +82,8 @@ def test_resume_after_a_crash_continues_from_the_newest_valid_checkpoint(mlp_scr
     newest.write_bytes(newest.read_bytes()[:200])
     (run_dir / "checkpoints" / ".step-0000009.safetensors.tmp-999999-1").write_bytes(b"partial")
     capsys.readouterr()
-    assert main(["train", str(mlp_script), "--headless", "--steps", "10", "--resume", str(run_dir)]) == 0
+    # --steps counts this command's iterations: 3 more after the recording's last step (6)
+    assert main(["train", str(mlp_script), "--headless", "--steps", "3", "--resume", str(run_dir)]) == 0
     s = read_session(run_dir)
     resumed = [e for e in s.events if e["kind"] == "resumed"]
     assert len(resumed) == 1

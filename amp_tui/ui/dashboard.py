@@ -4,8 +4,10 @@ The app decides *when* to look (its timer, skipping unchanged versions); this sc
 *what* each widget shows, and how often. Every repaint costs the UI thread, which shares the GIL
 and the cores with training, so figures that only tick with the steps are paced (`Pacing`): the
 status bar, the layer table, and the charts (less often still if their last redraw was costly).
-What the user caused or must see at once (a state change, a queued command, a dtype or scale
-change, a new non-finite origin) is drawn at the next tick. Every widget skips its update when
+What the user caused or must see at once (a state change such as a pause or a stop, a queued
+command, a dtype or scale change, a new non-finite origin, an intervention, restore, alert or
+error event, a key that moves a paused replay) is drawn at the next tick, by the status bar and
+the layer table together, so they show the same step. Every widget skips its update when
 its content didn't change.
 """
 
@@ -30,7 +32,8 @@ from amp_tui.ui.notice import PauseNotice
 from amp_tui.ui.status_bar import StatusBar
 from amp_tui.ui.text import short_dtype
 from amp_tui.ui.too_small import TooSmall, too_small
-from amp_tui.ui.view import current_precision, layer_rows, nonfinite_origin, nonfinite_pause
+from amp_tui.ui.view import (current_precision, layer_rows, newest_notable_event, nonfinite_origin,
+                             nonfinite_pause)
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,12 @@ class DashboardScreen(Screen):
         pace = TRAINING_PACE if snap.mode in ("live", "attached") else REPLAY_PACE
         tick = time.monotonic()
         done = True
-        urgent = (snap.state, snap.mode, tuple(pending), stopping, playback, prec, snap.error is not None)
+        origin = nonfinite_origin(snap)
+        # What the user caused or must see: the status bar and the layer table draw it at the
+        # same tick, so both show the same step; only the steady ticking of steps is paced.
+        urgent = (snap.state, snap.mode, tuple(pending), stopping, playback, prec, snap.error is not None,
+                  origin, len(snap.layers.names), newest_notable_event(snap),
+                  snap.position if snap.state == "replay-paused" else None)  # a key moved the replay
         if urgent != self._status_urgent or tick - self._status_at >= pace.status_s:
             self._status_urgent, self._status_at = urgent, tick
             self.status_bar.show(snap, prec, pending=pending, stopping=stopping, now=now,
@@ -163,16 +171,16 @@ class DashboardScreen(Screen):
                 self.scale_chart.show(h)
             else:
                 done = False
-        origin = nonfinite_origin(snap)
         layers_key = (snap.layers.step, len(snap.layers.names), prec, origin)
-        table_urgent = layers_key[1:]
         if layers_key != self._layers_key:
-            if table_urgent != self._table_urgent or tick - self._table_at >= pace.table_s:
-                self._layers_key, self._table_at, self._table_urgent = layers_key, tick, table_urgent
+            if urgent != self._table_urgent or tick - self._table_at >= pace.table_s:
+                self._layers_key, self._table_at, self._table_urgent = layers_key, tick, urgent
                 self.layer_table.show(layer_rows(snap.layers, prec), snap.layers.step,
                                       short_dtype(prec.dtype), origin)
             else:
                 done = False
+        else:
+            self._table_urgent = urgent   # the table is up to date: nothing to catch up on
         return done
 
     def sort_layers(self, column: str) -> None:

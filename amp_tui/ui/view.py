@@ -167,6 +167,22 @@ def nonfinite_origin(snap: Snapshot) -> str | None:
     return None
 
 
+# Events the user must see reflected at once. `nonfinite` is not among them: a skip shows as a
+# scale change, and a new origin is looked at on its own; periodic saves change nothing shown.
+NOTABLE_EVENTS = frozenset({"intervention", "checkpoint_restored", "resumed", "paused", "stopping",
+                            "alert", "error"})
+
+
+def newest_notable_event(snap: Snapshot) -> int:
+    """The number (in feed order) of the newest notable event, -1 when there is none."""
+    events = snap.events
+    first = snap.events_seen - len(events)
+    for i in range(len(events) - 1, -1, -1):
+        if events[i].get("kind") in NOTABLE_EVENTS:
+            return first + i
+    return -1
+
+
 def nonfinite_pause(snap: Snapshot) -> NonfinitePause | None:
     if snap.state != "paused":
         return None

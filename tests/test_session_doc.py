@@ -1,0 +1,209 @@
+"""docs/session-format.md is the writer's contract: its tables list every record kind, field,
+event kind and intervention action the writer writes, and nothing it never writes.
+
+Real runs drive every one of them (policies, every action from --at and from ctl, a restore
+refused and one done, a fallback, a script error, a resume); every key written is compared
+with the doc's tables. A new field needs its row in the doc, and a row needs a writer.
+"""
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from amp_tui.cli import build_parser, main, prepare_run
+from amp_tui.control import send
+
+from conftest import strict_lines
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "session-format.md"
+
+# Batch 3 of 4 is scaled far past fp16's range: every 4th step's loss overflows in fp16 (first
+# non-finite output: layer "0"), and never in bf16 or fp32. A scheduler and clipping are set so
+# that `lr` and `grad_norm` are written. FAIL_AFTER makes loss_fn raise once it was called that
+# many times (the pre-flight counts), so the script fails within the first steps.
+SCRIPT = '''
+import torch
+from torch import nn
+
+FAIL_AFTER = None
+
+def setup(ctx=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = torch.randn(64, 8)
+    ys = xs.sum(1, keepdim=True)
+    batches = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, 64, 16)]
+    batches[3] = (batches[3][0] * 1e5, batches[3][1])
+    calls = [0]
+    def loss_fn(model, batch):
+        calls[0] += 1
+        if FAIL_AFTER is not None and calls[0] > FAIL_AFTER:
+            raise ValueError("this batch is broken")
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches,
+            "scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=5), "max_grad_norm": 1.0}
+'''
+
+
+# ---- the doc's tables ---------------------------------------------------------------------------
+
+def doc_sections() -> dict[str, str]:
+    out, title = {}, None
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            title = line[3:].strip()
+            out[title] = ""
+        elif title is not None:
+            out[title] += line + "\n"
+    return out
+
+
+def tables(body: str) -> list[list[list[str]]]:
+    """The markdown tables of a section: rows of cells, the heading row first."""
+    found, rows = [], []
+    for line in body.splitlines() + [""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if not all(set(c) <= set("-: ") for c in cells):
+                rows.append(cells)
+        elif rows:
+            found.append(rows)
+            rows = []
+    return found
+
+
+def names(cell: str) -> list[str]:
+    return [n for n in re.findall(r"`([^`]+)`", cell) if re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)?", n)]
+
+
+def section(title_start: str) -> str:
+    return next(body for title, body in doc_sections().items() if title.startswith(title_start))
+
+
+def field_table(title_start: str) -> list[str]:
+    """The names in the first column of the section's `field | meaning` table, in table order."""
+    table = next(t for t in tables(section(title_start)) if t[0][0] == "field")
+    return [n for row in table[1:] for n in names(row[0])]
+
+
+def event_kinds() -> dict[str, set[str]]:
+    table = next(t for t in tables(section("Event record")) if t[0][:2] == ["kind", "fields"])
+    return {names(row[0])[0]: set(names(row[1])) for row in table[1:]}
+
+
+def intervention_actions() -> set[str]:
+    table = next(t for t in tables(section("Event record")) if t[0][0] == "action")
+    return {n for row in table[1:] for n in names(row[0])}
+
+
+# ---- what the writer writes ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> list[dict]:
+    folder = tmp_path_factory.mktemp("session_doc")
+    script = folder / "train_script.py"
+    script.write_text(SCRIPT, encoding="utf-8")
+    out: list[dict] = []
+
+    def train(name, *flags, status=None):
+        run_dir = folder / name
+        code = main(["train", str(script), "--headless", "--run-dir", str(run_dir), *flags])
+        if status is not None:
+            assert code == status, name
+        out.extend(strict_lines(run_dir / "session.jsonl"))
+        return run_dir
+
+    # Every --at action, a refused restore, an alert, a pause on a non-finite loss answered over
+    # the control socket (step, then resume: the `client` field), underflow shares on every probe.
+    steered = folder / "steered"
+    args = build_parser().parse_args([
+        "train", str(script), "--run-dir", str(steered), "--steps", "14", "--underflow-every", "1",
+        "--on-nonfinite", "pause", "--min-scale", "2048",
+        "--at", "1:save", "--at", "1:scale=1024", "--at", "2:fp32=0", "--at", "6:restore=latest",
+        "--at", "6:restore=nothing-here.safetensors", "--at", "8:dtype=bf16", "--at", "9:dtype=fp16",
+        "--at", "10:pause", "--at", "13:stop"])
+    run, _ = prepare_run(args, [], [])
+    answers: list[dict] = []
+    pauses = []
+
+    def on_record(record):
+        if record.get("kind") == "paused" or (record.get("action") == "pause"
+                                              and record.get("after", {}).get("state") == "paused"):
+            commands = ["step", "resume"] if not pauses else ["resume"]
+            pauses.append(record)
+            threading.Thread(target=lambda: answers.extend(send(steered, c) for c in commands)).start()
+    run.observers.append(on_record)
+    assert run.run() == 0
+    assert len(pauses) >= 2 and answers and all(a["ok"] for a in answers), answers
+    out.extend(strict_lines(steered / "session.jsonl"))
+
+    # The ladder moving on its own, --rollback without a checkpoint; a stop on a non-finite loss;
+    # the script raising; a resume.
+    train("fallback", "--steps", "6", "--on-nonfinite", "fallback", "--fallback-after", "1",
+          "--rollback", status=0)
+    train("stop", "--steps", "10", "--on-nonfinite", "stop", status=3)
+    script.write_text(SCRIPT.replace("FAIL_AFTER = None", "FAIL_AFTER = 3"), encoding="utf-8")
+    train("error", "--steps", "5", status=1)
+    script.write_text(SCRIPT, encoding="utf-8")
+    code = main(["train", str(script), "--headless", "--resume", str(steered), "--steps", "2"])
+    assert code == 0
+    out.extend(r for r in strict_lines(steered / "session.jsonl") if r.get("kind") == "resumed")
+    return out
+
+
+def keys(records: list[dict], *, nested: bool) -> set[str]:
+    """Every field written; with `nested`, the fields of object-valued fields too, as `a.b`."""
+    found = set()
+    for record in records:
+        for key, value in record.items():
+            found.add(key)
+            if nested and isinstance(value, dict):
+                found |= {f"{key}.{sub}" for sub in value}
+    return found
+
+
+def of_type(records, kind):
+    return [r for r in records if r["type"] == kind]
+
+
+def test_the_record_kinds_are_the_documented_ones(records):
+    documented = {m.group(1) for m in map(re.compile(r'"type": "(\w+)"').search, doc_sections()) if m}
+    assert {r["type"] for r in records} == documented == {"header", "step", "event", "end"}
+
+
+@pytest.mark.parametrize("kind, title, nested", [
+    ("header", "Header", True), ("step", "Step record", True), ("end", "End record", False)])
+def test_every_field_written_is_documented_and_every_documented_one_is_written(records, kind, title, nested):
+    written = keys(of_type(records, kind), nested=nested)
+    documented = set(field_table(title))
+    assert not written - documented, f"{kind} fields written but not in the doc: {sorted(written - documented)}"
+    assert not documented - written, f"{kind} fields in the doc but never written: {sorted(documented - written)}"
+
+
+def test_step_fields_come_in_the_documented_order(records):
+    order = [n for n in field_table("Step record") if "." not in n]
+    for record in of_type(records, "step"):
+        written = list(record)
+        assert written == sorted(written, key=order.index), written
+
+
+def test_every_event_kind_and_its_fields_are_documented(records):
+    events = of_type(records, "event")
+    common = set(field_table("Event record"))
+    kinds = event_kinds()
+    assert {e["kind"] for e in events} == set(kinds), "event kinds written vs documented"
+    for kind, documented in kinds.items():
+        written = keys([e for e in events if e["kind"] == kind], nested=False)
+        assert common <= written, f"{kind}: a common field is missing"
+        extra = written - common
+        assert extra == documented, (f"{kind}: written but not documented {sorted(extra - documented)}, "
+                                     f"documented but never written {sorted(documented - extra)}")
+
+
+def test_every_intervention_action_is_documented(records):
+    written = {e["action"] for e in of_type(records, "event") if e["kind"] == "intervention"}
+    assert written == intervention_actions()
