@@ -119,7 +119,8 @@ def print_after_run(run, console: Console) -> None:
 
     if run.unwritten:
         console.print(Text(f"amp-tui: error: {run.recording_error}: "
-                           f"{describe_records(run.unwritten)} could not be written", style="bold red"))
+                           f"{describe_records(run.unwritten)} could not be written", style="bold red"),
+                      soft_wrap=True)   # one line, never folded: the path stays whole
     try:
         render_summary(summarize(read_session(run.session_path), run.outcome()), console)
     except (SessionFormatError, OSError) as exc:
