@@ -1,13 +1,14 @@
 """The dashboard paces what only ticks with the steps, and never delays what the user must see.
 
+The pacing reads a clock the tests move themselves (`pace_clock`), and each test calls the
+dashboard's refresh itself: what is checked is the logic, whatever this machine's speed.
+
 Beside a training run every repaint takes time from the training thread, so the status bar's step
 figures are redrawn at most a few times a second however fast steps land; a state change (pause,
 stop, error) or a queued command is drawn at the next tick. A replay is not paced.
 """
 
-import asyncio
 import copy
-import time
 
 from test_dashboard import SIZE, run_async
 
@@ -27,8 +28,26 @@ def next_step(records: list[dict], step: int) -> dict:
     return record
 
 
-def count_status_draws(app) -> list[float]:
-    """Stamp every time the status bar takes new text."""
+class PaceClock:
+    """The clock the dashboard's pacing reads, moved by the test alone: what is paced depends on
+    the intervals the test sets, never on how fast this machine draws."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+# A step every 1/64 s: binary fractions keep the pace clock's sums exact.
+STEP_S = 1 / 64
+
+
+def count_status_draws(app, clock: PaceClock) -> list[float]:
+    """The pace clock's time at every draw that gave the status bar new text."""
     draws: list[float] = []
     bar = app.dashboard.status_bar
     original = bar.show
@@ -37,35 +56,44 @@ def count_status_draws(app) -> list[float]:
         before = bar._text
         original(*args, **kwargs)
         if bar._text is not before:
-            draws.append(time.monotonic())
+            draws.append(clock())
     bar.show = show
     return draws
 
 
-async def feed_steps(source, records, first: int, seconds: float, rate: float) -> int:
-    """Feed step records at `rate` a second for `seconds`; the last step fed."""
-    step, end = first, time.monotonic() + seconds
-    while time.monotonic() < end:
+def feed_and_refresh(app, source, records, first: int, count: int, clock: PaceClock) -> int:
+    """Feed `count` steps STEP_S apart, the dashboard refreshing after each; the last step fed."""
+    for step in range(first, first + count):
+        clock.advance(STEP_S)
         source.buffer.feed(next_step(records, step))
-        step += 1
-        await asyncio.sleep(1 / rate)
-    return step - 1
+        app.refresh_view()
+    return first + count - 1
+
+
+def drawn_now(app, clock: PaceClock) -> None:
+    """A refresh well past every pace: whatever is pending is drawn."""
+    clock.advance(60.0)
+    app.refresh_view()
 
 
 @run_async
 async def test_live_status_bar_is_paced_and_ends_on_the_newest_step():
     records = synthetic_records(50)
     source = FixedSource(records)
-    app = create_app(source, refresh_rate=20)
+    clock = PaceClock()
+    app = create_app(source, refresh_rate=20, pace_clock=clock)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause(0.3)
-        draws = count_status_draws(app)
-        last = await feed_steps(source, records, 50, seconds=2.0, rate=50)
-        await pilot.pause(TRAINING_PACE.status_s + 0.2)
-        # 100 steps arrived; a fresh one showed at the pace, not 20 times a second
-        assert 2.0 / TRAINING_PACE.status_s - 1 <= len(draws) <= 2.0 / TRAINING_PACE.status_s + 3, draws
-        assert all(b - a >= TRAINING_PACE.status_s * 0.9 for a, b in zip(draws, draws[1:]))
-        # nothing is lost: once the steps stop, the newest one is on screen
+        await pilot.pause()
+        drawn_now(app, clock)
+        draws = count_status_draws(app, clock)
+        steps = round(2.0 / STEP_S)                      # two seconds of steps, 64 a second
+        last = feed_and_refresh(app, source, records, 50, steps, clock)
+        # 128 steps, a refresh after each: the status bar took a new step once per pace
+        assert len(draws) == round(2.0 / TRAINING_PACE.status_s), draws
+        assert all(b - a >= TRAINING_PACE.status_s for a, b in zip(draws, draws[1:]))
+        # nothing is lost: once the steps stop, the newest one is on screen at the next pace
+        clock.advance(TRAINING_PACE.status_s)
+        app.refresh_view()
         assert f"step {last + 1}/" in status(app), status(app)  # shown as steps done
 
 
@@ -73,32 +101,36 @@ async def test_live_status_bar_is_paced_and_ends_on_the_newest_step():
 async def test_a_state_change_is_drawn_at_once_however_recent_the_last_draw():
     records = synthetic_records(50)
     source = FixedSource(records)
-    app = create_app(source, refresh_rate=20)
+    clock = PaceClock()
+    app = create_app(source, refresh_rate=20, pace_clock=clock)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause(0.3)
+        await pilot.pause()
         source.buffer.feed(next_step(records, 50))
-        await pilot.pause(0.1)   # a step was just drawn: the pace would hold the next one back
+        drawn_now(app, clock)
+        assert "step 51/" in status(app)
+        clock.advance(STEP_S)
+        source.buffer.feed(next_step(records, 51))
+        app.refresh_view()
+        assert "step 51/" in status(app)               # a new step alone waits for the pace
         source.buffer.set_state("paused")
-        started = time.monotonic()
-        while "PAUSED" not in status(app):
-            assert time.monotonic() - started < TRAINING_PACE.status_s, "the pause waited for the pace"
-            await pilot.pause(0.01)
+        app.refresh_view()                             # the pace clock has not moved
+        assert "PAUSED" in status(app), status(app)
 
 
 @run_async
 async def test_a_queued_command_is_acknowledged_in_the_status_bar_at_once():
     records = synthetic_records(50)
     source = FixedSource(records)     # `answer` None: the command stays queued
-    app = create_app(source, refresh_rate=20)
+    clock = PaceClock()
+    app = create_app(source, refresh_rate=20, pace_clock=clock)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause(0.3)
+        await pilot.pause()
         source.buffer.feed(next_step(records, 50))
-        await pilot.pause(0.05)
-        started = time.monotonic()
+        drawn_now(app, clock)
+        clock.advance(STEP_S)                          # a step was just drawn
         await pilot.press("s")
-        while "queued:" not in status(app):
-            assert time.monotonic() - started < TRAINING_PACE.status_s, status(app)
-            await pilot.pause(0.01)
+        await pilot.pause()
+        assert "queued:" in status(app), status(app)   # the pace clock has not moved
         assert source.sent, "the engine got the command"
 
 
@@ -106,14 +138,14 @@ async def test_a_queued_command_is_acknowledged_in_the_status_bar_at_once():
 async def test_a_replay_is_not_paced():
     records = synthetic_records(50)
     source = FixedSource(records, mode="replay")
-    app = create_app(source, refresh_rate=20)
+    clock = PaceClock()
+    app = create_app(source, refresh_rate=20, pace_clock=clock)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause(0.3)
-        draws = count_status_draws(app)
-        await feed_steps(source, records, 50, seconds=1.0, rate=40)
-        await pilot.pause(0.1)
-        # every refresh tick that saw a new step drew it: well over the live pace's 4 a second
-        assert len(draws) > 1.0 / TRAINING_PACE.status_s + 4, draws
+        await pilot.pause()
+        drawn_now(app, clock)
+        draws = count_status_draws(app, clock)
+        feed_and_refresh(app, source, records, 50, 40, clock)
+        assert len(draws) == 40, draws                 # every refresh that saw a new step drew it
 
 
 @run_async
@@ -122,14 +154,14 @@ async def test_the_first_steps_reach_the_charts_at_once_however_costly_their_las
     stay up meanwhile."""
     records = synthetic_records(50)
     source = FixedSource(records[:1])          # the header only
-    app = create_app(source, refresh_rate=20)
+    clock = PaceClock()
+    app = create_app(source, refresh_rate=20, pace_clock=clock)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause(0.3)
+        await pilot.pause()
         charts = (app.dashboard.loss_chart, app.dashboard.scale_chart)
         for chart in charts:
             chart.cost_s = 1.0                 # as if the empty chart had been slow to draw
         source.buffer.feed(records[1])
-        started = time.monotonic()
-        while not all(chart._history is not None and chart._history.steps for chart in charts):
-            assert time.monotonic() - started < TRAINING_PACE.status_s, "the charts waited for the pace"
-            await pilot.pause(0.02)
+        clock.advance(STEP_S)
+        app.refresh_view()
+        assert all(chart._history is not None and chart._history.steps for chart in charts)

@@ -48,7 +48,8 @@ class AmpTuiApp(App[int]):
 
     def __init__(self, source: Source, *, refresh_rate: float = 20.0,
                  clock: Callable[[], float] = time.time, warnings: Iterable[str] = (),
-                 stop_timeout: float = STOP_TIMEOUT_S) -> None:
+                 stop_timeout: float = STOP_TIMEOUT_S,
+                 pace_clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         if not (math.isfinite(refresh_rate) and refresh_rate > 0):
             raise ValueError(f"refresh rate must be a positive number of refreshes per second, "
@@ -59,7 +60,7 @@ class AmpTuiApp(App[int]):
         self.warnings = list(warnings)
         self.stop_timeout = stop_timeout
         # a replay has twelve keys: the compact footer fits them in 120 columns
-        self.dashboard = DashboardScreen(compact_footer=source.mode == "replay")
+        self.dashboard = DashboardScreen(compact_footer=source.mode == "replay", pace_clock=pace_clock)
         self.forced_exit = False        # the run did not stop in time; run_dashboard must not wait
         self.stopping = False
         # The last stop was held (the disk refuses the run's last records): q again gives them up.
@@ -443,10 +444,12 @@ def _attr(source, name: str):
 
 
 def create_app(source: Source, *, refresh_rate: float = 20.0, clock: Callable[[], float] = time.time,
-               warnings: Iterable[str] = (), stop_timeout: float = STOP_TIMEOUT_S) -> AmpTuiApp:
-    """The dashboard for `source` (a LiveSource, a replay, or a test double)."""
+               warnings: Iterable[str] = (), stop_timeout: float = STOP_TIMEOUT_S,
+               pace_clock: Callable[[], float] = time.monotonic) -> AmpTuiApp:
+    """The dashboard for `source` (a LiveSource, a replay, or a test double). `clock` gives the
+    wall time shown ("no step for N s"); `pace_clock` the intervals the pacing counts."""
     return AmpTuiApp(source, refresh_rate=refresh_rate, clock=clock, warnings=warnings,
-                     stop_timeout=stop_timeout)
+                     stop_timeout=stop_timeout, pace_clock=pace_clock)
 
 
 def run_dashboard(run, warnings: list[str], refresh_rate: float = 20.0) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from textual import events
 from textual.app import ComposeResult
@@ -86,9 +87,11 @@ class DashboardScreen(Screen):
     }
     """
 
-    def __init__(self, compact_footer: bool = False) -> None:
+    def __init__(self, compact_footer: bool = False, *,
+                 pace_clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(id="dashboard")
         self.compact_footer = compact_footer
+        self.pace_clock = pace_clock   # what the pacing measures intervals with
         # Held, not queried: the app's timer draws through these even while a dialog is on top
         # or the app is shutting down.
         self.status_bar = StatusBar(id="status")
@@ -138,7 +141,7 @@ class DashboardScreen(Screen):
         """Draw `snap`; False when the charts or the table still wait for their turn."""
         prec = current_precision(snap)
         pace = TRAINING_PACE if snap.mode in ("live", "attached") else REPLAY_PACE
-        tick = time.monotonic()
+        tick = self.pace_clock()
         done = True
         origin = nonfinite_origin(snap)
         # What the user caused or must see: the status bar and the layer table draw it at the
