@@ -16,7 +16,7 @@ from amp_tui.numfmt import number
 EVENT_STYLES = {
     "nonfinite": "yellow", "error": "bold red", "intervention": "cyan",
     "checkpoint_saved": "green", "checkpoint_restored": "green", "paused": "magenta",
-    "stopping": "magenta",
+    "stopping": "magenta", "alert": "yellow",
 }
 
 

@@ -24,6 +24,7 @@ import amp_tui
 from amp_tui import checkpoint as ckpt
 from amp_tui import precision
 from amp_tui.commands import Command, CommandQueue, Outcome
+from amp_tui.compiled import eagerly, original_module
 from amp_tui.devices import describe_device, move_to_device
 from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult, check_loss
 from amp_tui.guards import GuardConfig, PrecisionGuard
@@ -119,7 +120,8 @@ def preflight(setup: TrainSetup, feed: BatchFeed, device: torch.device, dtype: s
     """Run loss_fn once on the first batch, before any file exists, so a broken script exits 2.
 
     RNG and train/eval modes are put back, and eval mode keeps BatchNorm statistics unchanged, so
-    the run starts exactly as it would have without this check.
+    the run starts exactly as it would have without this check. Compiled code runs eagerly here:
+    the first compile then happens at step 0, with the probes' hooks in place to be traced.
     """
     try:
         batch = feed.peek()
@@ -128,10 +130,10 @@ def preflight(setup: TrainSetup, feed: BatchFeed, device: torch.device, dtype: s
     modes = [(m, m.training) for m in setup.model.modules()]
     setup.model.eval()
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), eagerly():
             enabled = precision.uses_autocast(dtype)
             with torch.autocast(device.type, dtype=precision.torch_dtype(dtype), enabled=enabled):
-                check_loss(setup.loss_fn(setup.model, batch))
+                check_loss(setup.loss_fn(original_module(setup.model), batch))
     except LossError as exc:
         raise ScriptError(f"{script.name}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - the user's code failed: say where
@@ -184,6 +186,7 @@ class Run:
         self._control = None
         self._single_steps = 0
         self.nonfinite_events = 0
+        self._act_unmeasured_said = False
         self.started_at = time.time()
 
     # ---- public, thread-safe ------------------------------------------------------------
@@ -228,6 +231,7 @@ class Run:
             "scheduler": type(setup.scheduler).__name__ if setup.scheduler is not None else None,
             "parameters": sum(p.numel() for p in setup.model.parameters()),
             "layers": self.trainer.layer_names,
+            "compile": self.trainer.compile_info(),
             "fp32_modules": self.local_fp32.names,
             "guards": {k: v for k, v in vars(cfg.guard).items()},
             "started": datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -380,6 +384,11 @@ class Run:
             raise StepFailure(step, f"step {step}: the script raised {where}", exc) from exc
         self.last_result = result
         self._emit(step_record(result))
+        if self.trainer.act_unmeasured and not self._act_unmeasured_said:
+            self._act_unmeasured_said = True
+            self.event("alert", self.trainer.act_unmeasured, step=result.step, reason="act_not_measured",
+                       cause="the compiled graph was built before amp-tui attached its hooks",
+                       fix="leave the first call of the compiled model to amp-tui (none in setup())")
         if result.nonfinite:
             self._on_nonfinite(result)
         self._apply_guards(result)

@@ -30,7 +30,7 @@ from amp_tui.ui.notice import PauseNotice
 from amp_tui.ui.status_bar import StatusBar
 from amp_tui.ui.text import short_dtype
 from amp_tui.ui.too_small import TooSmall, too_small
-from amp_tui.ui.view import current_precision, layer_rows, nonfinite_origin, nonfinite_pause
+from amp_tui.ui.view import current_precision, layer_rows, nonfinite_origin, nonfinite_pause, unmeasured_note
 
 
 @dataclass(frozen=True)
@@ -164,13 +164,14 @@ class DashboardScreen(Screen):
             else:
                 done = False
         origin = nonfinite_origin(snap)
-        layers_key = (snap.layers.step, len(snap.layers.names), prec, origin)
+        note = unmeasured_note(snap)
+        layers_key = (snap.layers.step, len(snap.layers.names), prec, origin, note)
         table_urgent = layers_key[1:]
         if layers_key != self._layers_key:
             if table_urgent != self._table_urgent or tick - self._table_at >= pace.table_s:
                 self._layers_key, self._table_at, self._table_urgent = layers_key, tick, table_urgent
                 self.layer_table.show(layer_rows(snap.layers, prec), snap.layers.step,
-                                      short_dtype(prec.dtype), origin)
+                                      short_dtype(prec.dtype), origin, note)
             else:
                 done = False
         return done
