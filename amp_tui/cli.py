@@ -258,7 +258,8 @@ def _newest_valid_checkpoint(candidates, setup, run_dir: Path) -> tuple[Path, li
 
 
 def _example_names(model, count: int = 3) -> str:
-    names = [n for n, _ in model.named_modules() if n][:count]
+    from amp_tui.local_fp32 import named_modules
+    names = [n for n in named_modules(model) if n][:count]
     return ", ".join(repr(n) for n in names) or "(the model has no submodules)"
 
 

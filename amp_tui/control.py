@@ -22,12 +22,13 @@ import struct
 import threading
 from pathlib import Path
 
-from amp_tui.commands import CommandError, parse_action
+from amp_tui.commands import CommandError, Outcome, parse_action
 
 SOCKET_NAME = "control.sock"
 POINTER_NAME = "control.path"   # holds the socket's path when it had to live elsewhere
 MAX_SOCKET_PATH = 100           # AF_UNIX paths are limited to ~108 bytes
 REPLY_TIMEOUT = 60.0
+JOIN_TIMEOUT = 10.0             # an upper bound: our threads end as soon as close() wakes them
 
 
 class ControlError(Exception):
@@ -78,7 +79,13 @@ def _peer(conn: socket.socket) -> dict:
 
 
 class ControlServer:
-    """Serves a Run's control socket on background threads until `close()`."""
+    """Serves a Run's control socket on background threads until `close()`, which joins them.
+
+    No thread of ours may outlive the run: each one references the Run, so the last to end frees
+    its model and tensors. Freed on a thread while the interpreter shuts down, torch's tensor
+    teardown gives up the GIL, and Python ends that thread inside C++ code: the process aborts
+    ("terminate called without an active exception", exit 134) after a clean finish.
+    """
 
     def __init__(self, run, run_dir: Path):
         self.run = run
@@ -87,6 +94,10 @@ class ControlServer:
         self._sock: socket.socket | None = None
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._handlers: set[threading.Thread] = set()
+        self._connections: set[socket.socket] = set()
+        self._waiting: list[tuple[threading.Event, list]] = []  # commands not yet applied
 
     def _choose_path(self) -> Path:
         inside = self.run_dir / SOCKET_NAME
@@ -134,9 +145,34 @@ class ControlServer:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            with self._lock:
+                if self._closed.is_set():
+                    conn.close()
+                    return
+                handler = threading.Thread(target=self._handle, args=(conn,), name="amp-tui-control-client",
+                                           daemon=True)
+                self._handlers.add(handler)
+                self._connections.add(conn)
+            handler.start()
+
+    def _wake_accept(self) -> None:
+        """Connect to ourselves: the accept() returns at once and the loop sees it is closed
+        (shutdown() does not wake an accept() on a Unix socket)."""
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)  # a full backlog: the accept() ends on its own timeout anyway
+        with contextlib.suppress(OSError):
+            probe.connect(str(self.path))
+        probe.close()
 
     def _handle(self, conn: socket.socket) -> None:
+        try:
+            self._converse(conn)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+                self._handlers.discard(threading.current_thread())
+
+    def _converse(self, conn: socket.socket) -> None:
         with conn:
             try:
                 peer = _peer(conn)
@@ -145,6 +181,9 @@ class ControlServer:
                     return
                 conn.settimeout(10)
                 line = conn.makefile("r", encoding="utf-8").readline(65536)
+                if not line and self._closed.is_set():
+                    self._reply(conn, {"ok": False, "message": "the run has ended"})
+                    return
                 request = json.loads(line)
                 text = str(request.get("command", "")).strip()
                 self._reply(conn, self.answer(text, peer))
@@ -163,9 +202,17 @@ class ControlServer:
         done = threading.Event()
         outcome: list = []
         command.on_done = lambda o: (outcome.append(o), done.set())
-        self.run.submit(command)
-        if not done.wait(REPLY_TIMEOUT):
-            return {"ok": False, "message": f"no answer within {REPLY_TIMEOUT:.0f}s (is a step hanging?)"}
+        with self._lock:
+            if self._closed.is_set():
+                return {"ok": False, "message": "the run has ended"}
+            self._waiting.append((done, outcome))
+        try:
+            self.run.submit(command)
+            if not done.wait(REPLY_TIMEOUT):
+                return {"ok": False, "message": f"no answer within {REPLY_TIMEOUT:.0f}s (is a step hanging?)"}
+        finally:
+            with self._lock:
+                self._waiting.remove((done, outcome))
         return {"ok": outcome[0].ok, "message": outcome[0].message}
 
     @staticmethod
@@ -173,10 +220,28 @@ class ControlServer:
         conn.sendall((json.dumps(payload, allow_nan=False) + "\n").encode("utf-8"))
 
     def close(self) -> None:
-        self._closed.set()
+        """Stop serving, answer the commands the run will never apply, and join every thread."""
+        with self._lock:
+            self._closed.set()
+            waiting, connections = list(self._waiting), list(self._connections)
+        for done, outcome in waiting:
+            if not done.is_set():
+                outcome.append(Outcome(False, "the run ended before applying it"))
+                done.set()
+        for conn in connections:  # a client that connected but sent nothing: wake its read
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RD)
+        if self._sock is not None:
+            self._wake_accept()
+        with self._lock:
+            threads = [self._thread, *self._handlers]
+        for thread in threads:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(JOIN_TIMEOUT)
+        self._thread = None
         if self._sock is not None:
             with contextlib.suppress(OSError):
-                self._sock.close()
+                self._sock.close()   # only now: no thread is left polling its descriptor
         with contextlib.suppress(OSError):
             self.path.unlink()
         with contextlib.suppress(OSError):

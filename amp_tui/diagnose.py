@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from amp_tui.compiled import clean_name, eagerly, original_module
 from amp_tui.probes import _floating_tensors
 
 
@@ -39,9 +40,13 @@ def _all_finite(value: Any) -> bool:
 
 def diagnose(model: torch.nn.Module, forward: Callable[[], torch.Tensor], *, scale: float | None,
              device: torch.device, backward: bool) -> Diagnosis:
-    """Run `forward()` (autocast and loss_fn inside) once more, with checks everywhere."""
+    """Run `forward()` (autocast and loss_fn inside) once more, with checks everywhere.
+
+    Compiled code runs eagerly here, and `model` is seen through torch.compile: hooks attached now
+    would never run inside a compiled graph, and the names are those of the original module."""
     result = Diagnosis()
-    names = {id(m): (n or type(m).__name__) for n, m in model.named_modules()}
+    model = original_module(model)
+    names = {id(m): (clean_name(n) or type(m).__name__) for n, m in model.named_modules()}
     handles = []
 
     def forward_hook(module, inputs, output):
@@ -54,10 +59,10 @@ def diagnose(model: torch.nn.Module, forward: Callable[[], torch.Tensor], *, sca
     owner: dict[int, str] = {}
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
-            owner.setdefault(id(p), name or type(module).__name__)
+            owner.setdefault(id(p), clean_name(name) or type(module).__name__)
     params = [p for p in model.parameters() if p.requires_grad]
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), eagerly():
             with torch.enable_grad():
                 loss = forward()
                 result.loss_finite = bool(torch.isfinite(loss.detach()).all())

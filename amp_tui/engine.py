@@ -16,8 +16,15 @@ from typing import Any, Callable, Sequence
 import torch
 
 from amp_tui import precision
+from amp_tui.compiled import compiled_module_names, original_module
 from amp_tui.diagnose import Diagnosis, diagnose
 from amp_tui.probes import LayerFigures, LayerProbe
+
+
+ACT_UNMEASURED_UNDER_COMPILE = (
+    "act not measured under torch.compile: the compiled graph runs without amp-tui's hooks (it was "
+    "compiled before they were attached, e.g. by a call in setup()); gradients and weights are "
+    "measured")
 
 
 class PrecisionRefused(Exception):
@@ -95,7 +102,13 @@ class GuardedTrainer:
         self.device = torch.device(device)
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
-        self.probe = LayerProbe(model) if probe else None
+        # torch.compile: the probes and the diagnosis look at the module the user wrote.
+        self.eager_model = original_module(model)
+        self.compiled_modules = compiled_module_names(model)
+        self.probe = LayerProbe(self.eager_model, keep_hooks=bool(self.compiled_modules)) if probe else None
+        # Set once a probed step of a compiled model ran none of the hooks: its graph was
+        # compiled before they were attached, and activations can't be measured inside it.
+        self.act_unmeasured: str | None = None
         self.probe_every = max(1, int(probe_every))
         self.underflow_every = max(1, int(underflow_every))  # in probed steps
         self.diagnose_bad_steps = diagnose
@@ -127,6 +140,14 @@ class GuardedTrainer:
         self.untrained_params = [p for p in model.parameters() if p.requires_grad and id(p) not in held]
         if self.probe:
             self.probe.set_untrained(self.untrained_params)
+
+    def compile_info(self) -> dict | None:
+        """What torch.compile changes in the figures (None: nothing in the model is compiled)."""
+        if not self.compiled_modules:
+            return None
+        measured = self.probe is not None and self.act_unmeasured is None
+        return {"modules": list(self.compiled_modules), "act": "in_graph" if measured else "not_measured",
+                "diagnosis": "eager"}
 
     # ---- precision policy ---------------------------------------------------------------
     @property
@@ -257,6 +278,8 @@ class GuardedTrainer:
                 probe.end()
             raise
         result.duration = time.perf_counter() - started + (ahead.seconds if ahead is not None else 0.0)
+        if probe and self.compiled_modules and result.figures is not None and not result.figures.order:
+            self.act_unmeasured = self.act_unmeasured or ACT_UNMEASURED_UNDER_COMPILE
         self.step_index += 1
         if probe and not self.probing_next():
             probe.end()  # the hooks stay on only while the next step is probed too
@@ -266,7 +289,7 @@ class GuardedTrainer:
         """Leave the user's model as it was given: no hooks of ours on it."""
         self.discard_started_step()
         if self.probe:
-            self.probe.end()
+            self.probe.detach()
 
     def _forward(self, batch):
         return check_loss(self._forward_unchecked(batch))
@@ -386,17 +409,17 @@ class GuardedTrainer:
             return None
         diagnosis = None
         for batch in micro_batches:
-            diagnosis = diagnose(self.model, lambda: self._forward_unchecked(batch), scale=scale,
-                                 device=self.device, backward=backward)
+            diagnosis = diagnose(self.eager_model, lambda: self._forward_unchecked(batch, self.eager_model),
+                                 scale=scale, device=self.device, backward=backward)
             if diagnosis.forward_layer or diagnosis.backward_layer:
                 break
         self._zero_grad()
         return diagnosis
 
-    def _forward_unchecked(self, batch):
+    def _forward_unchecked(self, batch, model: torch.nn.Module | None = None):
         enabled = precision.uses_autocast(self.dtype)
         with torch.autocast(self.device.type, dtype=precision.torch_dtype(self.dtype), enabled=enabled):
-            return self.loss_fn(self.model, batch)
+            return self.loss_fn(self.model if model is None else model, batch)
 
 
 def _to_host(scalars: list[torch.Tensor]) -> list[float]:

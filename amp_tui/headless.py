@@ -18,7 +18,7 @@ from amp_tui.numfmt import number
 EVENT_STYLES = {
     "nonfinite": "yellow", "error": "bold red", "intervention": "cyan",
     "checkpoint_saved": "green", "checkpoint_restored": "green", "paused": "magenta",
-    "stopping": "magenta",
+    "stopping": "magenta", "alert": "yellow",
 }
 
 
@@ -40,7 +40,9 @@ class HeadlessPrinter:
 
     def __enter__(self):
         if self.console.is_terminal:
-            self._live = Live(Text(""), console=self.console, refresh_per_second=8, transient=True)
+            # Redrawn from the observer only: Live's own refresh thread would be a thread that
+            # nobody joins (Live.stop() does not), alive while the interpreter shuts down.
+            self._live = Live(Text(""), console=self.console, auto_refresh=False, transient=True)
             self._live.__enter__()
         return self
 
@@ -57,7 +59,7 @@ class HeadlessPrinter:
                 now = time.monotonic()
                 if self._live is not None and now - self._last_draw >= self.interval:
                     self._last_draw = now
-                    self._live.update(self.status_line())
+                    self._live.update(self.status_line(), refresh=True)
         elif kind == "header":
             self.total = record.get("steps")   # a resume stops later than its --steps alone
         elif kind == "event":

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from amp_tui.compiled import clean_name, original_module
+
 
 class ModuleMatchError(ValueError):
     pass
@@ -29,8 +31,16 @@ def _to_fp32(value: Any) -> Any:
     return value
 
 
+def named_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Modules by name, in the original module's terms when torch.compile wrapped some."""
+    out: dict[str, torch.nn.Module] = {}
+    for name, module in original_module(model).named_modules():
+        out.setdefault(clean_name(name), original_module(module))
+    return out
+
+
 def match_modules(model: torch.nn.Module, pattern: str) -> list[str]:
-    names = [n for n, _ in model.named_modules() if n]
+    names = [n for n in named_modules(model) if n]
     return [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
 
 
@@ -40,7 +50,7 @@ class LocalFp32:
     def __init__(self, model: torch.nn.Module, device_type: str):
         self._model = model
         self._device_type = device_type
-        self._modules = dict(model.named_modules())
+        self._modules = named_modules(model)
         self._originals: dict[str, Any] = {}
         self.patterns: list[str] = []
 

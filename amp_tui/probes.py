@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from amp_tui.compiled import clean_name
 from amp_tui.precision import FP16_TINY
 
 UNMEASURED = None  # a module that did not run, or a parameter without a gradient
@@ -131,9 +132,14 @@ class LayerProbe:
     The forward hooks stay attached while consecutive steps are probed (attaching and removing
     them every step costs as much as a fifth of the probes); `end()` takes them off. While not
     armed, a hook returns at once.
+
+    With `keep_hooks` (a compiled model) `end()` only disarms them and `detach()` takes them off:
+    torch.compile traces the hooks into its graph when they are there at the first compile, and
+    keeps one graph armed, one disarmed; hooks attached later would never run inside it.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, *, keep_hooks: bool = False):
+        self.keep_hooks = keep_hooks
         self.names: list[str] = []
         self._modules: list[torch.nn.Module] = []
         self._params: list[torch.nn.Parameter] = []  # unique, in first-seen order
@@ -143,7 +149,7 @@ class LayerProbe:
             own = list(module.parameters(recurse=False))
             if not own:
                 continue
-            self.names.append(name or type(module).__name__)
+            self.names.append(clean_name(name) or type(module).__name__)
             self._modules.append(module)
             idx = []
             for p in own:
@@ -195,7 +201,14 @@ class LayerProbe:
             self._handles = [m.register_forward_hook(self._make_hook(i)) for i, m in enumerate(self._modules)]
 
     def end(self) -> None:
-        """Take the hooks off the model (the next begin() puts them back)."""
+        """Take the hooks off the model (the next begin() puts them back); with `keep_hooks`,
+        only disarm them."""
+        self._armed = False
+        if not self.keep_hooks:
+            self.detach()
+
+    def detach(self) -> None:
+        """Take the hooks off the model, whatever `keep_hooks` says."""
         self._armed = False
         for h in self._handles:
             h.remove()

@@ -192,6 +192,7 @@ class Run:
         self._thread: threading.Thread | None = None   # the thread that runs the loop
         self._single_steps = 0
         self.nonfinite_events = 0
+        self._act_unmeasured_said = False
         self.started_at = time.time()
 
     # ---- public, thread-safe ------------------------------------------------------------
@@ -251,6 +252,7 @@ class Run:
             "scheduler": type(setup.scheduler).__name__ if setup.scheduler is not None else None,
             "parameters": sum(p.numel() for p in setup.model.parameters()),
             "layers": self.trainer.layer_names,
+            "compile": self.trainer.compile_info(),
             "fp32_modules": self.local_fp32.names,
             "guards": {k: v for k, v in vars(cfg.guard).items()},
             "started": datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -488,6 +490,11 @@ class Run:
             raise StepFailure(step, f"step {step}: the script raised {where}", exc) from exc
         self.last_result = result
         self._emit(step_record(result))
+        if self.trainer.act_unmeasured and not self._act_unmeasured_said:
+            self._act_unmeasured_said = True
+            self.event("alert", self.trainer.act_unmeasured, step=result.step, reason="act_not_measured",
+                       cause="the compiled graph was built before amp-tui attached its hooks",
+                       fix="leave the first call of the compiled model to amp-tui (none in setup())")
         if result.nonfinite:
             self._on_nonfinite(result)
         self._apply_guards(result)

@@ -34,7 +34,7 @@ from amp_tui.ui.status_bar import StatusBar
 from amp_tui.ui.text import short_dtype
 from amp_tui.ui.too_small import TooSmall, too_small
 from amp_tui.ui.view import (current_precision, layer_rows, newest_notable_event, nonfinite_origin,
-                             nonfinite_pause)
+                             nonfinite_pause, unmeasured_note)
 
 
 @dataclass(frozen=True)
@@ -174,12 +174,13 @@ class DashboardScreen(Screen):
                 self.scale_chart.show(h)
             else:
                 done = False
-        layers_key = (snap.layers.step, len(snap.layers.names), prec, origin)
+        note = unmeasured_note(snap)
+        layers_key = (snap.layers.step, len(snap.layers.names), prec, origin, note)
         if layers_key != self._layers_key:
             if urgent != self._table_urgent or tick - self._table_at >= pace.table_s:
                 self._layers_key, self._table_at, self._table_urgent = layers_key, tick, urgent
                 self.layer_table.show(layer_rows(snap.layers, prec), snap.layers.step,
-                                      short_dtype(prec.dtype), origin)
+                                      short_dtype(prec.dtype), origin, note)
             else:
                 done = False
         else:

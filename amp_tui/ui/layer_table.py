@@ -108,7 +108,7 @@ class LayerTable(ScrollView, can_focus=True):
 
     # ---- data ---------------------------------------------------------------------------------
     def show(self, rows: list[LayerRow], step: int | None, dtype_label: str,
-             origin: str | None = None) -> None:
+             origin: str | None = None, note: str | None = None) -> None:
         self._origin = origin
         if [r.name for r in rows] != [r.name for r in self._rows]:
             self._names = [middle_ellipsis(visible(r.name), NAME_WIDTH) for r in rows]
@@ -126,6 +126,8 @@ class LayerTable(ScrollView, can_focus=True):
             title.append(f" · {summary.nonfinite} non-finite", style="bold red")
         if summary.near:
             title.append(f" · {summary.near} under {WARN_BITS:g} bits", style="yellow")
+        if note:
+            title.append(f" · {note}", style="yellow")
         if not same_text(title, self._title):
             self._title = self.border_title = title
         self._reorder()

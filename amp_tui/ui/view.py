@@ -154,6 +154,25 @@ class NonfinitePause:
     event_index: int            # events_seen count at the paused event (to notify once)
 
 
+ACT_NOT_MEASURED = "act not measured under torch.compile"
+
+
+def unmeasured_note(snap: Snapshot) -> str | None:
+    """What the layer table can't show, said once above it rather than as blank cells: the
+    activations of a compiled model whose graph runs without amp-tui's hooks."""
+    info = snap.header.get("compile")
+    if not isinstance(info, dict):
+        return None
+    if info.get("act") == "not_measured" or any(
+            e.get("kind") == "alert" and e.get("reason") == "act_not_measured" for e in snap.events):
+        return ACT_NOT_MEASURED
+    layers = snap.layers
+    measured = [_at(layers.act, i) for i in range(len(layers.names))]
+    if layers.step is not None and measured and all(v is None for v in measured):
+        return ACT_NOT_MEASURED   # the alert may have left the capped event list
+    return None
+
+
 def nonfinite_origin(snap: Snapshot) -> str | None:
     """The module the newest step's non-finite event names as the origin (None when that step was
     healthy): the layer table highlights it."""
