@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from amp_tui.session import SessionFormatError, read_session
+from amp_tui.recording.session import SessionFormatError, read_session
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "demos" / "healthy.py"
@@ -27,10 +27,11 @@ pytestmark = [pytest.mark.skipif(TMUX is None, reason="tmux is not installed"), 
 
 
 class Terminal:
-    """A 120x40 terminal in a private tmux server."""
+    """A 120x40 terminal in a private tmux server (named after this process too: test runs side
+    by side on one machine never share a server)."""
 
     def __init__(self, name: str):
-        self.server = ["tmux", "-L", name, "-f", os.devnull]
+        self.server = ["tmux", "-L", f"{name}-{os.getpid()}", "-f", os.devnull]
         self.target = f"{name}:0.0"
 
     def tmux(self, *args: str) -> str:
@@ -100,7 +101,7 @@ def start_dashboard(tmp_path, name: str) -> tuple[Terminal, Path, Path]:
     command = (f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m amp_tui train "
                f"{shlex.quote(str(SCRIPT.relative_to(REPO)))} --run-dir {shlex.quote(str(run_dir))} "
                f"--device cpu; echo $? > {shlex.quote(str(status))}")
-    terminal = Terminal(f"{name}-{os.getpid()}")
+    terminal = Terminal(name)
     terminal.start(f"sh -c {shlex.quote(command)}")
     try:
         wait_for(terminal, lambda: "RUNNING" in terminal.screen() and "layers (" in terminal.screen(),
