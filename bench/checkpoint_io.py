@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from amp_tui.checkpoint import read_checkpoint, save_checkpoint
+from amp_tui.training.checkpoint import read_checkpoint, save_checkpoint
 
 from bench import common
 from bench.models import MlpSpec, build

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from amp_tui.run import BatchFeed, Run, RunConfig
-from amp_tui.script import TrainSetup
-from amp_tui.source import LiveSource
+from amp_tui.job.run import BatchFeed, Run, RunConfig
+from amp_tui.training.script import TrainSetup
+from amp_tui.sources.protocol import LiveSource
 
 from bench import common
 from bench.models import build

@@ -49,9 +49,9 @@ def layer_names(n: int) -> list[str]:
 
 def generate(path: Path, steps: int, layers: int, seed: int = 0) -> None:
     """A realistic recording written with SessionWriter + step_record (see the module docstring)."""
-    from amp_tui.engine import StepResult
-    from amp_tui.probes import LayerFigures
-    from amp_tui.session import SessionWriter, event_record, step_record
+    from amp_tui.training.engine import StepResult
+    from amp_tui.training.probes import LayerFigures
+    from amp_tui.recording.session import SessionWriter, event_record, step_record
 
     rng = random.Random(seed)
     names = layer_names(layers)
@@ -163,7 +163,7 @@ def generate(path: Path, steps: int, layers: int, seed: int = 0) -> None:
 def old_encoding_bytes(path: Path, sample: int = 2000) -> tuple[float, float]:
     """Mean step-line bytes of `sample` step records as written, and with the previous figure
     encoding (5 significant digits written by float repr, shares with 3)."""
-    from amp_tui import jsonsafe
+    from amp_tui.core import jsonsafe
 
     def old(v, digits):
         return jsonsafe.encode_float(jsonsafe.decode_float(v), digits) if v is not None else None
@@ -198,7 +198,7 @@ def rss_bytes() -> int:
 
 def import_seconds() -> float:
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import amp_tui.replay, amp_tui.timeline"], check=True)
+    subprocess.run([sys.executable, "-c", "import amp_tui.sources.replay, amp_tui.recording.timeline"], check=True)
     return time.perf_counter() - t
 
 
@@ -210,7 +210,7 @@ def measure(steps: int, layers: int = 50, seeks: int = 50, path: Path | None = N
             imports: bool = False) -> dict:
     """Every figure of this benchmark as a dict (seconds, bytes); writes the recording first
     when `path` doesn't exist. `bench/replay_figures.py` calls this."""
-    from amp_tui.replay import ReplaySource
+    from amp_tui.sources.replay import ReplaySource
 
     path = Path(path) if path is not None else default_path(steps, layers)
     if not path.exists():

@@ -18,8 +18,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from amp_tui import checkpoint as ckpt_mod
-from amp_tui.checkpoint import (
+from amp_tui.training import checkpoint as ckpt_mod
+from amp_tui.training.checkpoint import (
     WEIGHTS_NOTICE,
     CheckpointError,
     checkpoint_path,

@@ -244,7 +244,7 @@ def test_nonfinite_reference_fails(write_script, capsys):
 
 
 def test_unsupported_dtype_is_reported_not_a_crash(write_script, capsys, monkeypatch):
-    from amp_tui import precision
+    from amp_tui.core import precision
     real = precision.unsupported_reason
     monkeypatch.setattr(precision, "unsupported_reason",
                         lambda device, dtype: "bf16 is not supported on this test device"

@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from amp_tui.cli import main
-from amp_tui.compiled import clean_name, compiled_module_names, original_module
-from amp_tui.diagnose import diagnose
-from amp_tui.engine import GuardedTrainer
-from amp_tui.local_fp32 import match_modules
-from amp_tui.probes import LayerProbe
-from amp_tui.replay import ReplaySource
-from amp_tui.source import RunBuffer
+from amp_tui.training.compiled import clean_name, compiled_module_names, original_module
+from amp_tui.training.diagnose import diagnose
+from amp_tui.training.engine import GuardedTrainer
+from amp_tui.training.local_fp32 import match_modules
+from amp_tui.training.probes import LayerProbe
+from amp_tui.sources.replay import ReplaySource
+from amp_tui.sources.protocol import RunBuffer
 from amp_tui.ui.app import create_app
 from amp_tui.ui.view import ACT_NOT_MEASURED, unmeasured_note
 

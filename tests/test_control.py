@@ -12,8 +12,8 @@ import time
 import pytest
 
 from amp_tui.cli import build_parser, main, prepare_run
-from amp_tui.control import ControlError, check_socket_permissions, send, socket_path
-from amp_tui.session import read_session
+from amp_tui.job.control import ControlError, check_socket_permissions, send, socket_path
+from amp_tui.recording.session import read_session
 
 from test_faults import SLOW_SCRIPT, wait_for
 

@@ -18,21 +18,21 @@ from textual.widgets import Input, OptionList, Static
 from textual.widgets._toast import Toast
 
 from amp_tui.cli import build_parser, prepare_run
-from amp_tui.commands import Outcome
-from amp_tui.session import read_session
-from amp_tui.source import LayerView, LiveSource
+from amp_tui.core.commands import Outcome
+from amp_tui.recording.session import read_session
+from amp_tui.sources.protocol import LayerView, LiveSource
 from amp_tui.ui import view
 from amp_tui.ui.app import AmpTuiApp, create_app
-from amp_tui.ui.charts import envelope, integer_ticks
-from amp_tui.ui.error_panel import ErrorPanel
-from amp_tui.ui.fixed_source import SYNTHETIC_START, FixedSource, synthetic_records
-from amp_tui.ui.help_screen import HelpScreen, help_text
-from amp_tui.ui.layer_table import LayerTable
-from amp_tui.ui.notice import PauseNotice
-from amp_tui.ui.restore_dialog import check_path
-from amp_tui.ui.scale_dialog import ScaleDialog, parse_scale
+from amp_tui.ui.widgets.charts import envelope, integer_ticks
+from amp_tui.ui.widgets.error_panel import ErrorPanel
+from fixed_source import SYNTHETIC_START, FixedSource, synthetic_records
+from amp_tui.ui.screens.help_screen import HelpScreen, help_text
+from amp_tui.ui.widgets.layer_table import LayerTable
+from amp_tui.ui.widgets.notice import PauseNotice
+from amp_tui.ui.dialogs.restore_dialog import check_path
+from amp_tui.ui.dialogs.scale_dialog import ScaleDialog, parse_scale
 from amp_tui.ui.text import middle_ellipsis, visible
-from amp_tui.ui.too_small import TooSmall
+from amp_tui.ui.widgets.too_small import TooSmall
 
 SIZE = (120, 40)
 FROZEN = SYNTHETIC_START + 400 * 0.125

@@ -13,8 +13,8 @@ import copy
 from test_dashboard import SIZE, run_async
 
 from amp_tui.ui.app import create_app
-from amp_tui.ui.dashboard import TRAINING_PACE
-from amp_tui.ui.fixed_source import FixedSource, synthetic_records
+from amp_tui.ui.screens.dashboard import TRAINING_PACE
+from fixed_source import FixedSource, synthetic_records
 
 
 def status(app) -> str:

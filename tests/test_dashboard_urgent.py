@@ -10,9 +10,9 @@ import pytest
 from test_dashboard import SIZE, run_async, until
 from test_dashboard_pacing import next_step
 
-from amp_tui.ui import dashboard
+from amp_tui.ui.screens import dashboard
 from amp_tui.ui.app import create_app
-from amp_tui.ui.fixed_source import FixedSource, synthetic_records
+from fixed_source import FixedSource, synthetic_records
 
 ENDLESS = dashboard.Pacing(status_s=1e9, table_s=1e9, charts_s=1e9, chart_budget=1.0)
 FIRST = 50          # steps 0..49 are on screen before the test feeds more
@@ -120,7 +120,7 @@ async def test_a_key_the_user_pressed_brings_the_table_along_too(monkeypatch):
 async def test_a_key_that_moves_a_paused_replay_brings_the_table_to_the_same_step(
         mlp_script, tmp_path, monkeypatch):
     from amp_tui.cli import main
-    from amp_tui.replay import ReplaySource
+    from amp_tui.sources.replay import ReplaySource
 
     run_dir = tmp_path / "run"
     assert main(["train", str(mlp_script), "--headless", "--steps", "12", "--run-dir", str(run_dir)]) == 0

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from amp_tui.cli import main
-from amp_tui.engine import GuardedTrainer, StepResult
-from amp_tui.guards import GuardConfig, PrecisionGuard
+from amp_tui.training.engine import GuardedTrainer, StepResult
+from amp_tui.training.guards import GuardConfig, PrecisionGuard
 
 from conftest import strict_lines
 

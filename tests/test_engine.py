@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from amp_tui.engine import GuardedTrainer, LossError, PrecisionRefused
+from amp_tui.training.engine import GuardedTrainer, LossError, PrecisionRefused
 
 
 def mlp(width=16, depth=3):
@@ -298,7 +298,7 @@ def test_bad_values_are_refused():
 
 
 def test_unsupported_bf16_is_refused(monkeypatch):
-    from amp_tui import precision
+    from amp_tui.core import precision
     monkeypatch.setattr(precision, "unsupported_reason",
                         lambda device, dtype: "bf16 is not supported here" if dtype == "bfloat16" else None)
     model = mlp()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from amp_tui.checkpoint import CheckpointError, read_checkpoint
+from amp_tui.training.checkpoint import CheckpointError, read_checkpoint
 
 
 def target():

@@ -13,13 +13,13 @@ import tracemalloc
 
 import pytest
 
-from amp_tui import replay as replay_mod
-from amp_tui import session as session_mod
+from amp_tui.sources import replay as replay_mod
+from amp_tui.recording import session as session_mod
 from amp_tui.cli import main
-from amp_tui.replay import TEXT_LIMIT, ReplaySource, SessionIndex
-from amp_tui.session import MAX_LINE_BYTES, SessionFormatError, SessionWriter, read_session
+from amp_tui.sources.replay import TEXT_LIMIT, ReplaySource, SessionIndex
+from amp_tui.recording.session import MAX_LINE_BYTES, SessionFormatError, SessionWriter, read_session
 from amp_tui.ui.app import NOTIFY_LIMIT, create_app
-from amp_tui.ui.event_log import MESSAGE_LIMIT
+from amp_tui.ui.widgets.event_log import MESSAGE_LIMIT
 
 from test_dashboard import SIZE, run_async, toasts, until
 from test_replay import write_run

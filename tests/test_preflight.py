@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from amp_tui.cli import main
-from amp_tui.engine import GuardedTrainer
+from amp_tui.training.engine import GuardedTrainer
 
 from conftest import strict_lines
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from amp_tui.engine import GuardedTrainer
-from amp_tui.probes import LayerProbe
+from amp_tui.training.engine import GuardedTrainer
+from amp_tui.training.probes import LayerProbe
 
 
 class TwoOutputs(nn.Module):

@@ -6,16 +6,16 @@ import math
 
 import pytest
 
-from amp_tui import replay as replay_mod
+from amp_tui.sources import replay as replay_mod
 from amp_tui.cli import main
-from amp_tui.commands import parse_action
-from amp_tui.engine import StepResult
-from amp_tui.probes import LayerFigures
-from amp_tui.replay import ReplaySource, SessionIndex
-from amp_tui.session import (SessionFormatError, SessionWriter, compact_figure, event_record,
+from amp_tui.core.commands import parse_action
+from amp_tui.training.engine import StepResult
+from amp_tui.training.probes import LayerFigures
+from amp_tui.sources.replay import ReplaySource, SessionIndex
+from amp_tui.recording.session import (SessionFormatError, SessionWriter, compact_figure, event_record,
                              step_record)
-from amp_tui.source import Snapshot
-from amp_tui.timeline import (at_arguments, clean, interventions_as_at, interventions_as_commands,
+from amp_tui.sources.protocol import Snapshot
+from amp_tui.recording.timeline import (at_arguments, clean, interventions_as_at, interventions_as_commands,
                               timeline_lines)
 
 from conftest import OVERFLOW_SCRIPT

@@ -7,11 +7,11 @@ import pytest
 from textual.widgets import Input, Static
 
 from amp_tui.cli import main
-from amp_tui.replay import ReplaySource
-from amp_tui.session import read_session
+from amp_tui.sources.replay import ReplaySource
+from amp_tui.recording.session import read_session
 from amp_tui.ui.app import create_app
-from amp_tui.ui.goto_dialog import GotoDialog, parse_step
-from amp_tui.ui.help_screen import help_text
+from amp_tui.ui.dialogs.goto_dialog import GotoDialog, parse_step
+from amp_tui.ui.screens.help_screen import help_text
 
 from conftest import MLP_SCRIPT
 from test_dashboard import run_async, toasts, until

@@ -3,8 +3,8 @@
 import torch
 from torch import nn
 
-from amp_tui.checkpoint import read_checkpoint, save_checkpoint
-from amp_tui.engine import GuardedTrainer
+from amp_tui.training.checkpoint import read_checkpoint, save_checkpoint
+from amp_tui.training.engine import GuardedTrainer
 
 STEPS, SAVE_AT = 12, 5
 

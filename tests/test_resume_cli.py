@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from amp_tui.checkpoint import list_checkpoints
+from amp_tui.training.checkpoint import list_checkpoints
 from amp_tui.cli import main
-from amp_tui.session import read_session
+from amp_tui.recording.session import read_session
 
 
 

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from amp_tui.cli import build_parser, main, prepare_run
-from amp_tui.commands import Command
-from amp_tui.session import read_session
+from amp_tui.core.commands import Command
+from amp_tui.recording.session import read_session
 
 from conftest import OVERFLOW_SCRIPT, strict_lines
 
@@ -95,7 +95,7 @@ def test_checkpoint_restore_and_refusals_keep_the_run_going(mlp_script, tmp_path
     # a checkpoint of a differently shaped model
     import torch
     from torch import nn
-    from amp_tui.checkpoint import save_checkpoint
+    from amp_tui.training.checkpoint import save_checkpoint
     other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     save_checkpoint(tmp_path / "wrong_shape.safetensors", model=other,
                     optimizer=torch.optim.SGD(other.parameters(), lr=0.01), scaler_state=None,

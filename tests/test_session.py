@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from amp_tui import jsonsafe
-from amp_tui.session import SessionFormatError, SessionWriter, event_record, read_session
+from amp_tui.core import jsonsafe
+from amp_tui.recording.session import SessionFormatError, SessionWriter, event_record, read_session
 
 
 def test_nonfinite_numbers_are_strings_a_strict_parser_accepts():
@@ -80,7 +80,7 @@ def test_append_after_a_torn_line_starts_clean(tmp_path):
 
 
 class _FullDisk:
-    """`os` as amp_tui.session sees it, with a disk that fills up: while `full`, a write takes at
+    """`os` as amp_tui.recording.session sees it, with a disk that fills up: while `full`, a write takes at
     most `room` bytes (a partial write, as the kernel does) and the next one raises ENOSPC."""
 
     def __init__(self):
@@ -104,7 +104,7 @@ class _FullDisk:
 def test_a_full_disk_loses_no_record_and_tears_no_line(tmp_path, monkeypatch):
     """The records written while the disk was full reach the file, whole and in order, once it
     takes bytes again; the failed writes raise so the run can pause or stop."""
-    import amp_tui.session as session_module
+    import amp_tui.recording.session as session_module
     disk = _FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     path = tmp_path / "session.jsonl"
@@ -130,7 +130,7 @@ def test_a_full_disk_loses_no_record_and_tears_no_line(tmp_path, monkeypatch):
 
 def test_a_refused_end_stays_pending_once_and_abandon_counts_and_cuts_what_was_refused(
         tmp_path, monkeypatch):
-    import amp_tui.session as session_module
+    import amp_tui.recording.session as session_module
     disk = _FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     path = tmp_path / "session.jsonl"
@@ -151,7 +151,7 @@ def test_a_refused_end_stays_pending_once_and_abandon_counts_and_cuts_what_was_r
 
 
 def test_a_refused_end_is_written_whole_once_space_is_freed(tmp_path, monkeypatch):
-    import amp_tui.session as session_module
+    import amp_tui.recording.session as session_module
     disk = _FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     path = tmp_path / "session.jsonl"

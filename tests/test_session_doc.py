@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from amp_tui.cli import build_parser, main, prepare_run
-from amp_tui.control import send
+from amp_tui.job.control import send
 
 from conftest import strict_lines
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from amp_tui.checkpoint import CheckpointInfo
+from amp_tui.training.checkpoint import CheckpointInfo
 from amp_tui.ui.app import create_app
-from amp_tui.ui.fixed_source import SYNTHETIC_START, SYNTHETIC_STEP_S, FixedSource, synthetic_records
+from fixed_source import SYNTHETIC_START, SYNTHETIC_STEP_S, FixedSource, synthetic_records
 
 STEPS = 400
 FROZEN_NOW = SYNTHETIC_START + STEPS * SYNTHETIC_STEP_S   # "now" is when the last step ended

@@ -1,4 +1,4 @@
-"""The live dashboard (Textual). It reads a `Source` (amp_tui.source) on a timer and never touches
+"""The live dashboard (Textual). It reads a `Source` (amp_tui.sources.protocol) on a timer and never touches
 the training loop directly: commands go through `source.send()`, figures come from `snapshot()`.
 
 Entry points: `amp_tui.ui.app.create_app` (the factory the CLI and the tests share) and

@@ -18,17 +18,17 @@ from typing import Callable, Iterable
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
-from amp_tui import precision
-from amp_tui.commands import Command, Outcome
-from amp_tui.source import Snapshot, Source
+from amp_tui.core import precision
+from amp_tui.core.commands import Command, Outcome
+from amp_tui.sources.protocol import Snapshot, Source
 from amp_tui.ui.actions import BY_ACTION, KEY_ACTIONS, bindings, key_label
-from amp_tui.ui.goto_dialog import GotoDialog
-from amp_tui.ui.dashboard import DashboardScreen
+from amp_tui.ui.dialogs.goto_dialog import GotoDialog
+from amp_tui.ui.screens.dashboard import DashboardScreen
 from amp_tui.ui.hangup import HangupGuard, terminal_input
-from amp_tui.ui.help_screen import HelpScreen
+from amp_tui.ui.screens.help_screen import HelpScreen
 from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
-from amp_tui.ui.restore_dialog import RestoreDialog
-from amp_tui.ui.scale_dialog import ScaleDialog
+from amp_tui.ui.dialogs.restore_dialog import RestoreDialog
+from amp_tui.ui.dialogs.scale_dialog import ScaleDialog
 from amp_tui.ui.text import visible
 from amp_tui.ui.view import SORTS, current_precision, nonfinite_pause
 
@@ -455,7 +455,7 @@ def create_app(source: Source, *, refresh_rate: float = 20.0, clock: Callable[[]
 def run_dashboard(run, warnings: list[str], refresh_rate: float = 20.0) -> int:
     """Run `run` under the dashboard; after the app exits make sure the run stopped and the session
     is flushed, print the run summary, and return the exit status."""
-    from amp_tui.source import LiveSource
+    from amp_tui.sources.protocol import LiveSource
 
     source = LiveSource(run)
     app = create_app(source, refresh_rate=refresh_rate, warnings=warnings)
@@ -479,7 +479,7 @@ def _finish(run, warnings: list[str], stopped: bool, crashed: bool) -> int:
     from rich.console import Console
     from rich.text import Text
 
-    from amp_tui.headless import print_after_run
+    from amp_tui.cli.headless import print_after_run
 
     console = Console(highlight=False)
     try:

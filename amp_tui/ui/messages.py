@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from amp_tui.commands import Command, Outcome
+from amp_tui.core.commands import Command, Outcome
 
 
 class InterventionDone(Message):

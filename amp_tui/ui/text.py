@@ -12,8 +12,8 @@ import unicodedata
 
 from rich.text import Text
 
-from amp_tui import precision
-from amp_tui.numfmt import number
+from amp_tui.core import precision
+from amp_tui.core.numfmt import number
 
 
 def visible(value: object, *, keep_newlines: bool = False) -> str:

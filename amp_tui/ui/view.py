@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from amp_tui import precision
-from amp_tui.jsonsafe import decode_float
-from amp_tui.source import LayerView, Snapshot
+from amp_tui.core import precision
+from amp_tui.core.jsonsafe import decode_float
+from amp_tui.sources.protocol import LayerView, Snapshot
 
 # Headroom thresholds (bits = doublings left before the dtype's largest finite value).
 DANGER_BITS = 1.0   # within 2x of overflow

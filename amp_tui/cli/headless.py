@@ -1,0 +1,129 @@
+"""Headless mode: a live status line, events printed as they happen, a summary at the end."""
+
+from __future__ import annotations
+
+import shlex
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from amp_tui.core import precision
+from amp_tui.core.jsonsafe import decode_float
+from amp_tui.core.numfmt import number
+
+EVENT_STYLES = {
+    "nonfinite": "yellow", "error": "bold red", "intervention": "cyan",
+    "checkpoint_saved": "green", "checkpoint_restored": "green", "paused": "magenta",
+    "stopping": "magenta", "alert": "yellow",
+}
+
+
+class HeadlessPrinter:
+    """An observer of a Run: redraws the live line at most `rate` times a second."""
+
+    def __init__(self, console: Console, total_steps: int | None, rate: float = 8.0,
+                 run_dir: Path | None = None):
+        self.console = console
+        self.total = total_steps
+        self.run_dir = run_dir  # for the way out of a pause: amp-tui ctl RUN_DIR resume
+        self.interval = 1.0 / rate
+        self._last_draw = 0.0
+        self._lock = threading.Lock()
+        self._last: dict | None = None
+        self._start = time.monotonic()
+        self._live: Live | None = None
+        self._suppressed_skips = 0
+
+    def __enter__(self):
+        if self.console.is_terminal:
+            # Redrawn from the observer only: Live's own refresh thread would be a thread that
+            # nobody joins (Live.stop() does not), alive while the interpreter shuts down.
+            self._live = Live(Text(""), console=self.console, auto_refresh=False, transient=True)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._live is not None:
+            self._live.__exit__(*exc)
+            self._live = None
+
+    def __call__(self, record: dict) -> None:
+        kind = record.get("type")
+        if kind == "step":
+            with self._lock:
+                self._last = record
+                now = time.monotonic()
+                if self._live is not None and now - self._last_draw >= self.interval:
+                    self._last_draw = now
+                    self._live.update(self.status_line(), refresh=True)
+        elif kind == "header":
+            self.total = record.get("steps")   # a resume stops later than its --steps alone
+        elif kind == "event":
+            self.print_event(record)
+            if _pauses(record):
+                self.print_resume_hint()
+
+    def print_event(self, record: dict) -> None:
+        style = EVENT_STYLES.get(record.get("kind", ""), "")
+        line = Text(f"step {record.get('step', '?'):>6}  ", style="dim")
+        line.append(f"{record.get('kind', '?'):<20}", style=style)
+        line.append(str(record.get("message", "")))  # literal: no markup from messages
+        self.console.print(line, soft_wrap=True)
+        tb = record.get("traceback")
+        if tb:
+            self.console.print(Text(tb.rstrip(), style="red"))
+
+    def print_resume_hint(self) -> None:
+        """Headless, nothing on this terminal resumes a paused run: say what does."""
+        ctl = f"amp-tui ctl {shlex.quote(str(self.run_dir or 'RUN_DIR'))}"
+        self.console.print(Text(f"{'':>13}paused: continue with `{ctl} resume`, or `{ctl} step` "
+                                "for one step at a time", style="magenta"), soft_wrap=True)
+
+    def status_line(self) -> Text:
+        r = self._last or {}
+        step = r.get("step", -1) + 1
+        total = f"/{self.total}" if self.total else ""
+        loss = decode_float(r.get("loss"))
+        scale = decode_float(r.get("scale"))
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        text = Text()
+        text.append(f"step {step}{total}", style="bold")
+        text.append(f"  loss {_num(loss)}")
+        text.append(f"  {precision.SHORT.get(r.get('dtype', ''), '?')}", style="cyan")
+        text.append(f"  scale {'-' if scale is None else f'{scale:g}'}")
+        text.append(f"  skipped {r.get('skipped_total', 0)}", style="yellow" if r.get("skipped_total") else "")
+        text.append(f"  {step / elapsed:.1f} it/s", style="dim")
+        return text
+
+
+def _pauses(record: dict) -> bool:
+    """A `paused` event (--on-nonfinite pause, a full disk) or a pause intervention (--at, ctl)."""
+    if record.get("kind") == "paused":
+        return True
+    after = record.get("after")
+    return (record.get("kind") == "intervention" and record.get("action") == "pause"
+            and isinstance(after, dict) and after.get("state") == "paused")
+
+
+def _num(x: float | None) -> str:
+    return number(x, 5)
+
+
+def print_after_run(run, console: Console) -> None:
+    """The summary after a run (headless or dashboard): what the recording holds, and where the
+    disk refused part of it, what the run did beyond that and what was lost."""
+    from amp_tui.recording.report import describe_records, render_summary, summarize
+    from amp_tui.recording.session import SessionFormatError, read_session
+
+    if run.unwritten:
+        console.print(Text(f"amp-tui: error: {run.recording_error}: "
+                           f"{describe_records(run.unwritten)} could not be written", style="bold red"),
+                      soft_wrap=True)   # one line, never folded: the path stays whole
+    try:
+        render_summary(summarize(read_session(run.session_path), run.outcome()), console)
+    except (SessionFormatError, OSError) as exc:
+        console.print(Text(f"amp-tui: no session to summarize: {exc}", style="red"))

@@ -1,0 +1,123 @@
+"""Commands that steer a run, applied by the run loop at the next step boundary.
+
+Any thread may `submit()`; the loop drains the queue between steps, so a command never lands in
+the middle of a forward or backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from amp_tui.core import precision
+
+ACTIONS = ("dtype", "scale", "save", "restore", "pause", "resume", "step", "stop", "fp32")
+
+
+class CommandError(ValueError):
+    """A command that can't be parsed; the message says what is accepted."""
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    message: str
+
+
+@dataclass
+class Command:
+    action: str
+    value: str | float | None = None
+    source: str = "api"
+    # Who sent it over the control socket ({"pid", "uid", "user"}), recorded with the event.
+    client: dict | None = field(default=None, compare=False)
+    # Called on the training thread once the command was applied or refused.
+    on_done: Callable[[Outcome], None] | None = field(default=None, repr=False, compare=False)
+
+    def text(self) -> str:
+        if self.value is None:
+            return self.action
+        if self.action == "dtype":
+            return f"dtype={precision.SHORT.get(self.value, self.value)}"
+        if isinstance(self.value, float):
+            return f"{self.action}={self.value:g}"
+        return f"{self.action}={self.value}"
+
+
+def parse_action(text: str, source: str = "api") -> Command:
+    """`dtype=bf16`, `scale=4096`, `scale=half`, `save`, `restore=latest|PATH`, `pause`, `resume`,
+    `step`, `stop`, `fp32=MODULE_PATTERN` (toggles local fp32)."""
+    raw = text.strip()
+    name, _, value = raw.partition("=")
+    name = name.strip().lower()
+    value = value.strip()
+    if name == "dtype":
+        try:
+            return Command("dtype", precision.canonical(value), source)
+        except ValueError:
+            raise CommandError(f"unknown dtype in {raw!r}: use dtype=fp16, dtype=bf16 or dtype=fp32") from None
+    if name == "scale":
+        if value.lower() == "half":
+            return Command("scale", "half", source)
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and number > 0):
+            raise CommandError(f"bad scale in {raw!r}: use scale=half or a positive number like scale=4096")
+        return Command("scale", number, source)
+    if name == "restore":
+        return Command("restore", value or "latest", source)
+    if name == "fp32":
+        if not value:
+            raise CommandError(f"{raw!r}: name the module(s), e.g. fp32=blocks.0.attn or fp32='*.attn'")
+        return Command("fp32", value, source)
+    if name in ("save", "pause", "resume", "step", "stop"):
+        if value:
+            raise CommandError(f"{name!r} takes no value (got {raw!r})")
+        return Command(name, None, source)
+    raise CommandError(f"unknown action {raw!r}: use dtype=…, scale=…, save, restore=…, pause, "
+                       "resume, step, stop or fp32=MODULE")
+
+
+def parse_at(text: str) -> tuple[int, Command]:
+    """`STEP:ACTION`, e.g. `10:dtype=bf16`: apply ACTION before step STEP runs."""
+    step_text, sep, action = text.partition(":")
+    if not sep:
+        raise CommandError(f"--at {text!r}: expected STEP:ACTION, e.g. 10:dtype=bf16")
+    try:
+        step = int(step_text)
+    except ValueError:
+        raise CommandError(f"--at {text!r}: {step_text!r} is not a step number") from None
+    if step < 0:
+        raise CommandError(f"--at {text!r}: the step must be 0 or more")
+    return step, parse_action(action, source="at")
+
+
+class CommandQueue:
+    """Thread-safe FIFO that the run loop drains at step boundaries."""
+
+    def __init__(self):
+        self._queue: queue.Queue[Command] = queue.Queue()
+        self.wakeup = threading.Event()
+
+    def submit(self, command: Command) -> None:
+        self._queue.put(command)
+        self.wakeup.set()
+
+    def drain(self) -> list[Command]:
+        out = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait(self, timeout: float) -> None:
+        """Block until something is submitted (or the timeout passes)."""
+        if self._queue.empty():
+            self.wakeup.wait(timeout)
+        self.wakeup.clear()

@@ -1,0 +1,902 @@
+"""A run: the guarded trainer, its batches, the session file, checkpoints and the command loop.
+
+The dashboard and the headless CLI both drive a `Run`; the run knows nothing of either. Observers
+get every record (header, step, event, end) on the training thread and must be quick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+import amp_tui
+from amp_tui.training import checkpoint as ckpt
+from amp_tui.core import precision
+from amp_tui.core.commands import Command, CommandQueue, Outcome
+from amp_tui.training.devices import describe_device, move_to_device
+from amp_tui.training.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult
+from amp_tui.training.guards import GuardConfig, PrecisionGuard
+from amp_tui.training.local_fp32 import LocalFp32, ModuleMatchError
+from amp_tui.core.jsonsafe import encode_float
+from amp_tui.core.numfmt import byte_size, number
+from amp_tui.training.script import ScriptError, TrainSetup, describe_exception
+from amp_tui.recording.report import RunOutcome, describe_records
+from amp_tui.recording.session import SessionFormatError, SessionWriter, event_record, step_record
+
+NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback")
+PRECISION_ACTIONS = ("dtype", "scale", "fp32")  # what --at 0:... may set before the pre-flight
+# The state a run ends in, and the status its end record gives, from the state it was in.
+ENDED_STATES = {"finished": "finished", "stopped": "stopped", "error": "error"}
+ENDING_WAIT_S = 5.0   # how long another thread waits for the training thread to end the file
+
+# Exit statuses of a run (the CLI returns them).
+EXIT_OK = 0
+EXIT_ERROR = 1          # the script raised, or the session/checkpoints could not be written
+EXIT_NONFINITE_STOP = 3  # --on-nonfinite stop ended the run
+
+
+@dataclass
+class RunConfig:
+    script: Path
+    script_argv: list[str] = field(default_factory=list)
+    dtype: str = "float16"
+    init_scale: float = 65536.0
+    steps: int | None = None            # iterations to run; a resume counts them from where it goes on
+    run_dir: Path | None = None
+    checkpoint_every: int | None = None
+    probe_every: int = 1
+    underflow_every: int = 10           # underflow shares on every Nth probed step
+    on_nonfinite: str = "skip"
+    at: list[tuple[int, Command]] = field(default_factory=list)
+    command_line: list[str] = field(default_factory=list)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    fp32_modules: list[str] = field(default_factory=list)
+    on_io_error: str = "stop"           # a full disk: "stop" (headless) or "pause" (dashboard)
+    flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)
+    control: bool = False                # serve the control socket (amp-tui ctl / attach)
+    resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
+    resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)
+
+
+def default_run_dir(script: Path, root: Path = Path("runs")) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = root / f"{stamp}-{script.stem}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+class BatchFeed:
+    """Yields batches on the device forever, re-iterating `batches` when it runs out."""
+
+    def __init__(self, batches: Iterable, device: torch.device):
+        self._batches = batches
+        self._device = device
+        self._iter = None
+        self._peeked = None   # the next batch, already on the device (peek() read it)
+        self.consumed = 0
+
+    def _next_raw(self):
+        if self._iter is None:
+            self._iter = iter(self._batches)
+        try:
+            return next(self._iter)
+        except StopIteration:
+            self._iter = iter(self._batches)
+            try:
+                return next(self._iter)
+            except StopIteration:
+                if self.consumed == 0:
+                    raise ScriptError("'batches' yielded no batch") from None
+                if self._iter is self._batches:
+                    raise ScriptError(f"'batches' ran out after {self.consumed} batches and can't start "
+                                      "over (its iter() is itself, like a generator's): return a list "
+                                      "or a DataLoader") from None
+                raise ScriptError(f"'batches' ran out after {self.consumed} batches and yielded none "
+                                  "when started over") from None
+
+    def peek(self):
+        """The next batch on the device; take() hands out this same object."""
+        if self._peeked is None:
+            self._peeked = move_to_device(self._next_raw(), self._device)
+        return self._peeked
+
+    def _next(self):
+        batch, self._peeked = self._peeked, None
+        if batch is None:
+            batch = move_to_device(self._next_raw(), self._device)
+        self.consumed += 1
+        return batch
+
+    def take(self, count: int) -> list:
+        return [self._next() for _ in range(count)]
+
+    def skip(self, count: int) -> None:
+        for _ in range(count):
+            if self._peeked is not None:
+                self._peeked = None
+            else:
+                self._next_raw()
+            self.consumed += 1
+
+
+class Run:
+    """Owns the trainer and the session; `run()` is the loop (call it on the training thread)."""
+
+    def __init__(self, config: RunConfig, setup: TrainSetup, device: torch.device, feed: BatchFeed):
+        if config.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)}")
+        self.config = config
+        self.setup = setup
+        self.device = device
+        self.feed = feed
+        setup.model.to(device)
+        self.trainer = GuardedTrainer(
+            setup.model, setup.optimizer, setup.loss_fn, device=device, dtype=config.dtype,
+            init_scale=config.init_scale, scheduler=setup.scheduler,
+            max_grad_norm=setup.max_grad_norm, probe_every=config.probe_every,
+            underflow_every=config.underflow_every)
+        self.accumulate = setup.accumulate
+        self.guard = PrecisionGuard(config.guard)
+        self.local_fp32 = LocalFp32(setup.model, device.type)
+        for pattern in config.fp32_modules:
+            self.local_fp32.add(pattern)  # ModuleMatchError names a pattern that matches nothing
+        self.commands = CommandQueue()
+        self.observers: list[Callable[[dict], None]] = []
+        self.state = "starting"
+        self.exit_status = EXIT_OK
+        self.last_result: StepResult | None = None
+        self.error: str | None = None
+        self.run_dir = config.run_dir or default_run_dir(config.script)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.session_path = self.run_dir / "session.jsonl"
+        self._writer: SessionWriter | None = None
+        self._scheduled: dict[int, list[Command]] = {}
+        for step, command in config.at:
+            self._scheduled.setdefault(step, []).append(command)
+        self._before_open: list[dict] = []  # records made before the session exists
+        self._header: dict | None = None    # taken before the pre-flight's --at actions apply
+        self._resumed = False
+        self._stop_requested = threading.Event()
+        self._checkpoint_on_stop = False
+        self._stop_reason: str | None = None
+        self._session_failed = False
+        self._pause_reason: str | None = None     # "io": held until the disk takes writes again
+        self._io_error: str | None = None         # the last write the disk refused
+        self._checkpoint_due: str | None = None   # the source of a save the disk refused
+        self._give_up_unwritten = False           # quit even if the recording can't be completed
+        # Set when a stop was held because records could not be written (a full disk): whoever
+        # asked is told how many would be lost and may ask again to give them up.
+        self.stop_held = threading.Event()
+        self.held_message: str | None = None      # what the held stop would have lost
+        self._stop_replies: list[Command] = []    # ctl stops answered once the end is tried
+        self._ending = threading.Event()          # the training thread is writing the end
+        self._ended = threading.Event()           # the end is written, or given up
+        self.unwritten: dict[str, int] = {}       # records given up at the end, by type
+        self.recording_error: str | None = None   # why they were: the OS's words and the path
+        self._control = None
+        self._thread: threading.Thread | None = None   # the thread that runs the loop
+        self._single_steps = 0
+        self.nonfinite_events = 0
+        self._act_unmeasured_said = False
+        self.started_at = time.time()
+
+    # ---- public, thread-safe ------------------------------------------------------------
+    def submit(self, command: Command) -> None:
+        self.commands.submit(command)
+
+    def request_stop(self, *, checkpoint: bool = False, reason: str | None = None,
+                     give_up_unwritten: bool = False) -> None:
+        """Stop at the next step boundary (from any thread, e.g. a signal handler); with
+        `checkpoint`, save one first (an SSH drop must not lose the run's progress).
+
+        Records that a full disk refused are written before the run ends; where the disk still
+        refuses them, a watched run (the dashboard) holds the stop and sets `stop_held`, so the
+        user can free space or confirm. `give_up_unwritten` confirms: the run ends without them,
+        and says how many were lost."""
+        if checkpoint:
+            self._checkpoint_on_stop = True
+        if reason and self._stop_reason is None:
+            self._stop_reason = reason
+        if give_up_unwritten:
+            self._give_up_unwritten = True
+        self.stop_held.clear()
+        self._stop_requested.set()
+        self.commands.wakeup.set()
+
+    def unattended(self) -> None:
+        """Nobody is watching any more (the terminal is gone): a full disk stops the run as in
+        headless mode instead of pausing it for a user who can't answer."""
+        self.config.on_io_error = "stop"
+        self._give_up_unwritten = True
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step_index
+
+    # ---- recording ----------------------------------------------------------------------
+    def header(self) -> dict:
+        setup, cfg = self.setup, self.config
+        return {
+            "amp_tui_version": amp_tui.__version__,
+            "torch_version": torch.__version__,
+            "python_version": sys.version.split()[0],
+            "device": describe_device(self.device),
+            "script": str(cfg.script),
+            "argv": list(cfg.script_argv),
+            "command": list(cfg.command_line),
+            "dtype": self.trainer.dtype,
+            "init_scale": self.trainer.init_scale,
+            "steps": cfg.steps,
+            "accumulate": self.accumulate,
+            "max_grad_norm": setup.max_grad_norm,
+            "probe_every": cfg.probe_every,
+            "underflow_every": cfg.underflow_every,
+            "on_nonfinite": cfg.on_nonfinite,
+            "checkpoint_every": cfg.checkpoint_every,
+            "optimizer": type(setup.optimizer).__name__,
+            "scheduler": type(setup.scheduler).__name__ if setup.scheduler is not None else None,
+            "parameters": sum(p.numel() for p in setup.model.parameters()),
+            "layers": self.trainer.layer_names,
+            "compile": self.trainer.compile_info(),
+            "fp32_modules": self.local_fp32.names,
+            "guards": {k: v for k, v in vars(cfg.guard).items()},
+            "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+
+    def _emit(self, record: dict) -> None:
+        if self._writer is None:
+            self._before_open.append(record)  # the pre-flight's: written after the header
+            return
+        if not self._writer.closed:
+            try:
+                self._writer.write(record)
+                if self.state == "paused" and record.get("type") == "step":
+                    # A single step while paused: no later record comes to push it to the file,
+                    # where `ctl`, `attach` and `replay --follow` look for it.
+                    self._writer.flush()
+                self._session_failed = False
+            except OSError as exc:
+                self._on_io_error(f"could not append to {self.session_path}: {exc.strerror or exc}")
+        for observer in list(self.observers):
+            try:
+                observer(record)
+            except Exception:  # noqa: BLE001 - a broken observer must not stop training
+                traceback.print_exc(file=sys.stderr)
+
+    def _on_io_error(self, message: str) -> None:
+        """The session can't be appended to (a full disk...): tell the observers, then halt.
+        The records stay pending in the writer and reach the file once it takes them again."""
+        if self._session_failed and (self.state == "paused" or self._stop_requested.is_set()):
+            return  # already reported; the run is paused or stopping
+        self._session_failed = True
+        record = event_record(self.step, "error", message, during="io")
+        with contextlib.suppress(OSError):
+            self._writer.write(record)   # kept pending: the recording says why, once it can
+        for observer in list(self.observers):
+            with contextlib.suppress(Exception):
+                observer(record)
+        self._halt_for_io(message)
+
+    def _halt_for_io(self, message: str) -> None:
+        """Keep what is written; pause (dashboard) or stop with a non-zero status (headless)."""
+        self.error = self._io_error = message
+        if self._waits_for_space():
+            self._single_steps = 0
+            self._pause_reason = "io"
+            self._set_state("paused")
+            self.event("paused", "paused: the disk refused a write; free some space, then resume "
+                       "(the records kept meanwhile are written then)", reason="io")
+        else:
+            self.exit_status = EXIT_ERROR
+            self._stop_requested.set()
+
+    def event(self, kind: str, message: str, *, step: int | None = None, **fields: Any) -> dict:
+        record = event_record(self.step if step is None else step, kind, message, **fields)
+        self._emit(record)
+        return record
+
+    def open(self) -> None:
+        """Create the run directory and write the header (or, resuming, append to the session)."""
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.cleanup_temporary_files(self.checkpoint_dir)
+        resuming = self.config.resume_from is not None
+        if resuming and not self._resumed:
+            self._resume(self.config.resume_from)   # first: the header says where a resume stops
+            self._resumed = True
+        header = self._header or self.header()   # resuming, only the observers see it
+        self._writer = SessionWriter(self.session_path, header, append=resuming,
+                                     flush_interval=self.config.flush_interval)
+        for observer in list(self.observers):
+            observer({"type": "header", **header})
+        early, self._before_open = self._before_open, []
+        for record in early:
+            self._emit(record)
+        if self.config.control:
+            from amp_tui.job.control import ControlServer
+            self._control = ControlServer(self, self.run_dir)
+            self._control.start()
+
+    def preflight(self) -> None:
+        """Check the script before anything is written, without an extra call: run the first
+        step's forward now, under the precision that step uses, and keep it for that step
+        (GuardedTrainer.start_step). So the run starts exactly as a plain loop would: loss_fn
+        is called once per micro-batch, in training mode, with the RNG and any state of the
+        script's own going on from there. A failure is a ScriptError (exit 2, no run directory).
+        """
+        script = self.config.script
+        if self.config.resume_from is not None:
+            try:
+                self._resume(self.config.resume_from)  # the check runs on the state it goes on from
+            except (OSError, ckpt.CheckpointError, SessionFormatError, ValueError) as exc:
+                raise ScriptError(f"--resume {self.run_dir}: {exc}") from None
+            self._resumed = True
+        self._header = self.header()  # the starting precision, as the --at events record it
+        self._apply_starting_precision()
+        try:
+            batch = self.feed.peek()
+        except ScriptError:
+            raise ScriptError(f"'batches' from {script.name} is empty") from None
+        except Exception as exc:  # noqa: BLE001 - the user's DataLoader or dataset failed
+            raise ScriptError(f"'batches' from {script.name} failed on the first batch: "
+                              f"{describe_exception(exc, script)}") from None
+        try:
+            self.trainer.start_step(batch)
+        except LossError as exc:
+            raise ScriptError(f"{script.name}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the user's code failed: say where
+            raise ScriptError(f"loss_fn in {script.name} failed on the first batch: "
+                              f"{describe_exception(exc, script)}") from None
+
+    def _apply_starting_precision(self) -> None:
+        """The first step's `--at` precision actions (dtype, scale, fp32) apply before the
+        pre-flight, so its forward runs as the step will: a module that fails under autocast
+        is what fp32=NAME is for. Only those that lead the step's list: an action scheduled
+        before them (save, pause...) keeps its place, and a change after it drops the kept
+        forward."""
+        scheduled = self._scheduled.get(self.step, [])
+        while scheduled and scheduled[0].action in PRECISION_ACTIONS:
+            self._apply(scheduled.pop(0))
+
+    def _resume(self, path: Path) -> None:
+        """Continue a crashed or stopped run from a checkpoint; the step counter goes on from the
+        last recorded step, like a restore, so the recording stays one forward timeline, and
+        --steps counts the iterations of this command: a resume runs that many more."""
+        from amp_tui.recording.session import read_session
+        last_step = max((r["step"] for r in read_session(self.session_path).steps), default=-1)
+        t = self.trainer
+        loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+        loaded.apply(t.model, t.optimizer, t.scheduler)
+        t.restore_scaler(loaded.scaler_state)
+        t.discard_started_step()
+        self._restore_counters(loaded)
+        t.step_index = last_step + 1
+        if self.config.steps is not None:
+            self.config.steps += t.step_index
+        extra = loaded.extra or {}
+        self.feed.skip(int(extra.get("micro_batches_consumed", 0)))  # same data order as before
+        start, stop = t.step_index, self.config.steps
+        rolled_back = max(0, start - (loaded.step or 0))
+        undone = (f"the {rolled_back} recorded step{'s' if rolled_back != 1 else ''} after it "
+                  f"{'are' if rolled_back != 1 else 'is'} rolled back, " if rolled_back else "")
+        runs = (f"--steps {stop - start} runs steps {start}-{stop - 1}" if stop is not None
+                else "it runs until stopped")
+        skipped = self.config.resume_skipped
+        passed = (f"; skipped {len(skipped)} newer checkpoint{'s' if len(skipped) != 1 else ''} "
+                  f"that failed the checks: {', '.join(p for p, _ in skipped)}" if skipped else "")
+        self.event("resumed", f"resumed from {self._rel(path)} (saved at step {loaded.step}, "
+                   f"{loaded.dtype}) after the recording's step {last_step}: {undone}the step counter "
+                   f"goes on from {start}, and {runs}{passed}",
+                   path=self._rel(path), checkpoint_step=loaded.step, checkpoint_dtype=loaded.dtype,
+                   previous_last_step=last_step, rolled_back=rolled_back,
+                   steps=None if stop is None else stop - start, until_step=stop,
+                   updates=t.updates_applied, skipped_total=t.skipped_total,
+                   skipped_checkpoints=[{"path": p, "reason": why} for p, why in skipped])
+
+    def _restore_counters(self, loaded: ckpt.LoadedCheckpoint) -> None:
+        """The applied and skipped counts are part of the state a full checkpoint brings back:
+        after a restore or a resume they count what the weights went through, not the updates
+        rolled back with them."""
+        extra = loaded.extra or {}
+        t = self.trainer
+        if "updates_applied" in extra:
+            t.updates_applied = int(extra["updates_applied"])
+        if "skipped_total" in extra:
+            t.skipped_total = int(extra["skipped_total"])
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self) -> int:
+        self._thread = threading.current_thread()
+        if self._writer is None:
+            try:
+                self.open()
+            except (OSError, ckpt.CheckpointError, ValueError) as exc:
+                # No session to write to: tell the observers (the dashboard) and give up cleanly.
+                message = f"could not start the run in {self.run_dir}: {exc}"
+                self.error, self.exit_status = message, EXIT_ERROR
+                self._set_state("error")
+                for observer in list(self.observers):
+                    with contextlib.suppress(Exception):
+                        observer(event_record(self.step, "error", message, during="step", traceback=""))
+                self.close()
+                return self.exit_status
+        self._set_state("running")
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - recorded, then the session is closed cleanly
+            self._record_failure(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self.close()
+        return self.exit_status
+
+    def _loop(self) -> None:
+        cfg = self.config
+        while True:
+            for command in self._scheduled.pop(self.step, []):
+                self._apply(command)
+            for command in self.commands.drain():
+                self._apply(command)
+            if self._stop_requested.is_set():
+                if self._stop_reason:
+                    self.event("stopping", f"stopping: {self._stop_reason}", reason=self._stop_reason)
+                if self._checkpoint_on_stop or self._checkpoint_due is not None:
+                    self._save_checkpoint(source=self._stop_reason or self._checkpoint_due or "stop")
+                if self.state not in ("error",):
+                    self._set_state("stopped")
+                return
+            if self._checkpoint_due is not None and self.state == "running":
+                # A save the disk refused, tried again first once the user resumed.
+                self._save_checkpoint(source=self._checkpoint_due)
+                continue
+            if cfg.steps is not None and self.step >= cfg.steps and self._pause_reason != "io":
+                self._set_state("finished")
+                return
+            if self.state == "paused" and self._single_steps == 0:
+                self.commands.wait(0.25)
+                continue
+            if self._single_steps:
+                self._single_steps -= 1
+            self._one_step()
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self._save_checkpoint(source="checkpoint_every")
+
+    def _one_step(self) -> None:
+        step = self.step
+        try:
+            micro = self.feed.take(self.accumulate)  # the user's DataLoader or dataset may raise too
+            result = self.trainer.step(micro)
+        except (LossError, ScriptError) as exc:
+            raise StepFailure(step, f"step {step}: {exc}", exc) from exc
+        except Exception as exc:  # noqa: BLE001
+            where = describe_exception(exc, self.config.script)
+            raise StepFailure(step, f"step {step}: the script raised {where}", exc) from exc
+        self.last_result = result
+        self._emit(step_record(result))
+        if self.trainer.act_unmeasured and not self._act_unmeasured_said:
+            self._act_unmeasured_said = True
+            self.event("alert", self.trainer.act_unmeasured, step=result.step, reason="act_not_measured",
+                       cause="the compiled graph was built before amp-tui attached its hooks",
+                       fix="leave the first call of the compiled model to amp-tui (none in setup())")
+        if result.nonfinite:
+            self._on_nonfinite(result)
+        self._apply_guards(result)
+
+    def _apply_guards(self, result: StepResult) -> None:
+        t = self.trainer
+        bf16_ok = precision.unsupported_reason(self.device, "bfloat16") is None
+        decisions = self.guard.observe(result, t.scale, bf16_ok)
+        if decisions.clamp_scale is not None:
+            t.clamp_scale(decisions.clamp_scale)
+        for alert in decisions.alerts:
+            self.event("alert", f"{alert.message}. Likely cause: {alert.cause}. Fix: {alert.fix}",
+                       step=result.step, reason=alert.reason, cause=alert.cause, fix=alert.fix)
+        move = decisions.move
+        if move is None:
+            return
+        if move.rollback_before is not None:
+            good = [c for c in self.checkpoints() if c.step is not None and c.step <= move.rollback_before]
+            if good:
+                self._apply(Command("restore", str(good[0].path), "fallback"))
+            else:
+                self.event("alert", f"--rollback: no checkpoint saved at or before step "
+                           f"{move.rollback_before}; moving on without one", reason="no_checkpoint",
+                           cause="no checkpoint yet", fix="use --checkpoint-every N")
+        before = t.describe_precision()
+        t.set_dtype(move.to_dtype)
+        self.event("intervention", f"fallback {precision.SHORT[before['dtype']]} → "
+                   f"{precision.SHORT[move.to_dtype]}: {move.reason}", step=self.step, action="dtype",
+                   value=move.to_dtype, source="fallback", reason=move.reason, before=before,
+                   after=t.describe_precision())
+
+    def _on_nonfinite(self, result: StepResult) -> None:
+        self.nonfinite_events += 1
+        layer = result.first_nonfinite_layer
+        diagnosis = result.diagnosis
+        if result.nonfinite == "loss":
+            where = f"; first non-finite output: {layer}" if layer else ""
+            if diagnosis is not None and diagnosis.input_nonfinite:
+                where += " (its input was already non-finite)"
+            msg = f"non-finite loss ({number(result.loss, 4)}) in {precision.SHORT[result.dtype]}{where}: update skipped"
+        else:
+            where = f"; first non-finite gradient: {layer}" if layer else ""
+            if result.scale is not None:
+                msg = (f"gradients overflowed at scale {result.scale:g}{where}: update skipped, "
+                       f"scale now {self.trainer.scale:g}")
+            else:
+                msg = f"non-finite gradients in {precision.SHORT[result.dtype]}{where}: update skipped"
+        self.event("nonfinite", msg, step=result.step, where=result.nonfinite, layer=layer,
+                   loss=encode_float(result.loss), scale=result.scale, dtype=result.dtype,
+                   **(diagnosis.as_fields() if diagnosis is not None else {}))
+        if result.nonfinite != "loss":
+            return
+        policy = self.config.on_nonfinite  # "skip" and "fallback" just go on (the guard decides)
+        if policy == "pause" and self.state == "running":
+            self._single_steps = 0
+            self._set_state("paused")
+            self.event("paused", f"paused after a non-finite loss at step {result.step} "
+                                 "(--on-nonfinite pause): change the dtype, cut the scale or restore",
+                       reason="nonfinite")
+        elif policy == "stop":
+            self.exit_status = EXIT_NONFINITE_STOP
+            self._stop_requested.set()
+            self.event("stopping", f"stopping after a non-finite loss at step {result.step} "
+                                   "(--on-nonfinite stop)", reason="nonfinite")
+
+    # ---- commands -----------------------------------------------------------------------
+    def _apply(self, command: Command) -> None:
+        try:
+            outcome = self._dispatch(command)
+        except Exception as exc:  # noqa: BLE001 - a refused command never stops the run
+            outcome = Outcome(False, f"{command.text()} failed: {exc}")
+            self.event("error", outcome.message, during=command.action, source=command.source)
+        if command.on_done is not None:
+            command.on_done(outcome)
+
+    def _intervention(self, command: Command, before: dict, after: dict, message: str) -> Outcome:
+        who = {"client": command.client} if command.client else {}
+        self.event("intervention", message, action=command.action, value=_json_value(command.value),
+                   source=command.source, before=before, after=after, **who)
+        return Outcome(True, message)
+
+    def status(self) -> dict:
+        """A snapshot for `amp-tui ctl RUN status` (read from another thread: plain values only)."""
+        t, r = self.trainer, self.last_result
+        return {"state": self.state, "step": self.step, "steps": self.config.steps, "dtype": t.dtype,
+                "scale": t.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
+                "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
+                "run_dir": str(self.run_dir), "script": str(self.config.script)}
+
+    def status_line(self) -> str:
+        s = self.status()
+        scale = "-" if s["scale"] is None else f"{s['scale']:g}"
+        total = f"/{s['steps']}" if s["steps"] else ""
+        return (f"{s['state']} at step {s['step']}{total}: {precision.SHORT[s['dtype']]}, scale {scale}, "
+                f"{s['updates']} updates applied, {s['skipped']} skipped, loss {s['loss']}")
+
+    def _dispatch(self, command: Command) -> Outcome:
+        action = command.action
+        if action == "dtype":
+            try:
+                change = self.trainer.set_dtype(str(command.value))
+            except PrecisionRefused as exc:
+                self.event("error", f"dtype change refused: {exc}", during="dtype", source=command.source)
+                return Outcome(False, str(exc))
+            b, a = change["before"], change["after"]
+            return self._intervention(command, b, a, f"dtype {precision.SHORT[b['dtype']]} → "
+                                      f"{precision.SHORT[a['dtype']]}" + _scale_note(a))
+        if action == "scale":
+            try:
+                change = self.trainer.set_scale(command.value)
+            except PrecisionRefused as exc:
+                self.event("error", f"scale change refused: {exc}", during="scale", source=command.source)
+                return Outcome(False, str(exc))
+            b, a = change["before"], change["after"]
+            if b["scale"] is not None:
+                text = f"loss scale {b['scale']:g} → {a['scale']:g}"
+            else:
+                text = (f"fp16 loss scale {b['fp16_scale']:g} → {a['fp16_scale']:g} "
+                        f"(used when fp16 is next entered)")
+            return self._intervention(command, b, a, text)
+        if action == "save":
+            info = self._save_checkpoint(source=command.source)
+            if info is None:
+                return Outcome(False, "checkpoint not saved (see the error event)")
+            return self._intervention(command, {}, {"checkpoint": self._rel(info.path)},
+                                      f"checkpoint saved: {self._rel(info.path)}")
+        if action == "restore":
+            return self._restore(command)
+        if action == "fp32":
+            return self._toggle_fp32(command)
+        if action in ("pause", "resume", "step"):
+            before = {"state": self.state}
+            if action == "pause":
+                self._single_steps = 0
+                self._set_state("paused")
+            elif action == "resume":
+                self._single_steps = 0
+                self._pause_reason = None
+                self._set_state("running")
+            else:
+                if self.state != "paused":
+                    return Outcome(False, self._pause_first(command.source))
+                self._single_steps += 1
+            text = {"pause": "paused", "resume": "resumed", "step": f"single step {self.step}"}[action]
+            return self._intervention(command, before, {"state": self.state}, text)
+        if action == "stop":
+            self._intervention(command, {"state": self.state}, {"state": "stopped"}, "stop requested")
+            self._stop_requested.set()
+            return Outcome(True, "stopping at this step boundary")
+        return Outcome(False, f"unknown command {action!r}")
+
+    def _pause_first(self, source: str) -> str:
+        """Why a single step was refused, in the terms of whoever asked for it."""
+        if source == "dashboard":
+            return "single step works while paused (press space first)"
+        if source.startswith("ctl"):
+            run_dir = shlex.quote(str(self.run_dir))
+            return (f"step works while the job is paused: send pause first "
+                    f"(amp-tui ctl {run_dir} pause), then step")
+        return "a single step works while the run is paused: pause it first"
+
+    def _toggle_fp32(self, command: Command) -> Outcome:
+        pattern = str(command.value)
+        before = {"fp32_modules": self.local_fp32.names}
+        try:
+            from amp_tui.training.local_fp32 import match_modules
+            already = set(match_modules(self.trainer.model, pattern)) & set(self.local_fp32.names)
+            changed = self.local_fp32.remove(pattern) if already else self.local_fp32.add(pattern)
+            if changed:
+                self.trainer.discard_started_step()  # it ran under the old autocast policy
+        except ModuleMatchError as exc:
+            self.event("error", str(exc), during="fp32", source=command.source)
+            return Outcome(False, str(exc))
+        verb = "back to autocast" if already else "now in fp32"
+        return self._intervention(command, before, {"fp32_modules": self.local_fp32.names},
+                                  f"{', '.join(changed) or pattern} {verb}")
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+
+    def _rel(self, path: Path) -> str:
+        try:
+            return str(Path(path).relative_to(self.run_dir))
+        except ValueError:
+            return str(path)
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def _save_checkpoint(self, *, source: str) -> ckpt.CheckpointInfo | None:
+        t = self.trainer
+        path = ckpt.checkpoint_path(self.checkpoint_dir, self.step)
+        started = time.perf_counter()
+        try:
+            info = ckpt.save_checkpoint(
+                path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+                scaler_state=t.scaler_state(), step=self.step, dtype=t.dtype,
+                extra={**t.checkpoint_extra(), "micro_batches_consumed": self.feed.consumed})
+        except ckpt.CheckpointError as exc:
+            self.event("error", str(exc), during="save", source=source)
+            if isinstance(exc.__cause__, OSError):  # a full disk, not a bad model state
+                if self._waits_for_space():
+                    self._checkpoint_due = source   # saved once the user frees space and resumes
+                self._halt_for_io(str(exc))
+            return None
+        self._checkpoint_due = None
+        size = os.path.getsize(info.path)
+        self.event("checkpoint_saved", f"checkpoint {self._rel(info.path)} saved at step {self.step} "
+                   f"({byte_size(size)}, {time.perf_counter() - started:.2f}s)",
+                   path=self._rel(info.path), checkpoint_step=self.step, dtype=t.dtype, bytes=size,
+                   source=source)
+        return info
+
+    def checkpoints(self) -> list[ckpt.CheckpointInfo]:
+        return ckpt.list_checkpoints(self.checkpoint_dir)
+
+    def _restore(self, command: Command) -> Outcome:
+        target = str(command.value or "latest")
+        if target == "latest":
+            found = self.checkpoints()
+            if not found:
+                self.event("error", "restore refused: this run has no checkpoint yet", during="restore",
+                           source=command.source)
+                return Outcome(False, "no checkpoint yet")
+            path = found[0].path
+        else:
+            path = Path(target).expanduser()
+            if not path.is_absolute() and not path.exists() and (self.run_dir / path).exists():
+                path = self.run_dir / path
+        t = self.trainer
+        try:
+            loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+        except ckpt.CheckpointError as exc:
+            self.event("error", f"restore refused: {exc}", during="restore", source=command.source,
+                       path=str(path))
+            return Outcome(False, str(exc))
+        before = t.describe_precision()
+        loaded.apply(t.model, t.optimizer, t.scheduler)
+        t.restore_scaler(loaded.scaler_state)
+        self._restore_counters(loaded)
+        t.discard_started_step()  # it ran on the weights before the restore
+        after = t.describe_precision()
+        ck_step = loaded.step
+        note = f" ({loaded.notice})" if loaded.notice else ""
+        saved = f"saved at step {ck_step}, {loaded.dtype}" if ck_step is not None else "weights only"
+        message = (f"restored {self._rel(path)} ({saved}) before step {self.step}; the step counter "
+                   f"goes on from {self.step}{note}")
+        self.event("checkpoint_restored", message, path=self._rel(path), checkpoint_step=ck_step,
+                   checkpoint_dtype=loaded.dtype, checkpoint_kind=loaded.kind, source=command.source,
+                   before=before, after=after)
+        return Outcome(True, message)
+
+    # ---- ending -------------------------------------------------------------------------
+    def _record_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, StepFailure):
+            message, original, step = exc.message, exc.original, exc.step
+        elif isinstance(exc, KeyboardInterrupt):
+            self._set_state("stopped")
+            self.event("stopping", "interrupted", reason="interrupt")
+            return
+        else:
+            message, original, step = f"{type(exc).__name__}: {exc}", exc, self.step
+        # A ScriptError is amp-tui's own wording of a contract breach: its frames are ours, not the user's.
+        tb = "" if isinstance(original, ScriptError) else "".join(
+            traceback.format_exception(type(original), original, original.__traceback__))
+        self.error = message
+        self.exit_status = EXIT_ERROR
+        self._set_state("error")
+        self.event("error", message, step=step, during="step", traceback=tb[-20000:])
+
+    def _waits_for_space(self) -> bool:
+        """A full disk pauses the run (someone watching can free space), or stops it."""
+        return self.config.on_io_error == "pause" and not self._give_up_unwritten
+
+    def outcome(self) -> RunOutcome:
+        return RunOutcome(state=self.state, steps=self.step, unwritten=dict(self.unwritten),
+                          recording_error=self.recording_error)
+
+    def pending_records(self) -> dict[str, int]:
+        """Records the disk has refused so far and that are still kept, by type."""
+        writer = self._writer
+        return writer.pending_records() if writer is not None and not writer.closed else {}
+
+    def close(self) -> None:
+        """End the recording with its end record. The last flush counts like every other one:
+        where the disk refuses it, a watched run pauses on the training thread until space is
+        freed (or the user gives the records up); otherwise the records are given up, counted in
+        `unwritten`, and the exit status says so."""
+        self.trainer.close()
+        if self._ending.is_set() and threading.current_thread() is not self._thread:
+            # The training thread is writing the end, or waiting for space to: it gives up
+            # itself (two threads never write to the file at once).
+            self.unattended()
+            self.request_stop(give_up_unwritten=True)
+            self._ended.wait(ENDING_WAIT_S)
+            return
+        if self._writer is not None and not self._writer.closed:
+            self._finish_recording(ENDED_STATES.get(self.state, "stopped"))
+        if self._control is not None:   # after the end: ctl resume may be what completes it
+            self._control.close()
+            self._control = None
+
+    def _end_record(self, status: str) -> dict:
+        t = self.trainer
+        return {"step": self.step, "status": status, "updates": t.updates_applied,
+                "skipped_total": t.skipped_total, "dtype": t.dtype, "scale": t.scale,
+                "time": round(time.time(), 3), "exit_status": self.exit_status}
+
+    def _finish_recording(self, status: str) -> None:
+        waiting_allowed = threading.current_thread() is self._thread   # others can't block
+        if waiting_allowed:
+            self._ending.set()
+        try:
+            self._write_end(status, waiting_allowed)
+        finally:
+            self._ended.set()
+
+    def _write_end(self, status: str, waiting_allowed: bool) -> None:
+        while True:
+            end = self._end_record(status)
+            try:
+                self._writer.finish(end)
+                break
+            except OSError as exc:
+                why = f"{exc.strerror or exc}: {self.session_path}"
+                if not (waiting_allowed and self._waits_for_space()):
+                    self._give_up(status, why)
+                    return
+                self._session_failed = False   # each try at the end is reported
+                self._on_io_error(f"could not write the end of {self.session_path}: "
+                                  f"{exc.strerror or exc}")
+                self._wait_for_space(why)
+        if self.error is not None and self.error == self._io_error and self._checkpoint_due is None:
+            self.error = None   # the disk took everything in the end: nothing was lost
+        self._set_state(status)
+        self._answer_stops(Outcome(True, "stopped; every record is written"))
+        for observer in list(self.observers):
+            with contextlib.suppress(Exception):
+                observer({"type": "end", **end})
+
+    def _answer_stops(self, outcome: Outcome) -> None:
+        replies, self._stop_replies = self._stop_replies, []
+        for command in replies:
+            if command.on_done is not None:
+                command.on_done(outcome)
+
+    def _wait_for_space(self, why: str) -> None:
+        """Paused after the last flush failed: return to try it again once the user resumes,
+        single-steps or stops. A stop while the records still can't be written is held once and
+        `stop_held` set, so whoever asked can say what would be lost; a second stop (with
+        `give_up_unwritten`) tries once more and then ends without them."""
+        if self._stop_requested.is_set() and not self._give_up_unwritten:
+            self._stop_requested.clear()
+            self.held_message = (f"{describe_records(self.pending_records())} would be lost "
+                                 f"({why}). Free some space and stop again to write them; "
+                                 "stopping again without freeing any ends the run without them")
+            self.stop_held.set()
+            self._answer_stops(Outcome(False, self.held_message))
+        while True:
+            for command in self.commands.drain():
+                if command.action == "stop":
+                    # A second stop while one is held gives the records up if they still
+                    # don't fit; either way it is answered once the last flush was tried.
+                    if self.stop_held.is_set():
+                        self._give_up_unwritten = True
+                    self._intervention(command, {"state": self.state}, {"state": "stopped"},
+                                       "stop requested")
+                    self._stop_replies.append(command)
+                    self._stop_requested.set()
+                elif command.action in ("resume", "step", "pause"):
+                    self._apply(command)
+                elif command.on_done is not None:
+                    command.on_done(Outcome(False, f"{command.text()} refused: the run has ended "
+                                                   f"and its last records wait for the disk ({why})"))
+            if self.state == "running" or self._single_steps or self._stop_requested.is_set():
+                self._single_steps = 0
+                self._pause_reason = None
+                return
+            self.commands.wait(0.25)
+
+    def _give_up(self, status: str, why: str) -> None:
+        """End without what the disk refused: counted, said, and a non-zero exit status."""
+        self.unwritten = self._writer.abandon()
+        self.recording_error = why
+        self.error = self.error or why
+        self.exit_status = self.exit_status or EXIT_ERROR
+        self._set_state(status)
+        self._answer_stops(Outcome(True, f"stopped without {describe_records(self.unwritten)} "
+                                         f"({why})"))
+        end = {"type": "end", **self._end_record(status), "unwritten": dict(self.unwritten)}
+        for observer in list(self.observers):
+            with contextlib.suppress(Exception):
+                observer(end)
+
+
+class StepFailure(Exception):
+    def __init__(self, step: int, message: str, original: BaseException):
+        super().__init__(message)
+        self.step, self.message, self.original = step, message, original
+
+
+def _json_value(v):
+    return encode_float(v) if isinstance(v, float) else v
+
+
+def _scale_note(after: dict) -> str:
+    return f" (scale {after['scale']:g})" if after.get("scale") is not None else ""

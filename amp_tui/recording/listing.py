@@ -1,0 +1,123 @@
+"""`amp-tui ls`: the runs under some folders, with their state, read cheaply (header + file tail)."""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from amp_tui.core import precision
+from amp_tui.job.control import job_alive
+from amp_tui.core.jsonsafe import decode_float
+from amp_tui.recording.session import parse_record
+
+TAIL_BYTES = 256 * 1024
+
+
+@dataclass
+class RunRow:
+    run_dir: Path
+    state: str          # running / finished / stopped / error / crashed / unreadable
+    script: str
+    steps: int | None   # iterations recorded (last step + 1)
+    dtype: str | None
+    scale: float | None
+    skipped: int | None
+    last_event: str
+    modified: float
+
+
+def _tail_records(path: Path) -> list[dict]:
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        size = fh.tell()
+        fh.seek(max(0, size - TAIL_BYTES))
+        data = fh.read()
+    lines = data.split(b"\n")
+    if size > TAIL_BYTES:
+        lines = lines[1:]  # the first line of the tail is probably cut
+    out = []
+    for raw in lines:
+        record = parse_record(raw.decode("utf-8", "replace")) if raw.strip() else None
+        if record is not None:
+            out.append(record)
+    return out
+
+
+def describe_run(run_dir: Path) -> RunRow:
+    session = run_dir / "session.jsonl"
+    modified = session.stat().st_mtime
+    try:
+        with open(session, "rb") as fh:
+            header = parse_record(fh.readline(1 << 20).decode("utf-8", "replace")) or {}
+        records = _tail_records(session)
+    except OSError:
+        return RunRow(run_dir, "unreadable", "?", None, None, None, None, "", modified)
+    steps = [r for r in records if r.get("type") == "step"]
+    events = [r for r in records if r.get("type") == "event"]
+    end = next((r for r in reversed(records) if r.get("type") == "end"), None)
+    last = steps[-1] if steps else None
+    if job_alive(run_dir):
+        state = "running"
+    elif end is not None:
+        state = {"finished": "finished", "error": "error"}.get(end.get("status"), "stopped")
+    else:
+        state = "crashed"
+    last_event = ""
+    if events:
+        e = events[-1]
+        last_event = f"step {e.get('step')}: {e.get('kind')}: {e.get('message', '')}"
+    dtype = (last or end or header).get("dtype")
+    scale = None
+    try:
+        scale = decode_float((last or {}).get("scale"))
+    except ValueError:
+        pass
+    return RunRow(
+        run_dir=run_dir, state=state, script=Path(str(header.get("script", "?"))).name,
+        steps=(last["step"] + 1) if last else 0, dtype=dtype, scale=scale,
+        skipped=(last or {}).get("skipped_total", 0), last_event=last_event, modified=modified)
+
+
+def list_runs(folder: Path) -> list[RunRow]:
+    """Every run directory directly under `folder` (newest first)."""
+    folder = Path(folder)
+    if (folder / "session.jsonl").is_file():
+        return [describe_run(folder)]
+    rows = [describe_run(d) for d in folder.iterdir() if (d / "session.jsonl").is_file()] \
+        if folder.is_dir() else []
+    return sorted(rows, key=lambda r: r.modified, reverse=True)
+
+
+def expand_folders(patterns: list[str]) -> tuple[list[Path], list[str]]:
+    """The folders (or run directories) named, a quoted glob like 'exp/*' expanded as the shell
+    would; and the names that matched nothing. A path that exists is taken as it is, even if its
+    name holds glob characters."""
+    found: list[Path] = []
+    missing: list[str] = []
+    for pattern in patterns:
+        if Path(pattern).exists():
+            found.append(Path(pattern))
+            continue
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else []
+        dirs = [Path(m) for m in matches if Path(m).is_dir()]
+        if dirs:
+            found.extend(dirs)
+        else:
+            missing.append(pattern)
+    return found, missing
+
+
+def list_runs_in(folders: list[Path]) -> list[RunRow]:
+    """The runs of every folder, each run once (a run named twice, or through two patterns),
+    newest first."""
+    rows: dict[Path, RunRow] = {}
+    for folder in folders:
+        for row in list_runs(folder):
+            rows.setdefault(row.run_dir.resolve(), row)
+    return sorted(rows.values(), key=lambda r: r.modified, reverse=True)
+
+
+def short_dtype(dtype: str | None) -> str:
+    return precision.SHORT.get(dtype or "", dtype or "?")

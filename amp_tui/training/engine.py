@@ -1,0 +1,436 @@
+"""The guarded mixed-precision step, usable on its own from a user's loop.
+
+Order of one iteration, as the seeds teach it:
+zero_grad(set_to_none=True) -> autocast around loss_fn only -> finite-loss check ->
+scaler.scale(loss).backward() -> scaler.unscale_ -> gradient figures -> optional clipping ->
+scaler.step -> scaler.update -> scheduler only when the update was really applied.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from amp_tui.core import precision
+from amp_tui.training.compiled import compiled_module_names, original_module
+from amp_tui.training.diagnose import Diagnosis, diagnose
+from amp_tui.training.probes import LayerFigures, LayerProbe
+
+
+ACT_UNMEASURED_UNDER_COMPILE = (
+    "act not measured under torch.compile: the compiled graph runs without amp-tui's hooks (it was "
+    "compiled before they were attached, e.g. by a call in setup()); gradients and weights are "
+    "measured")
+
+
+class PrecisionRefused(Exception):
+    """A dtype or scale change that can't be applied; the run goes on unchanged."""
+
+
+class LossError(Exception):
+    """loss_fn returned something that is not a scalar loss."""
+
+
+@dataclass
+class StepResult:
+    step: int                     # 0-based iteration index
+    loss: float                   # mean over micro-batches; NaN/inf when non-finite
+    scale: float | None           # the loss scale used in this step (None: no scaler)
+    skipped: bool                 # the optimizer update was not applied
+    skipped_total: int
+    updates_applied: int
+    dtype: str
+    micro_batches: int
+    nonfinite: str | None = None  # None, "loss" or "gradients"
+    first_nonfinite_layer: str | None = None
+    grad_norm: float | None = None
+    lr: float | None = None       # the lr this step's update used (before scheduler.step())
+    figures: LayerFigures | None = None
+    diagnosis: Diagnosis | None = None
+    next_scale: float | None = None  # the scale after scaler.update(): what the next step uses
+    duration: float = 0.0
+    wall_time: float = field(default_factory=time.time)
+
+
+@dataclass
+class _StartedStep:
+    batch: Any             # the micro-batch the forward ran on (step() checks it is the same)
+    loss: torch.Tensor     # with its graph, for the step's backward
+    seconds: float         # the forward's time, counted in the step's duration
+
+
+def check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(f"loss_fn returned a {type(loss).__name__}, not a tensor")
+    if loss.numel() != 1:
+        raise LossError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not a scalar "
+                        "(reduce it, e.g. with .mean())")
+    if not loss.is_floating_point():
+        raise LossError(f"loss_fn returned a {loss.dtype} tensor; a loss must be floating point")
+    if not loss.requires_grad:
+        raise LossError("loss_fn returned a tensor that does not require grad: "
+                        "it does not depend on the model's parameters")
+    return loss
+
+
+class GuardedTrainer:
+    """One guarded optimizer update per `step()`; dtype and scale can change between steps."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str = "float16",
+        init_scale: float = 65536.0,
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        probe: bool = True,
+        probe_every: int = 1,
+        underflow_every: int = 10,
+        diagnose: bool = True,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device = torch.device(device)
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        # torch.compile: the probes and the diagnosis look at the module the user wrote.
+        self.eager_model = original_module(model)
+        self.compiled_modules = compiled_module_names(model)
+        self.probe = LayerProbe(self.eager_model, keep_hooks=bool(self.compiled_modules)) if probe else None
+        # Set once a probed step of a compiled model ran none of the hooks: its graph was
+        # compiled before they were attached, and activations can't be measured inside it.
+        self.act_unmeasured: str | None = None
+        self.probe_every = max(1, int(probe_every))
+        self.underflow_every = max(1, int(underflow_every))  # in probed steps
+        self.diagnose_bad_steps = diagnose
+        if not (init_scale > 0 and math.isfinite(init_scale)):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
+        self.init_scale = float(init_scale)
+        self._fp16_scale = float(init_scale)   # where fp16 starts the next time it is entered
+        self._scale_value: float | None = None  # host copy of the live scaler's scale
+        self.scaler: torch.amp.GradScaler | None = None
+        self.dtype = precision.canonical(dtype)
+        reason = precision.unsupported_reason(self.device, self.dtype)
+        if reason:
+            raise PrecisionRefused(reason)
+        if precision.uses_scaler(self.dtype):
+            self._enter_fp16()
+        self.step_index = 0
+        self.updates_applied = 0
+        self.skipped_total = 0
+        self._started: _StartedStep | None = None  # a forward run ahead by start_step()
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        # Parameters the optimizer steps but no probed module owns: their gradients still need
+        # the device-side non-finite check when the probes judge the rest on the host.
+        owned = self.probe.owned_ids() if self.probe else set()
+        self._unprobed_params = [p for p in self._params if id(p) not in owned]
+        # Trainable parameters the optimizer doesn't hold: they get gradients and train nothing.
+        # GradScaler.unscale_ doesn't reach them and optimizer.zero_grad doesn't clear them, so
+        # both happen here, for their figures to be each step's true gradient like the others'.
+        held = {id(p) for p in self._params}
+        self.untrained_params = [p for p in model.parameters() if p.requires_grad and id(p) not in held]
+        if self.probe:
+            self.probe.set_untrained(self.untrained_params)
+
+    def compile_info(self) -> dict | None:
+        """What torch.compile changes in the figures (None: nothing in the model is compiled)."""
+        if not self.compiled_modules:
+            return None
+        measured = self.probe is not None and self.act_unmeasured is None
+        return {"modules": list(self.compiled_modules), "act": "in_graph" if measured else "not_measured",
+                "diagnosis": "eager"}
+
+    # ---- precision policy ---------------------------------------------------------------
+    @property
+    def layer_names(self) -> list[str]:
+        return self.probe.names if self.probe else []
+
+    @property
+    def scale(self) -> float | None:
+        return self._scale_value if self.scaler is not None else None
+
+    @property
+    def next_fp16_scale(self) -> float:
+        return self._scale_value if self.scaler is not None else self._fp16_scale
+
+    def _enter_fp16(self) -> None:
+        # A fresh scaler: a disabled scaler's state_dict() is {} and can't be loaded back.
+        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=self._fp16_scale)
+        self._scale_value = self._fp16_scale
+
+    def set_dtype(self, dtype: str) -> dict:
+        """Switch autocast dtype at a step boundary; returns {"before", "after"} for the record."""
+        new = precision.canonical(dtype)
+        before = self.describe_precision()
+        if new == self.dtype:
+            return {"before": before, "after": before}
+        reason = precision.unsupported_reason(self.device, new)
+        if reason:
+            raise PrecisionRefused(reason)
+        if self.scaler is not None:
+            self._fp16_scale = self._scale_value
+            self.scaler = None
+            self._scale_value = None
+        self.dtype = new
+        self.discard_started_step()  # it ran under the old dtype
+        if precision.uses_scaler(new):
+            self._enter_fp16()
+        return {"before": before, "after": self.describe_precision()}
+
+    def set_scale(self, value: float | str) -> dict:
+        """Set the loss scale (a number, or "half"); also the init_scale for the next fp16 entry."""
+        before = self.describe_precision()
+        current = self.next_fp16_scale
+        new = current / 2.0 if value == "half" else float(value)
+        if not (math.isfinite(new) and new > 0):
+            raise PrecisionRefused(f"scale must be a positive finite number, got {value!r}")
+        self.init_scale = new
+        self._fp16_scale = new
+        if self.scaler is not None:
+            self._load_scaler_state({**self.scaler.state_dict(), "scale": new, "_growth_tracker": 0})
+        return {"before": before, "after": self.describe_precision()}
+
+    def _load_scaler_state(self, state: dict) -> None:
+        self.scaler.load_state_dict(state)
+        self._scale_value = float(state["scale"])
+
+    def clamp_scale(self, value: float) -> None:
+        """Hold the live scaler at `value` (a --min-scale guard), keeping its growth tracker."""
+        if self.scaler is not None:
+            self._load_scaler_state({**self.scaler.state_dict(), "scale": float(value)})
+
+    def describe_precision(self) -> dict:
+        return {"dtype": self.dtype, "scale": self.scale, "init_scale": self.init_scale,
+                "fp16_scale": self.next_fp16_scale}
+
+    # ---- checkpoint state ---------------------------------------------------------------
+    def scaler_state(self) -> dict | None:
+        if self.scaler is None:
+            return None
+        return dict(self.scaler.state_dict())
+
+    def checkpoint_extra(self) -> dict:
+        return {"init_scale": self.init_scale, "fp16_scale": self.next_fp16_scale,
+                "updates_applied": self.updates_applied, "skipped_total": self.skipped_total}
+
+    def restore_scaler(self, state: dict | None) -> None:
+        """After weights/optimizer were restored: put the checkpoint's scale where it belongs."""
+        if state is None:
+            return
+        if self.scaler is not None:
+            self._load_scaler_state(dict(state))
+        else:
+            self._fp16_scale = float(state["scale"])  # carried until fp16 is entered again
+
+    # ---- the guarded step ---------------------------------------------------------------
+    def probing_next(self) -> bool:
+        return self.probe is not None and self.step_index % self.probe_every == 0
+
+    def start_step(self, batch: Any) -> torch.Tensor:
+        """Run the next step's forward on `batch` now, and keep it: when step() is then given
+        `batch` as its first micro-batch, it goes on from this forward instead of calling
+        loss_fn again. amp-tui's pre-flight check is this forward, so loss_fn runs exactly as
+        often, on the same state, as in a plain loop. Raises what the forward raises (LossError
+        for a loss that is not a scalar), keeping nothing."""
+        self.discard_started_step()
+        started = time.perf_counter()
+        probe = self.probe if self.probing_next() else None
+        if probe:
+            probe.begin()
+        try:
+            loss = self._forward(batch)
+        except BaseException:
+            if probe:
+                probe.end()
+            raise
+        self._started = _StartedStep(batch, loss, time.perf_counter() - started)
+        return loss
+
+    def discard_started_step(self) -> None:
+        """Forget the forward start_step() kept: the precision or the weights changed since, so
+        the step runs its forward again."""
+        self._started = None
+
+    def step(self, micro_batches: Sequence[Any]) -> StepResult:
+        """One iteration over `micro_batches` (already on the device): one update attempt."""
+        if not micro_batches:
+            raise ValueError("step() needs at least one micro-batch")
+        ahead, self._started = self._started, None
+        if ahead is not None and ahead.batch is not micro_batches[0]:
+            ahead = None  # kept for another batch
+        started = time.perf_counter()
+        probe = self.probe if self.probing_next() else None
+        if probe and ahead is None:
+            probe.begin()  # (start_step began it for its forward)
+        try:
+            result = self._step(micro_batches, probe, ahead.loss if ahead is not None else None)
+        except BaseException:
+            if probe:
+                probe.end()
+            raise
+        result.duration = time.perf_counter() - started + (ahead.seconds if ahead is not None else 0.0)
+        if probe and self.compiled_modules and result.figures is not None and not result.figures.order:
+            self.act_unmeasured = self.act_unmeasured or ACT_UNMEASURED_UNDER_COMPILE
+        self.step_index += 1
+        if probe and not self.probing_next():
+            probe.end()  # the hooks stay on only while the next step is probed too
+        return result
+
+    def close(self) -> None:
+        """Leave the user's model as it was given: no hooks of ours on it."""
+        self.discard_started_step()
+        if self.probe:
+            self.probe.detach()
+
+    def _forward(self, batch):
+        return check_loss(self._forward_unchecked(batch))
+
+    def _step(self, micro_batches, probe: LayerProbe | None, first_loss: torch.Tensor | None) -> StepResult:
+        opt, scaler = self.optimizer, self.scaler
+        used_scale = self._scale_value if scaler is not None else None
+        lr = self._lr_in_use()
+        self._zero_grad()
+        n = len(micro_batches)
+        losses: list[float] = []
+        bad_batch = None
+        for i, batch in enumerate(micro_batches):
+            loss = first_loss if i == 0 and first_loss is not None else self._forward(batch)
+            value = float(loss.detach().float())  # the one sync the finite-loss check needs
+            losses.append(value)
+            if not math.isfinite(value):
+                bad_batch = batch
+                break
+            scaled = loss / n if n > 1 else loss
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        mean_loss = sum(losses) / len(losses)
+
+        if bad_batch is not None:
+            # No backward, no update: the guard the seeds ask for. Then find where it went wrong.
+            self._zero_grad()
+            figures = probe.collect()[0] if probe else None
+            diagnosis = self._diagnose([bad_batch], used_scale, backward=False)
+            first = diagnosis.forward_layer if diagnosis else None
+            if first is None and figures is not None:
+                index = figures.first_nonfinite("act")
+                first = self.layer_names[index] if index is not None else None
+            return self._finish(mean_loss, used_scale, lr, skipped=True, nonfinite="loss",
+                                first_layer=first, figures=figures, micro=n, diagnosis=diagnosis)
+
+        if scaler is not None:
+            scaler.unscale_(opt)
+            self._unscale_untrained(used_scale)
+        found_inf = None
+        if probe:
+            probed = self.step_index // self.probe_every
+            probe.record_gradients(used_scale, underflow=probed % self.underflow_every == 0)
+        if scaler is None and (self._unprobed_params or not probe):
+            params = self._unprobed_params if probe else self._params
+            found_inf = _nonfinite_flag([p.grad for p in params if p.grad is not None], self.device)
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+        if probe:
+            probe.record_weights()  # before the update: the weights this step's forward used
+        if scaler is None:
+            # bf16/fp32: nothing skips for us, so check before stepping (one sync).
+            extra = ([found_inf] if found_inf is not None else []) + ([grad_norm] if grad_norm is not None else [])
+            figures, host = probe.collect(extra) if probe else (None, _to_host(extra))
+            skipped = (found_inf is not None and host.pop(0) > 0) or bool(figures and figures.grads_nonfinite)
+            if not skipped:
+                opt.step()
+        else:
+            scaler.step(opt)  # a fused optimizer is called even on overflow: judge by the scale
+            scaler.update()
+            extra = [scaler._scale] + ([grad_norm] if grad_norm is not None else [])
+            figures, host = probe.collect(extra) if probe else (None, _to_host(extra))
+            new_scale = host[0]
+            skipped = new_scale < used_scale
+            self._scale_value = new_scale
+        if grad_norm is not None:
+            grad_norm = host[-1]
+        if not skipped and self.scheduler is not None:
+            self.scheduler.step()
+        first, diagnosis = None, None
+        if skipped:
+            diagnosis = self._diagnose(micro_batches, used_scale, backward=True)
+            first = diagnosis.backward_layer if diagnosis else None
+            if first is None and figures is not None:
+                index = figures.first_nonfinite("grad")
+                first = self.layer_names[index] if index is not None else None
+        return self._finish(mean_loss, used_scale, lr, skipped=skipped,
+                            nonfinite="gradients" if skipped else None, first_layer=first,
+                            figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis)
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.untrained_params:
+            p.grad = None
+
+    def _unscale_untrained(self, scale: float) -> None:
+        grads = [p.grad for p in self.untrained_params if p.grad is not None]
+        if grads:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, 1.0 / scale)  # as GradScaler.unscale_ does for the rest
+
+    def _lr_in_use(self):
+        """The first param group's lr as this step's update uses it: read before the scheduler
+        moves it on for the next step."""
+        lr = self.optimizer.param_groups[0].get("lr")
+        if isinstance(lr, torch.Tensor):
+            return lr.detach().clone()  # schedulers update a tensor lr in place
+        return lr
+
+    def _finish(self, loss, scale, lr, *, skipped, nonfinite, first_layer, figures, micro,
+                grad_norm=None, diagnosis=None):
+        if skipped:
+            self.skipped_total += 1
+        else:
+            self.updates_applied += 1
+        return StepResult(
+            step=self.step_index, loss=loss, scale=scale, skipped=skipped,
+            skipped_total=self.skipped_total, updates_applied=self.updates_applied,
+            dtype=self.dtype, micro_batches=micro, nonfinite=nonfinite,
+            first_nonfinite_layer=first_layer, grad_norm=grad_norm,
+            lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None,
+            figures=figures, diagnosis=diagnosis, next_scale=self.scale)
+
+    def _diagnose(self, micro_batches, scale: float | None, *, backward: bool) -> Diagnosis | None:
+        """The second, checked pass over a bad step's micro-batches (the first that shows it)."""
+        if not self.diagnose_bad_steps:
+            return None
+        diagnosis = None
+        for batch in micro_batches:
+            diagnosis = diagnose(self.eager_model, lambda: self._forward_unchecked(batch, self.eager_model),
+                                 scale=scale, device=self.device, backward=backward)
+            if diagnosis.forward_layer or diagnosis.backward_layer:
+                break
+        self._zero_grad()
+        return diagnosis
+
+    def _forward_unchecked(self, batch, model: torch.nn.Module | None = None):
+        enabled = precision.uses_autocast(self.dtype)
+        with torch.autocast(self.device.type, dtype=precision.torch_dtype(self.dtype), enabled=enabled):
+            return self.loss_fn(self.model if model is None else model, batch)
+
+
+def _to_host(scalars: list[torch.Tensor]) -> list[float]:
+    return torch.stack([t.reshape(()).float() for t in scalars]).tolist()
+
+
+def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 on the device when any gradient holds inf/NaN, without leaving the device."""
+    if not grads:
+        return torch.zeros((), device=device)
+    with torch.no_grad():
+        # max|g| via aminmax is NaN or inf exactly when g holds a non-finite value.
+        ext = torch.stack([x.float() for g in grads for x in torch.aminmax(g.detach())])
+        return (~torch.isfinite(ext)).any().float()

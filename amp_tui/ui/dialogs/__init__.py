@@ -1,0 +1,1 @@
+"""Modal dialogs, one per module."""

@@ -1,0 +1,1 @@
+"""Full screens: the dashboard and the help."""

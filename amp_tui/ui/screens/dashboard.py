@@ -1,0 +1,191 @@
+"""The main screen: lays out the widgets and feeds them one Snapshot at a time.
+
+The app decides *when* to look (its timer, skipping unchanged versions); this screen decides
+*what* each widget shows, and how often. Every repaint costs the UI thread, which shares the GIL
+and the cores with training, so figures that only tick with the steps are paced (`Pacing`): the
+status bar, the layer table, and the charts (less often still if their last redraw was costly).
+What the user caused or must see at once (a state change such as a pause or a stop, a queued
+command, a dtype or scale change, a new non-finite origin, an intervention, restore, alert or
+error event, a key that moves a paused replay) is drawn at the next tick, by the status bar and
+the layer table together, so they show the same step. Every widget skips its update when
+its content didn't change.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from textual import events
+from textual.app import ComposeResult
+from textual.containers import Container, Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from amp_tui.sources.protocol import Snapshot
+from amp_tui.ui.widgets.charts import LossChart, ScaleChart
+from amp_tui.ui.widgets.error_panel import ErrorPanel
+from amp_tui.ui.widgets.event_log import EventLog
+from amp_tui.ui.widgets.layer_table import LayerTable
+from amp_tui.ui.widgets.notice import PauseNotice
+from amp_tui.ui.widgets.status_bar import StatusBar
+from amp_tui.ui.text import short_dtype
+from amp_tui.ui.widgets.too_small import TooSmall, too_small
+from amp_tui.ui.view import (current_precision, layer_rows, newest_notable_event, nonfinite_origin,
+                             nonfinite_pause, unmeasured_note)
+
+
+@dataclass(frozen=True)
+class Pacing:
+    status_s: float   # step, loss, scale
+    table_s: float    # a full table repaint costs ~10 ms at 120x40
+    charts_s: float   # a run's history needn't move faster
+    chart_budget: float  # the charts' share of the UI thread at most (a plotext build costs
+                         # 10-50 ms, more on a big terminal or a busy CPU)
+
+
+# Beside a training run (in this process or another on the same machine) every repaint spared is
+# time the training gets back: the step counter twice a second is still a live number.
+TRAINING_PACE = Pacing(status_s=0.5, table_s=2.0, charts_s=5.0, chart_budget=0.01)
+# A replay has nothing to compete with: keys that step or seek show their frame at once.
+REPLAY_PACE = Pacing(status_s=0.0, table_s=0.5, charts_s=1.0, chart_budget=0.04)
+
+
+class DashboardScreen(Screen):
+    DEFAULT_CSS = """
+    DashboardScreen #main {
+        height: 1fr;
+    }
+    DashboardScreen #charts {
+        height: 2fr;
+        min-height: 8;
+    }
+    DashboardScreen #charts > RunChart {
+        width: 1fr;
+    }
+    DashboardScreen #lower {
+        height: 3fr;
+    }
+    DashboardScreen #left {
+        width: 2fr;
+    }
+    DashboardScreen EventLog {
+        width: 1fr;
+        min-width: 30;
+    }
+    DashboardScreen #lower.-error LayerTable {
+        display: none;
+    }
+    DashboardScreen.-too-small #main, DashboardScreen.-too-small StatusBar,
+    DashboardScreen.-too-small Footer {
+        display: none;
+    }
+    DashboardScreen.-too-small TooSmall {
+        display: block;
+    }
+    """
+
+    def __init__(self, compact_footer: bool = False, *,
+                 pace_clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(id="dashboard")
+        self.compact_footer = compact_footer
+        self.pace_clock = pace_clock   # what the pacing measures intervals with
+        # Held, not queried: the app's timer draws through these even while a dialog is on top
+        # or the app is shutting down.
+        self.status_bar = StatusBar(id="status")
+        self.loss_chart = LossChart(id="loss-chart")
+        self.scale_chart = ScaleChart(id="scale-chart")
+        self.pause_notice = PauseNotice(id="notice")
+        self.layer_table = LayerTable(id="layers")
+        self.error_panel = ErrorPanel(id="error")
+        self.event_log = EventLog(id="events")
+        self.too_small_message = TooSmall(id="too-small")
+        self.lower_row = Horizontal(id="lower")
+        self._history_key: tuple | None = None
+        self._layers_key: tuple | None = None
+        self._charts_at = -math.inf
+        self._table_at = -math.inf
+        self._status_at = -math.inf
+        self._status_urgent: tuple | None = None
+        self._table_urgent: tuple | None = None
+        self._charts_urgent: tuple | None = None
+
+    def compose(self) -> ComposeResult:
+        yield self.status_bar
+        with Container(id="main"):
+            with Horizontal(id="charts"):
+                yield self.loss_chart
+                yield self.scale_chart
+            yield self.pause_notice
+            with self.lower_row:
+                with Vertical(id="left"):
+                    yield self.layer_table
+                    yield self.error_panel
+                yield self.event_log
+        yield self.too_small_message
+        yield Footer(compact=self.compact_footer)
+
+    def on_mount(self) -> None:
+        self.layer_table.focus()
+
+    def on_resize(self, event: events.Resize) -> None:
+        small = too_small(event.size.width, event.size.height)
+        self.set_class(small, "-too-small")
+        if small:
+            self.too_small_message.show_size(event.size.width, event.size.height)
+
+    def show(self, snap: Snapshot, *, pending: list[str], stopping: bool, now: float,
+             where: list[tuple[str, str]], playback: str | None = None) -> bool:
+        """Draw `snap`; False when the charts or the table still wait for their turn."""
+        prec = current_precision(snap)
+        pace = TRAINING_PACE if snap.mode in ("live", "attached") else REPLAY_PACE
+        tick = self.pace_clock()
+        done = True
+        origin = nonfinite_origin(snap)
+        # What the user caused or must see: the status bar and the layer table draw it at the
+        # same tick, so both show the same step; only the steady ticking of steps is paced.
+        urgent = (snap.state, snap.mode, tuple(pending), stopping, playback, prec, snap.error is not None,
+                  origin, len(snap.layers.names), newest_notable_event(snap),
+                  snap.position if snap.state == "replay-paused" else None)  # a key moved the replay
+        if urgent != self._status_urgent or tick - self._status_at >= pace.status_s:
+            self._status_urgent, self._status_at = urgent, tick
+            self.status_bar.show(snap, prec, pending=pending, stopping=stopping, now=now,
+                                 playback=playback)
+        else:
+            done = False
+        self.event_log.show(snap)
+        self.pause_notice.show(nonfinite_pause(snap))
+        self.error_panel.show(snap.error, where if snap.error else [])
+        self.lower_row.set_class(snap.error is not None, "-error")
+        h = snap.history
+        history_key = (len(h.steps), h.steps[-1] if h.steps else None, h.stride,
+                       len(h.skipped_steps), len(h.intervention_steps))
+        if history_key != self._history_key:
+            cost = self.loss_chart.cost_s + self.scale_chart.cost_s
+            # The first points, and a new intervention mark, don't wait for the pace: "waiting
+            # for the first step" must not stay up while the status bar counts steps.
+            charts_urgent = (bool(h.steps), len(h.intervention_steps))
+            if (charts_urgent != self._charts_urgent
+                    or tick - self._charts_at >= max(pace.charts_s, cost / pace.chart_budget)):
+                self._history_key, self._charts_at, self._charts_urgent = history_key, tick, charts_urgent
+                self.loss_chart.show(h)
+                self.scale_chart.show(h)
+            else:
+                done = False
+        note = unmeasured_note(snap)
+        layers_key = (snap.layers.step, len(snap.layers.names), prec, origin, note)
+        if layers_key != self._layers_key:
+            if urgent != self._table_urgent or tick - self._table_at >= pace.table_s:
+                self._layers_key, self._table_at, self._table_urgent = layers_key, tick, urgent
+                self.layer_table.show(layer_rows(snap.layers, prec), snap.layers.step,
+                                      short_dtype(prec.dtype), origin, note)
+            else:
+                done = False
+        else:
+            self._table_urgent = urgent   # the table is up to date: nothing to catch up on
+        return done
+
+    def sort_layers(self, column: str) -> None:
+        self.layer_table.sort_by(column)

@@ -1,0 +1,132 @@
+"""The two status lines at the top: what runs where, and the numbers that matter right now."""
+
+from __future__ import annotations
+
+import math
+from pathlib import PurePath
+
+from rich.text import Text
+from textual.strip import Strip
+from textual.widget import Widget
+
+from amp_tui.sources.protocol import Snapshot
+from amp_tui.ui.text import literal, loss_text, same_text, short_dtype
+from amp_tui.ui.view import Precision, as_float
+
+STATE_STYLES = {
+    "starting": "black on grey70",
+    "running": "black on green",
+    "paused": "black on yellow",
+    "stopping": "black on yellow",
+    "stopped": "white on blue",
+    "finished": "white on blue",
+    "error": "bold white on red",
+}
+STALL_AFTER_S = 10.0  # a running run with no new step for this long is flagged
+
+
+class StatusBar(Widget):
+    """Two fixed lines, redrawn as often as a step lands: kept to the Line API and rendered only
+    when the text changed (a Static's update costs several times more on the UI thread)."""
+
+    DEFAULT_CSS = """
+    StatusBar {
+        height: 2;
+        padding: 0 1;
+        background: $panel;
+    }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._text = Text()
+        self._strips: list[Strip] | None = None
+        self._width = 0
+
+    def show(self, snap: Snapshot, prec: Precision, *, pending: list[str], stopping: bool,
+             now: float, playback: str | None = None) -> None:
+        text = status_text(snap, prec, pending=pending, stopping=stopping, now=now,
+                           playback=playback)
+        if not same_text(text, self._text):
+            self._text = text
+            self._strips = None
+            self.refresh()
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        if self._strips is None or width != self._width:
+            console = self.app.console
+            options = console.options.update(width=width, height=2, no_wrap=True,
+                                             overflow="ellipsis")
+            lines = console.render_lines(self._text, options, style=self.rich_style, pad=True)
+            self._strips = [Strip(line, width) for line in lines[:2]]
+            self._width = width
+        return self._strips[y] if y < len(self._strips) else Strip.blank(width, self.rich_style)
+
+    def render(self) -> Text:   # for tests and screenshots' text: what the two lines say
+        return self._text
+
+
+def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping: bool,
+                now: float, playback: str | None = None) -> Text:
+    """`playback`: a replay's "paused · 16 steps/s" (then the badge is the recorded run's state)."""
+    header, last = snap.header, snap.last or {}
+    state = getattr(snap, "run_state", None) if playback is not None else None
+    state = state or snap.state
+    if stopping and snap.mode in ("live", "attached") and state in ("running", "paused", "starting"):
+        state = "stopping"
+    text = Text()
+    text.append(f" {state.upper()} ", style=STATE_STYLES.get(state, "reverse"))
+    text.append(" ")
+    text.append(f" {short_dtype(prec.dtype)} ", style="bold black on cyan")
+    text.append(" ")
+    script = header.get("script")
+    text.append_text(literal(PurePath(script).name if script else "starting…", "bold"))
+    device = header.get("device")
+    if isinstance(device, dict):
+        text.append("  on ", style="dim")
+        text.append_text(literal(f"{device.get('backend', '?')} {device.get('name', '')}".strip()))
+    if snap.mode == "attached":
+        text.append("  attached (q detaches, Q stops the job)", style="bold magenta")
+    elif snap.mode != "live":
+        text.append(f"  {snap.mode} (read-only)", style="bold magenta")
+        if playback is not None:
+            text.append(f": {playback}", style="magenta")
+    if snap.notice:
+        text.append("  ")
+        text.append_text(literal(snap.notice, "yellow"))
+    stalled = _stalled_for(snap, last, now)
+    if stalled is not None:
+        text.append(f"  no step for {stalled:.0f} s", style="bold yellow")
+    if pending:
+        text.append("  queued: ", style="dim")
+        text.append_text(literal(", ".join(pending), "italic"))
+    text.append("\n")
+
+    # The numbers, most important first: the line is cut at the right on a narrow terminal.
+    iterations = int(last["step"]) + 1 if "step" in last else 0
+    total = snap.total_steps
+    text.append("step ", style="dim")
+    text.append(f"{iterations}/{total}" if total else str(iterations), style="bold")
+    loss = as_float(last.get("loss"))
+    _field(text, "loss", loss_text(loss), "bold red" if loss is not None and not math.isfinite(loss) else "bold")
+    _field(text, "scale", f"{prec.scale:g}" if prec.scale is not None else "none")
+    skipped = int(last.get("skipped_total", 0) or 0)
+    _field(text, "skipped", str(skipped), "bold yellow" if skipped else "bold")
+    _field(text, "applied", f"{last.get('updates', 0)}/{iterations}")
+    running = snap.state == "running" and snap.steps_per_second  # a paused rate means nothing
+    _field(text, "it/s", f"{snap.steps_per_second:.1f}" if running else "-")
+    return text
+
+
+def _field(text: Text, label: str, value: str, style: str = "bold") -> None:
+    text.append(f"  {label} ", style="dim")
+    text.append(value, style=style)
+
+
+def _stalled_for(snap: Snapshot, last: dict, now: float) -> float | None:
+    t = last.get("time")
+    if snap.mode not in ("live", "attached") or snap.state != "running" or not isinstance(t, (int, float)):
+        return None
+    waited = now - t
+    return waited if waited >= STALL_AFTER_S else None
