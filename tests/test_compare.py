@@ -245,8 +245,8 @@ def test_nonfinite_reference_fails(write_script, capsys):
 
 def test_unsupported_dtype_is_reported_not_a_crash(write_script, capsys, monkeypatch):
     from amp_tui.core import precision
-    real = precision.unsupported_reason
-    monkeypatch.setattr(precision, "unsupported_reason",
+    real = compare.unsupported_reason
+    monkeypatch.setattr(compare, "unsupported_reason",
                         lambda device, dtype: "bf16 is not supported on this test device"
                         if precision.canonical(dtype) == "bfloat16" else real(device, dtype))
     script = write_script(NEAR_TIE)

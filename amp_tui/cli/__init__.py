@@ -186,7 +186,7 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         raise ScriptError(f"{run_dir} already holds a session; choose another --run-dir (or --resume it)")
     candidates = list_checkpoints(run_dir / "checkpoints") if args.resume is not None else []
     dtype = args.dtype or next((c.dtype for c in candidates if c.dtype), None) or "float16"
-    from amp_tui.core.precision import unsupported_reason
+    from amp_tui.training.autocast import unsupported_reason
     reason = unsupported_reason(device, dtype)
     if reason:
         from amp_tui.training.engine import PrecisionRefused

@@ -35,6 +35,7 @@ from amp_tui.cli import argtypes
 from amp_tui.core import precision
 from amp_tui.core.numfmt import number
 from amp_tui.core.jsonsafe import encode_float
+from amp_tui.training.autocast import autocast, unsupported_reason
 from amp_tui.training.script import ScriptError, TrainSetup, describe_exception
 
 # ---- defaults, all documented in docs/compare.md -------------------------------------------
@@ -326,9 +327,7 @@ class _PredictFailed(Exception):
 def _predict_scores(model, batch, predict, device: torch.device, dtype: str) -> torch.Tensor:
     """predict(model, batch) in eval, under no_grad, with autocast in `dtype` (off for fp32);
     the scores come back as float32."""
-    enabled = precision.uses_autocast(dtype)
-    with torch.no_grad(), torch.autocast(device.type, dtype=precision.torch_dtype(dtype),
-                                         enabled=enabled):
+    with torch.no_grad(), autocast(device.type, dtype):
         try:
             raw = predict(model, batch)
         except Exception as exc:  # noqa: BLE001 - reported by the caller with the batch index
@@ -364,7 +363,7 @@ def validate(setup: TrainSetup, device: torch.device, dtypes: list[str], criteri
     tallies: dict[str, _Tally] = {}
     results: dict[str, DtypeResult] = {}
     for dtype in dtypes:
-        reason = precision.unsupported_reason(device, dtype)
+        reason = unsupported_reason(device, dtype)
         if reason:
             results[dtype] = DtypeResult(dtype, "unsupported", reason=reason)
         else:
@@ -670,8 +669,6 @@ def lean_steps(model, optimizer, loss_fn, batches: list, device: torch.device, d
     run = SpeedRun(dtype)
     use_scaler = precision.uses_scaler(dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
-    enabled = precision.uses_autocast(dtype)
-    autocast_dtype = precision.torch_dtype(dtype)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     cuda = device.type == "cuda"
     model.train()
@@ -686,7 +683,7 @@ def lean_steps(model, optimizer, loss_fn, batches: list, device: torch.device, d
         for _ in range(accumulate):
             batch = batches[feed % len(batches)]
             feed += 1
-            with torch.autocast(device.type, dtype=autocast_dtype, enabled=enabled):
+            with autocast(device.type, dtype):
                 loss = loss_fn(model, batch)
             if accumulate > 1:
                 loss = loss / accumulate

@@ -1,8 +1,8 @@
-"""Precision policy: dtype names, their ranges, and what a device can run."""
+"""Precision names and ranges: what a dtype is called and how far it reaches. No torch here:
+the read side (reports, replays) needs these too; what a device can run is in
+amp_tui.training.autocast."""
 
 from __future__ import annotations
-
-import math
 
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -33,11 +33,6 @@ def canonical(name: str) -> str:
     return _ALIASES[key]
 
 
-def torch_dtype(name: str):
-    import torch
-    return getattr(torch, canonical(name))
-
-
 def uses_autocast(name: str) -> bool:
     return canonical(name) != "float32"
 
@@ -45,28 +40,3 @@ def uses_autocast(name: str) -> bool:
 def uses_scaler(name: str) -> bool:
     # bf16 has fp32's exponent range: gradients don't underflow, so no loss scaling.
     return canonical(name) == "float16"
-
-
-def headroom_bits(value: float, dtype: str) -> float | None:
-    """log2(max finite / value): how many doublings are left before overflow; None if unknown."""
-    if value is None or not math.isfinite(value):
-        return None if value is None else -math.inf
-    if value <= 0:
-        return math.inf
-    return math.log2(MAX_FINITE[canonical(dtype)] / value)
-
-
-def unsupported_reason(device, dtype: str) -> str | None:
-    """Why `dtype` can't run on `device` (a torch.device), or None when it can."""
-    import torch
-    dtype = canonical(dtype)
-    if dtype == "float32":
-        return None
-    if device.type == "cuda":
-        if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
-            return (f"bf16 is not supported on {torch.cuda.get_device_name(device)} "
-                    "(NVIDIA needs Ampere or newer); staying in the current dtype")
-        return None
-    if device.type in ("cpu", "xpu", "mps", "hpu"):
-        return None
-    return f"autocast is not available on device type {device.type!r}"

@@ -24,6 +24,7 @@ import torch
 import amp_tui
 from amp_tui.training import checkpoint as ckpt
 from amp_tui.core import precision
+from amp_tui.training.autocast import unsupported_reason
 from amp_tui.core.commands import Command, CommandQueue, Outcome
 from amp_tui.training.devices import describe_device, move_to_device
 from amp_tui.training.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult
@@ -501,7 +502,7 @@ class Run:
 
     def _apply_guards(self, result: StepResult) -> None:
         t = self.trainer
-        bf16_ok = precision.unsupported_reason(self.device, "bfloat16") is None
+        bf16_ok = unsupported_reason(self.device, "bfloat16") is None
         decisions = self.guard.observe(result, t.scale, bf16_ok)
         if decisions.clamp_scale is not None:
             t.clamp_scale(decisions.clamp_scale)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from amp_tui.core import precision
+from amp_tui.training.autocast import autocast, unsupported_reason
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.diagnose import Diagnosis, diagnose
 from amp_tui.training.probes import LayerFigures, LayerProbe
@@ -119,7 +120,7 @@ class GuardedTrainer:
         self._scale_value: float | None = None  # host copy of the live scaler's scale
         self.scaler: torch.amp.GradScaler | None = None
         self.dtype = precision.canonical(dtype)
-        reason = precision.unsupported_reason(self.device, self.dtype)
+        reason = unsupported_reason(self.device, self.dtype)
         if reason:
             raise PrecisionRefused(reason)
         if precision.uses_scaler(self.dtype):
@@ -173,7 +174,7 @@ class GuardedTrainer:
         before = self.describe_precision()
         if new == self.dtype:
             return {"before": before, "after": before}
-        reason = precision.unsupported_reason(self.device, new)
+        reason = unsupported_reason(self.device, new)
         if reason:
             raise PrecisionRefused(reason)
         if self.scaler is not None:
@@ -417,8 +418,7 @@ class GuardedTrainer:
         return diagnosis
 
     def _forward_unchecked(self, batch, model: torch.nn.Module | None = None):
-        enabled = precision.uses_autocast(self.dtype)
-        with torch.autocast(self.device.type, dtype=precision.torch_dtype(self.dtype), enabled=enabled):
+        with autocast(self.device.type, self.dtype):
             return self.loss_fn(self.model if model is None else model, batch)
 
 

@@ -64,7 +64,8 @@ class LayerRow:
 
 
 def headroom(value: float | None, max_finite: float) -> float | None:
-    """Bits left before `value` reaches `max_finite` (same rule as precision.headroom_bits)."""
+    """Bits left before `value` reaches `max_finite`: log2(max_finite / value); -inf once it is
+    non-finite, inf for zero, None when not measured."""
     if value is None:
         return None
     value = abs(value)

@@ -1,0 +1,34 @@
+"""Autocast as a run applies it: the torch dtype of a precision name, what a device can run, and
+the one context manager every forward of ours goes through."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from amp_tui.core.precision import canonical, uses_autocast
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, canonical(name))
+
+
+def autocast(device_type: str, dtype: str) -> contextlib.AbstractContextManager:
+    """`torch.autocast` for a precision name; fp32 is autocast turned off."""
+    return torch.autocast(device_type, dtype=torch_dtype(dtype), enabled=uses_autocast(dtype))
+
+
+def unsupported_reason(device, dtype: str) -> str | None:
+    """Why `dtype` can't run on `device` (a torch.device), or None when it can."""
+    dtype = canonical(dtype)
+    if dtype == "float32":
+        return None
+    if device.type == "cuda":
+        if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+            return (f"bf16 is not supported on {torch.cuda.get_device_name(device)} "
+                    "(NVIDIA needs Ampere or newer); staying in the current dtype")
+        return None
+    if device.type in ("cpu", "xpu", "mps", "hpu"):
+        return None
+    return f"autocast is not available on device type {device.type!r}"
