@@ -51,7 +51,8 @@ def generate(path: Path, steps: int, layers: int, seed: int = 0) -> None:
     """A realistic recording written with SessionWriter + step_record (see the module docstring)."""
     from amp_tui.training.engine import StepResult
     from amp_tui.training.probes import LayerFigures
-    from amp_tui.recording.session import SessionWriter, event_record, step_record
+    from amp_tui.recording.writer import SessionWriter
+    from amp_tui.recording.format import event_record, step_record
 
     rng = random.Random(seed)
     names = layer_names(layers)
@@ -166,7 +167,7 @@ def old_encoding_bytes(path: Path, sample: int = 2000) -> tuple[float, float]:
     from amp_tui.core import jsonsafe
 
     def old(v, digits):
-        return jsonsafe.encode_float(jsonsafe.decode_float(v), digits) if v is not None else None
+        return jsonsafe.encode_float(jsonsafe.read_float(v), digits) if v is not None else None
 
     new_total = old_total = count = 0
     with open(path, "rb") as fh:

@@ -11,7 +11,7 @@ from amp_tui.sources.attached import AttachedSource
 from amp_tui.cli import main
 from amp_tui.core.commands import Command
 from amp_tui.job.control import job_alive, send
-from amp_tui.recording.session import read_session
+from amp_tui.recording.reader import read_session
 from amp_tui.ui.app import create_app
 
 from test_dashboard import run_async, toasts, until

@@ -21,7 +21,7 @@ from rich.console import Console
 from amp_tui.cli import build_parser, prepare_run
 from amp_tui.job.control import send
 from amp_tui.cli.headless import HeadlessPrinter
-from amp_tui.recording.session import read_session
+from amp_tui.recording.reader import read_session
 
 from test_faults import wait_for
 

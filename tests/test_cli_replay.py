@@ -3,7 +3,7 @@
 import json
 
 from amp_tui.cli import main
-from amp_tui.recording.session import read_session
+from amp_tui.recording.reader import read_session
 
 
 def test_timeline_as_at_and_repeat(mlp_script, tmp_path, capsys):

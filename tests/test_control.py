@@ -13,7 +13,7 @@ import pytest
 
 from amp_tui.cli import build_parser, main, prepare_run
 from amp_tui.job.control import ControlError, check_socket_permissions, send, socket_path
-from amp_tui.recording.session import read_session
+from amp_tui.recording.reader import read_session
 
 from test_faults import SLOW_SCRIPT, wait_for
 

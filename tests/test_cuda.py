@@ -95,7 +95,7 @@ def test_train_on_cuda_with_a_model_built_on_the_cpu(mlp_script, tmp_path):
     # runs on the moved model, with the batch on the device, on the main thread, and step 0's
     # backward on the training thread.
     from amp_tui.cli import main
-    from amp_tui.recording.session import read_session
+    from amp_tui.recording.reader import read_session
     run_dir = tmp_path / "run"
     assert main(["train", str(mlp_script), "--headless", "--device", "cuda", "--steps", "3",
                  "--run-dir", str(run_dir)]) == 0

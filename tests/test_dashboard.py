@@ -19,7 +19,7 @@ from textual.widgets._toast import Toast
 
 from amp_tui.cli import build_parser, prepare_run
 from amp_tui.core.commands import Outcome
-from amp_tui.recording.session import read_session
+from amp_tui.recording.reader import read_session
 from amp_tui.sources.protocol import LayerView, LiveSource
 from amp_tui.ui import view
 from amp_tui.ui.app import AmpTuiApp, create_app
@@ -31,7 +31,8 @@ from amp_tui.ui.widgets.layer_table import LayerTable
 from amp_tui.ui.widgets.notice import PauseNotice
 from amp_tui.ui.dialogs.restore_dialog import check_path
 from amp_tui.ui.dialogs.scale_dialog import ScaleDialog, parse_scale
-from amp_tui.ui.text import middle_ellipsis, visible
+from amp_tui.core.text import visible
+from amp_tui.ui.text import middle_ellipsis
 from amp_tui.ui.widgets.too_small import TooSmall
 
 SIZE = (120, 40)

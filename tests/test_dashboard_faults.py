@@ -23,7 +23,8 @@ import pytest
 
 from amp_tui.training.checkpoint import read_checkpoint
 from amp_tui.training.script import load_script
-from amp_tui.recording.session import SessionFormatError, read_session
+from amp_tui.recording.format import SessionFormatError
+from amp_tui.recording.reader import read_session
 from amp_tui.ui.app import create_app
 from fixed_source import FixedSource, synthetic_records
 from amp_tui.ui.hangup import INPUT_CLOSED
@@ -234,7 +235,7 @@ async def test_ctrl_c_leaves_a_replay_or_an_attached_job_as_q_does(mode):
 @run_async
 async def test_a_full_disk_pauses_the_dashboard_and_resuming_writes_what_was_kept(mlp_script, tmp_path,
                                                                                  monkeypatch):
-    import amp_tui.recording.session as session_module
+    import amp_tui.recording.writer as session_module
     from test_session import _FullDisk
     disk = _FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
@@ -332,7 +333,7 @@ def live_run_filling_the_disk_at_its_end(script, run_dir, monkeypatch, *options:
     """A live run of LAST_RUN_STEPS steps whose disk takes every step record and then fills up:
     the end record, the last one, is refused. Step records are flushed as they come (no flush
     interval), so what is kept back does not depend on how fast the steps run."""
-    import amp_tui.recording.session as session_module
+    import amp_tui.recording.writer as session_module
     from test_session import _FullDisk
     disk = _FullDisk()
     monkeypatch.setattr(session_module, "os", disk)

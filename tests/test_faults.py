@@ -10,7 +10,8 @@ import time
 import pytest
 
 from amp_tui.cli import build_parser, main, prepare_run
-from amp_tui.recording.session import SessionWriter, read_session
+from amp_tui.recording.writer import SessionWriter
+from amp_tui.recording.reader import read_session
 
 SLOW_SCRIPT = '''
 import time
@@ -152,7 +153,7 @@ def test_a_run_that_fits_the_disk_until_its_last_record_exits_1_and_says_so(
         mlp_script, tmp_path, monkeypatch, capsys):
     """Every step record reaches the file; the end record, the last one, does not: headless
     names the full disk and the file, counts what was lost, and exits 1 (it exited 0)."""
-    import amp_tui.recording.session as session_module
+    import amp_tui.recording.writer as session_module
     from amp_tui.cli import run_headless
     from test_session import _FullDisk
     disk = _FullDisk()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from amp_tui.training.checkpoint import list_checkpoints
-from amp_tui.recording.session import read_session
+from amp_tui.recording.reader import read_session
 
 from test_dashboard_faults import restorable
 
@@ -158,7 +158,7 @@ def test_a_session_that_does_not_fit_stops_headless_and_keeps_what_was_flushed(
 # Runs in the namespace: a session on a tmpfs that fills up, then gets room again.
 WRITER_ON_A_FILLING_DISK = '''
 import json, os, sys
-from amp_tui.recording.session import SessionWriter
+from amp_tui.recording.writer import SessionWriter
 folder, out = sys.argv[1], sys.argv[2]
 writer = SessionWriter(os.path.join(folder, "session.jsonl"), {"layers": []})
 record = lambda i: {"type": "event", "step": i, "kind": "x", "message": "m" * 1000}

@@ -7,7 +7,7 @@ import sys
 import threading
 
 from amp_tui.cli import main
-from amp_tui.recording.session import read_session
+from amp_tui.recording.reader import read_session
 
 from test_faults import SLOW_SCRIPT, step_count, wait_for
 

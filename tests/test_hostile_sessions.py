@@ -13,11 +13,14 @@ import tracemalloc
 
 import pytest
 
-from amp_tui.sources import replay as replay_mod
-from amp_tui.recording import session as session_mod
+from amp_tui.recording import index as index_mod
+from amp_tui.recording import reader as session_mod
 from amp_tui.cli import main
-from amp_tui.sources.replay import TEXT_LIMIT, ReplaySource, SessionIndex
-from amp_tui.recording.session import MAX_LINE_BYTES, SessionFormatError, SessionWriter, read_session
+from amp_tui.recording.index import TEXT_LIMIT, SessionIndex
+from amp_tui.sources.replay import ReplaySource
+from amp_tui.recording.format import MAX_LINE_BYTES, SessionFormatError
+from amp_tui.recording.writer import SessionWriter
+from amp_tui.recording.reader import read_session
 from amp_tui.ui.app import NOTIFY_LIMIT, create_app
 from amp_tui.ui.widgets.event_log import MESSAGE_LIMIT
 
@@ -94,7 +97,7 @@ def test_a_line_over_the_limit_is_skipped_and_counted_without_being_held(tmp_pat
     """What a reader holds grows with the limit, not with the line (a line is only known to be
     too long once the limit's worth of it was read)."""
     monkeypatch.setattr(session_mod, "MAX_LINE_BYTES", limit)
-    monkeypatch.setattr(replay_mod, "MAX_LINE_BYTES", limit)
+    monkeypatch.setattr(index_mod, "MAX_LINE_BYTES", limit)
     path = recording(tmp_path, huge_line())
     assert path.stat().st_size > HUGE_BYTES > 2.5 * MAX_LINE_BYTES
     bound = 2.5 * limit + (1 << 20)
@@ -145,7 +148,7 @@ def test_bare_nan_and_infinity_tokens_are_refused_and_counted(tmp_path, path_tak
     assert session.skipped_lines == 5 and session.long_lines == 0
     assert [r["step"] for r in session.steps] == list(range(30))
     if path_taken == "full parse":
-        monkeypatch.setattr(replay_mod, "_STEP_HEAD", re.compile(rb"(?!)"))
+        monkeypatch.setattr(index_mod, "_STEP_HEAD", re.compile(rb"(?!)"))
     index = SessionIndex(path)
     assert (index.damaged_lines, index.frames, index.steps[-1]) == (5, 30, 29)
     assert index.skipped_summary() == "5 damaged lines skipped"

@@ -6,16 +6,18 @@ import math
 
 import pytest
 
-from amp_tui.sources import replay as replay_mod
+from amp_tui.recording import index as index_mod
 from amp_tui.cli import main
 from amp_tui.core.commands import parse_action
 from amp_tui.training.engine import StepResult
 from amp_tui.training.probes import LayerFigures
-from amp_tui.sources.replay import ReplaySource, SessionIndex
-from amp_tui.recording.session import (SessionFormatError, SessionWriter, compact_figure, event_record,
-                             step_record)
+from amp_tui.sources.replay import ReplaySource
+from amp_tui.recording.index import SessionIndex
+from amp_tui.recording.format import SessionFormatError, compact_figure, event_record, step_record
+from amp_tui.recording.writer import SessionWriter
 from amp_tui.sources.protocol import Snapshot
-from amp_tui.recording.timeline import (at_arguments, clean, interventions_as_at, interventions_as_commands,
+from amp_tui.core.text import one_line
+from amp_tui.recording.timeline import (at_arguments, interventions_as_at, interventions_as_commands,
                               timeline_lines)
 
 from conftest import OVERFLOW_SCRIPT
@@ -114,7 +116,7 @@ def test_index_reads_steps_events_and_end(recording):
 
 def test_fast_path_and_full_parse_agree(recording, monkeypatch):
     fast = SessionIndex(recording)
-    monkeypatch.setattr(replay_mod, "_STEP_HEAD", __import__("re").compile(rb"(?!)"))
+    monkeypatch.setattr(index_mod, "_STEP_HEAD", __import__("re").compile(rb"(?!)"))
     slow = SessionIndex(recording)
     for name in ("offsets", "lengths", "steps", "flags", "probed", "dtype_codes", "skipped_frames"):
         assert list(getattr(fast, name)) == list(getattr(slow, name)), name
@@ -350,7 +352,7 @@ def test_timeline_strips_control_characters(recording):
                              "message": "boom \x1b[31mred\x1b[0m\x07\nnext [bold]x[/bold]"}) + "\n")
     line = [x for x in timeline_lines(recording) if x.startswith("step 30")][0]
     assert line == "step 30: error during step: boom red next [bold]x[/bold]"
-    assert clean("a\u202eb\x00c\td") == "abc d"
+    assert one_line("a\u202eb\x00c\td") == "abc d"
 
 
 AT = ["3:scale=4096", "5:dtype=bf16", "6:save", "8:restore=checkpoints/step-0000006.safetensors",

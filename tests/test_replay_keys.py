@@ -8,7 +8,7 @@ from textual.widgets import Input, Static
 
 from amp_tui.cli import main
 from amp_tui.sources.replay import ReplaySource
-from amp_tui.recording.session import read_session
+from amp_tui.recording.reader import read_session
 from amp_tui.ui.app import create_app
 from amp_tui.ui.dialogs.goto_dialog import GotoDialog, parse_step
 from amp_tui.ui.screens.help_screen import help_text

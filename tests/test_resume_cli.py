@@ -11,7 +11,7 @@ import pytest
 
 from amp_tui.training.checkpoint import list_checkpoints
 from amp_tui.cli import main
-from amp_tui.recording.session import read_session
+from amp_tui.recording.reader import read_session
 
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from amp_tui.cli import build_parser, main, prepare_run
 from amp_tui.core.commands import Command
-from amp_tui.recording.session import read_session
+from amp_tui.recording.reader import read_session
 
 from conftest import OVERFLOW_SCRIPT, strict_lines
 

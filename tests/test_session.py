@@ -6,7 +6,9 @@ import math
 import pytest
 
 from amp_tui.core import jsonsafe
-from amp_tui.recording.session import SessionFormatError, SessionWriter, event_record, read_session
+from amp_tui.recording.format import SessionFormatError, event_record
+from amp_tui.recording.writer import SessionWriter
+from amp_tui.recording.reader import read_session
 
 
 def test_nonfinite_numbers_are_strings_a_strict_parser_accepts():
@@ -15,8 +17,8 @@ def test_nonfinite_numbers_are_strings_a_strict_parser_accepts():
     line = jsonsafe.dumps(record)
     assert line == '{"loss":"NaN","a":"Infinity","b":"-Infinity","c":1.5}'
     parsed = json.loads(line, parse_constant=lambda t: (_ for _ in ()).throw(ValueError(t)))
-    assert math.isnan(jsonsafe.decode_float(parsed["loss"]))
-    assert jsonsafe.decode_float(parsed["b"]) == -math.inf
+    assert math.isnan(jsonsafe.read_float(parsed["loss"]))
+    assert jsonsafe.read_float(parsed["b"]) == -math.inf
     with pytest.raises(ValueError):
         jsonsafe.dumps({"x": math.nan})  # a raw NaN never reaches the file
     with pytest.raises(ValueError):
@@ -80,7 +82,7 @@ def test_append_after_a_torn_line_starts_clean(tmp_path):
 
 
 class _FullDisk:
-    """`os` as amp_tui.recording.session sees it, with a disk that fills up: while `full`, a write takes at
+    """`os` as amp_tui.recording.writer sees it, with a disk that fills up: while `full`, a write takes at
     most `room` bytes (a partial write, as the kernel does) and the next one raises ENOSPC."""
 
     def __init__(self):
@@ -104,7 +106,7 @@ class _FullDisk:
 def test_a_full_disk_loses_no_record_and_tears_no_line(tmp_path, monkeypatch):
     """The records written while the disk was full reach the file, whole and in order, once it
     takes bytes again; the failed writes raise so the run can pause or stop."""
-    import amp_tui.recording.session as session_module
+    import amp_tui.recording.writer as session_module
     disk = _FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     path = tmp_path / "session.jsonl"
@@ -130,7 +132,7 @@ def test_a_full_disk_loses_no_record_and_tears_no_line(tmp_path, monkeypatch):
 
 def test_a_refused_end_stays_pending_once_and_abandon_counts_and_cuts_what_was_refused(
         tmp_path, monkeypatch):
-    import amp_tui.recording.session as session_module
+    import amp_tui.recording.writer as session_module
     disk = _FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     path = tmp_path / "session.jsonl"
@@ -151,7 +153,7 @@ def test_a_refused_end_stays_pending_once_and_abandon_counts_and_cuts_what_was_r
 
 
 def test_a_refused_end_is_written_whole_once_space_is_freed(tmp_path, monkeypatch):
-    import amp_tui.recording.session as session_module
+    import amp_tui.recording.writer as session_module
     disk = _FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     path = tmp_path / "session.jsonl"

@@ -4,7 +4,7 @@ import re
 
 from amp_tui.cli import main
 from amp_tui.core.numfmt import byte_size
-from amp_tui.recording.session import read_session
+from amp_tui.recording.reader import read_session
 
 
 def test_byte_size_picks_the_unit_that_keeps_three_digits():

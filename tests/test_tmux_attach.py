@@ -8,7 +8,8 @@ from __future__ import annotations
 import shlex
 import sys
 
-from amp_tui.recording.session import SessionFormatError, read_session
+from amp_tui.recording.format import SessionFormatError
+from amp_tui.recording.reader import read_session
 
 from test_tmux_e2e import SCRIPT, Terminal, pytestmark, wait_for  # noqa: F401 - skip if no tmux
 

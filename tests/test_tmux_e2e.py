@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from amp_tui.recording.session import SessionFormatError, read_session
+from amp_tui.recording.format import SessionFormatError
+from amp_tui.recording.reader import read_session
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "demos" / "healthy.py"

@@ -165,7 +165,7 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
 
     at = [parse_at(text) for text in args.at]
     if args.repeat_interventions is not None:
-        from amp_tui.recording.session import SessionFormatError
+        from amp_tui.recording.format import SessionFormatError
         from amp_tui.recording.timeline import interventions_as_commands
         try:
             at += interventions_as_commands(args.repeat_interventions)
@@ -330,7 +330,8 @@ def cmd_report(args) -> int:
     from rich.console import Console
 
     from amp_tui.recording.report import render_summary, summarize
-    from amp_tui.recording.session import SessionFormatError, read_session
+    from amp_tui.recording.format import SessionFormatError
+    from amp_tui.recording.reader import read_session
 
     try:
         session = read_session(args.run)
@@ -373,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_replay(args) -> int:
-    from amp_tui.sources.replay import ReplaySource, SessionIndex
-    from amp_tui.recording.session import SessionFormatError
+    from amp_tui.sources.replay import ReplaySource
+    from amp_tui.recording.index import SessionIndex
+    from amp_tui.recording.format import SessionFormatError
     from amp_tui.recording.timeline import timeline_lines
 
     headless = args.headless or not (sys.stdin.isatty() and sys.stdout.isatty())
@@ -514,7 +516,7 @@ def cmd_attach(args) -> int:
 
 def _attach(run_dir: Path, refresh_rate: float) -> int:
     from amp_tui.sources.attached import AttachedSource
-    from amp_tui.recording.session import SessionFormatError
+    from amp_tui.recording.format import SessionFormatError
     from amp_tui.ui.app import create_app
 
     try:

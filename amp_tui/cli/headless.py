@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.text import Text
 
 from amp_tui.core import precision
-from amp_tui.core.jsonsafe import decode_float
+from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.numfmt import number
 
 EVENT_STYLES = {
@@ -87,8 +87,8 @@ class HeadlessPrinter:
         r = self._last or {}
         step = r.get("step", -1) + 1
         total = f"/{self.total}" if self.total else ""
-        loss = decode_float(r.get("loss"))
-        scale = decode_float(r.get("scale"))
+        loss = read_float(r.get("loss"))
+        scale = read_float(r.get("scale"))
         elapsed = max(time.monotonic() - self._start, 1e-9)
         text = Text()
         text.append(f"step {step}{total}", style="bold")
@@ -117,7 +117,8 @@ def print_after_run(run, console: Console) -> None:
     """The summary after a run (headless or dashboard): what the recording holds, and where the
     disk refused part of it, what the run did beyond that and what was lost."""
     from amp_tui.recording.report import describe_records, render_summary, summarize
-    from amp_tui.recording.session import SessionFormatError, read_session
+    from amp_tui.recording.format import SessionFormatError
+    from amp_tui.recording.reader import read_session
 
     if run.unwritten:
         console.print(Text(f"amp-tui: error: {run.recording_error}: "

@@ -27,16 +27,24 @@ def encode_float(x: float | None, digits: int | None = None) -> float | str | No
     return x
 
 
-def decode_float(v: Any) -> float | None:
-    if v is None:
+def read_float(value: Any) -> float | None:
+    """A recorded number (which may be "NaN"/"Infinity"/"-Infinity") as a float; None when it is
+    missing, null or not a number at all: readers of a recording never raise on a bad value."""
+    if isinstance(value, bool) or value is None:
         return None
-    if isinstance(v, str):
-        if v in NONFINITE_STRINGS:
-            return NONFINITE_STRINGS[v]
-        raise ValueError(f"not a number: {v!r}")
-    if isinstance(v, bool):
-        raise ValueError(f"not a number: {v!r}")
-    return float(v)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        return NONFINITE_STRINGS.get(value)
+    return None
+
+
+def read_floats(values: Any, n: int) -> list[float | None]:
+    """A recorded per-layer array as `n` floats (None where missing or bad)."""
+    if not isinstance(values, list):
+        return [None] * n
+    out = [read_float(v) for v in values[:n]]
+    return out + [None] * (n - len(out))
 
 
 def _reject_constant(token: str):

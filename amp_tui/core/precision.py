@@ -33,6 +33,11 @@ def canonical(name: str) -> str:
     return _ALIASES[key]
 
 
+def short_name(dtype: str | None) -> str:
+    """float16 -> fp16; a name that isn't one of ours as it is; "?" for none."""
+    return SHORT.get(dtype or "", dtype or "?")
+
+
 def uses_autocast(name: str) -> bool:
     return canonical(name) != "float32"
 

@@ -34,7 +34,8 @@ from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.numfmt import byte_size, number
 from amp_tui.training.script import ScriptError, TrainSetup, describe_exception
 from amp_tui.recording.report import RunOutcome, describe_records
-from amp_tui.recording.session import SessionFormatError, SessionWriter, event_record, step_record
+from amp_tui.recording.format import SessionFormatError, event_record, step_record
+from amp_tui.recording.writer import SessionWriter
 
 NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback")
 PRECISION_ACTIONS = ("dtype", "scale", "fp32")  # what --at 0:... may set before the pre-flight
@@ -379,7 +380,7 @@ class Run:
         """Continue a crashed or stopped run from a checkpoint; the step counter goes on from the
         last recorded step, like a restore, so the recording stays one forward timeline, and
         --steps counts the iterations of this command: a resume runs that many more."""
-        from amp_tui.recording.session import read_session
+        from amp_tui.recording.reader import read_session
         last_step = max((r["step"] for r in read_session(self.session_path).steps), default=-1)
         t = self.trainer
         loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from amp_tui.core import precision
 from amp_tui.job.control import job_alive
-from amp_tui.core.jsonsafe import decode_float
-from amp_tui.recording.session import parse_record
+from amp_tui.core.jsonsafe import read_float
+from amp_tui.recording.reader import parse_record
 
 TAIL_BYTES = 256 * 1024
 
@@ -69,11 +69,7 @@ def describe_run(run_dir: Path) -> RunRow:
         e = events[-1]
         last_event = f"step {e.get('step')}: {e.get('kind')}: {e.get('message', '')}"
     dtype = (last or end or header).get("dtype")
-    scale = None
-    try:
-        scale = decode_float((last or {}).get("scale"))
-    except ValueError:
-        pass
+    scale = read_float((last or {}).get("scale"))
     return RunRow(
         run_dir=run_dir, state=state, script=Path(str(header.get("script", "?"))).name,
         steps=(last["step"] + 1) if last else 0, dtype=dtype, scale=scale,

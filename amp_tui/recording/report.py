@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from amp_tui.core.jsonsafe import decode_float
-from amp_tui.recording.session import MAX_LINE_BYTES, Session
+from amp_tui.core.jsonsafe import read_float
+from amp_tui.core.text import clip
+from amp_tui.recording.format import MAX_LINE_BYTES
+from amp_tui.recording.reader import Session
 
 TEXT_LIMIT = 1000   # characters of a recorded string (a path, an error message) printed at most
 
@@ -76,7 +78,7 @@ def summarize(session: Session, outcome: RunOutcome | None = None) -> Summary:
         rolled_back=max(0, len(steps) - updates - skipped),
         final_dtype=(end or last or {}).get("dtype", header.get("dtype")),
         final_scale=_final_scale(end, last),
-        final_loss=decode_float(last.get("loss")) if last else None,
+        final_loss=read_float(last.get("loss")) if last else None,
         nonfinite_events=sum(1 for e in events if e.get("kind") == "nonfinite"),
         interventions=sum(1 for e in events if e.get("kind") == "intervention"),
         checkpoints=sum(1 for e in events if e.get("kind") == "checkpoint_saved"),
@@ -104,8 +106,8 @@ def _counts(end: dict | None, last: dict | None, steps: list[dict]) -> tuple[int
 
 def _final_scale(end: dict | None, last: dict | None) -> float | None:
     if end is not None and "scale" in end:
-        return decode_float(end["scale"])
-    return decode_float(last.get("scale")) if last else None
+        return read_float(end["scale"])
+    return read_float(last.get("scale")) if last else None
 
 
 def summary_lines(s: Summary) -> list[tuple[str, str]]:
@@ -145,13 +147,6 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
     return rows
 
 
-def clip(text: str, limit: int = TEXT_LIMIT) -> str:
-    """`text`, cut to `limit` characters with a note of how much was left out."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}… ({len(text) - limit:,} more characters)"
-
-
 def describe_records(counts: dict[str, int]) -> str:
     """{"step": 13, "event": 2, "end": 1} -> "13 step records, 2 events and the end record"."""
     names = {"step": ("step record", "step records"), "event": ("event", "events"),
@@ -175,10 +170,10 @@ def render_summary(s: Summary, console) -> None:
     table.add_column(style="bold")
     table.add_column()
     for key, value in summary_lines(s):
-        table.add_row(key, Text(clip(value)))  # Text(): paths and messages are shown literally
+        table.add_row(key, Text(clip(value, TEXT_LIMIT, count=True)))  # Text(): paths and messages are shown literally
     console.print(table)
     for message in s.errors[-3:]:
-        console.print(Text("error: " + clip(message), style="red"))
+        console.print(Text("error: " + clip(message, TEXT_LIMIT, count=True), style="red"))
 
 
 def session_dir(path: Path) -> Path:

@@ -9,44 +9,26 @@ or a Console with `markup=False, highlight=False`.
 from __future__ import annotations
 
 import math
-import re
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
-from amp_tui.sources.replay import (F_NONFINITE_GRADIENTS, F_NONFINITE_LOSS, F_SKIPPED, SessionIndex,
-                            _plural)
+from amp_tui.core.precision import SHORT
+from amp_tui.core.text import one_line, plural
+from amp_tui.recording.index import F_NONFINITE_GRADIENTS, F_NONFINITE_LOSS, F_SKIPPED, SessionIndex
 
 if TYPE_CHECKING:
     from amp_tui.core.commands import Command
 
 MESSAGE_LIMIT = 400
 
-# The dtype names a session records (see docs/session-format.md) and the short names `--at` and
-# the dashboard use. Kept here, not taken from amp_tui.core.precision, so that reading a recording
-# never imports torch.
-SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _DTYPE_NAMES = {**{k: k for k in SHORT}, **{v: k for k, v in SHORT.items()}}
 
 # Interventions the run made on its own (the precision guard's fallback ladder): a run repeated
 # with the same settings makes them again, so they are not turned into --at arguments.
 AUTOMATIC_SOURCES = frozenset({"fallback", "guard", "checkpoint_every"})
 
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]"            # CSI: colours, cursor moves
-                   r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC: titles, hyperlinks
-                   r"|\x1b[@-_]?|\x9b[0-?]*[ -/]*[@-~]")
-_CONTROL = {c: None for c in (*range(0x00, 0x20), *range(0x7F, 0xA0), 0x200E, 0x200F,
-                              *range(0x202A, 0x202F), *range(0x2066, 0x206A), 0xFEFF)}
-_CONTROL.update({0x09: " ", 0x0A: " ", 0x0D: " "})
-
 IndexLike = Union[SessionIndex, str, Path]
-
-
-def clean(value: object, limit: int = MESSAGE_LIMIT) -> str:
-    """`value` as one line of plain text: escape sequences and control characters removed."""
-    text = _ANSI.sub("", str(value)).translate(_CONTROL)
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _index(index: IndexLike) -> SessionIndex:
@@ -54,7 +36,7 @@ def _index(index: IndexLike) -> SessionIndex:
 
 
 def _short(dtype) -> str:
-    return SHORT.get(str(dtype), clean(dtype, 20)) if dtype is not None else "?"
+    return SHORT.get(str(dtype), one_line(dtype, 20)) if dtype is not None else "?"
 
 
 def _number_text(x: float) -> str:
@@ -85,7 +67,7 @@ def header_line(index: IndexLike) -> str:
     planned = h.get("steps")
     steps = f"{idx.frames} steps recorded" + (f" of {planned}" if isinstance(planned, int) else "")
     script = Path(str(h.get("script"))).name if h.get("script") else "?"
-    return clean(f"{script} on {where}, {dtype}, {steps}", 1000)
+    return one_line(f"{script} on {where}, {dtype}, {steps}", 1000)
 
 
 def timeline_lines(index: IndexLike) -> list[str]:
@@ -168,7 +150,7 @@ def _storm_text(idx: SessionIndex, a: int, b: int) -> str:
                     else f"gradient overflow ×{grads}")
     if count - loss - grads > 0:
         what.append(f"other ×{count - loss - grads}")
-    text = f"{_steps(idx.steps[a], idx.steps[b])}: {_plural(count, 'skipped update')} in {dtype}"
+    text = f"{_steps(idx.steps[a], idx.steps[b])}: {plural(count, 'skipped update')} in {dtype}"
     if what:
         text += f" ({', '.join(what)})"
     first = idx.scale_at(a)
@@ -197,7 +179,7 @@ def _first_layer(idx: SessionIndex, step: int) -> str | None:
     while k < idx.event_count and idx.event_steps[k] == step:
         if idx.event_kind(k) == "nonfinite":
             layer = idx.event(k).get("layer")
-            return clean(layer, 120) if layer else None
+            return one_line(layer, 120) if layer else None
         k += 1
     return None
 
@@ -231,18 +213,18 @@ _KIND_LABELS = {
 
 
 def _event_text(kind: str, e: dict) -> str:
-    message = clean(e.get("message") or "")
-    label = _KIND_LABELS[kind] if kind in _KIND_LABELS else clean(kind, 40)
+    message = one_line(e.get("message") or "", MESSAGE_LIMIT)
+    label = _KIND_LABELS[kind] if kind in _KIND_LABELS else one_line(kind, 40)
     if not label and not message:
-        label = clean(kind, 40)
+        label = one_line(kind, 40)
     source = e.get("source")
     suffix = ""
     if kind in ("intervention", "checkpoint_restored", "checkpoint_saved") and source:
-        suffix = f" [{clean(source, 40)}]"
+        suffix = f" [{one_line(source, 40)}]"
     if kind == "error":
         during = e.get("during")
         if during:
-            label = f"error during {clean(during, 40)}"
+            label = f"error during {one_line(during, 40)}"
     if label and message:
         return f"{label}: {message}{suffix}"
     return f"{label or message}{suffix}"
@@ -252,14 +234,14 @@ def _summary_line(idx: SessionIndex, storms: int) -> str:
     frames = idx.frames
     skipped = len(idx.skipped_frames)
     kinds = [idx.event_kind(k) for k in range(idx.event_count)]
-    parts = [f"{_plural(frames, 'step')}", f"{frames - skipped} updates applied",
-             f"{skipped} skipped" + (f" in {_plural(storms, 'run')}" if skipped else "")]
-    parts.append(_plural(kinds.count("intervention"), "intervention"))
-    parts.append(_plural(kinds.count("checkpoint_saved"), "checkpoint"))
+    parts = [f"{plural(frames, 'step')}", f"{frames - skipped} updates applied",
+             f"{skipped} skipped" + (f" in {plural(storms, 'run')}" if skipped else "")]
+    parts.append(plural(kinds.count("intervention"), "intervention"))
+    parts.append(plural(kinds.count("checkpoint_saved"), "checkpoint"))
     if kinds.count("checkpoint_restored"):
-        parts.append(_plural(kinds.count("checkpoint_restored"), "restore"))
+        parts.append(plural(kinds.count("checkpoint_restored"), "restore"))
     if kinds.count("error"):
-        parts.append(_plural(kinds.count("error"), "error"))
+        parts.append(plural(kinds.count("error"), "error"))
     end = idx.end
     if frames:
         last = frames - 1
@@ -267,7 +249,7 @@ def _summary_line(idx: SessionIndex, storms: int) -> str:
         scale = _scale_after(idx, last) if end else idx.scale_at(last)
         parts.append(f"final dtype {dtype}, scale {_scale_text(scale)}")
     if end is not None:
-        status = f"ended: {clean(end.get('status', '?'), 40)}"
+        status = f"ended: {one_line(end.get('status', '?'), 40)}"
     else:
         status = "no end record: the run was killed or is still being written"
     text = f"summary: {', '.join(parts)}; {status}"
@@ -283,7 +265,7 @@ def _at_action(kind: str, e: dict) -> str | None:
     """The `ACTION` part of `--at STEP:ACTION` that repeats event `e`, or None."""
     if kind == "checkpoint_restored":
         path = e.get("path")
-        return f"restore={clean(path, 4096)}" if path else "restore=latest"
+        return f"restore={one_line(path, 4096)}" if path else "restore=latest"
     if kind != "intervention":
         return None
     action = e.get("action")
@@ -302,7 +284,7 @@ def _at_action(kind: str, e: dict) -> str | None:
     if action in ("save", "pause", "resume", "step", "stop"):
         return action
     if action == "fp32" and isinstance(value, str) and value:
-        return f"fp32={clean(value, 4096)}"
+        return f"fp32={one_line(value, 4096)}"
     return None
 
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from amp_tui.core.jsonsafe import decode_float
+from amp_tui.core.jsonsafe import read_float, read_floats
 
 if TYPE_CHECKING:
     from amp_tui.core.commands import Command
@@ -123,8 +123,8 @@ class RunBuffer:
             _capped_append(h.skipped_steps, step)
         if step % h.stride == 0:
             h.steps.append(step)
-            h.loss.append(_float(r.get("loss")))
-            h.scale.append(_float(r.get("scale")))
+            h.loss.append(read_float(r.get("loss")))
+            h.scale.append(read_float(r.get("scale")))
             if len(h.steps) > self._points:
                 h.stride *= 2
                 keep = [i for i, s in enumerate(h.steps) if s % h.stride == 0]
@@ -136,7 +136,7 @@ class RunBuffer:
             n = len(self._layers.names)
             self._layers = LayerView(
                 self._layers.names,
-                _floats(layers.get("act"), n), _floats(layers.get("grad"), n), _floats(layers.get("weight"), n),
+                read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n), read_floats(layers.get("weight"), n),
                 step, r.get("dtype"))
         t = r.get("time")
         if isinstance(t, (int, float)):
@@ -271,19 +271,3 @@ def _capped_append(values: list[int], value: int) -> None:
     values.append(value)
     if len(values) > MARKER_LIMIT:
         del values[: len(values) - MARKER_LIMIT]
-
-
-def _float(v):
-    try:
-        return decode_float(v)
-    except (TypeError, ValueError):
-        return None
-
-
-def _floats(values, n: int) -> list[float | None]:
-    if not isinstance(values, list):
-        return [None] * n
-    out = [_float(v) for v in values[:n]]
-    return out + [None] * (n - len(out))
-
-

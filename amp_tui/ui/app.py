@@ -29,7 +29,7 @@ from amp_tui.ui.screens.help_screen import HelpScreen
 from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
 from amp_tui.ui.dialogs.restore_dialog import RestoreDialog
 from amp_tui.ui.dialogs.scale_dialog import ScaleDialog
-from amp_tui.ui.text import visible
+from amp_tui.core.text import clip, visible
 from amp_tui.ui.view import SORTS, current_precision, nonfinite_pause
 
 STOP_TIMEOUT_S = 10.0     # how long `q` waits for the current step before forcing the exit
@@ -431,8 +431,7 @@ class AmpTuiApp(App[int]):
 
 def brief(value: object) -> str:
     """A recorded text for a notification: control characters shown, cut to NOTIFY_LIMIT."""
-    text = visible(value)
-    return text if len(text) <= NOTIFY_LIMIT else text[:NOTIFY_LIMIT - 1] + "…"
+    return clip(visible(value), NOTIFY_LIMIT)
 
 
 def _attr(source, name: str):

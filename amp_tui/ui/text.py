@@ -8,39 +8,16 @@ a name like "\\x1b[31m" can't repaint the terminal.
 from __future__ import annotations
 
 import math
-import unicodedata
 
 from rich.text import Text
 
-from amp_tui.core import precision
 from amp_tui.core.numfmt import number
-
-
-def visible(value: object, *, keep_newlines: bool = False) -> str:
-    """`value` as a string whose control characters are shown as escapes (\\x1b, \\r, ...)."""
-    text = str(value)
-    if text.isprintable():   # the common case: nothing to escape
-        return text
-    out = []
-    for ch in text:
-        if ch == "\n" and keep_newlines:
-            out.append(ch)
-        elif ch == "\t":
-            out.append("    " if keep_newlines else " ")
-        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Zl", "Zp"):
-            out.append(ascii(ch)[1:-1])  # '\x1b' -> \x1b, '\u202e' -> \u202e
-        else:
-            out.append(ch)
-    return "".join(out)
+from amp_tui.core.text import visible
 
 
 def literal(value: object, style: str = "", *, keep_newlines: bool = False) -> Text:
     """A Text that shows `value` exactly as written: no markup, no terminal escapes."""
     return Text(visible(value, keep_newlines=keep_newlines), style=style)
-
-
-def short_dtype(dtype: str | None) -> str:
-    return precision.SHORT.get(dtype or "", dtype or "?")
 
 
 def magnitude(value: float | None) -> str:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from amp_tui.core import precision
-from amp_tui.core.jsonsafe import decode_float
+from amp_tui.core.jsonsafe import read_float
 from amp_tui.sources.protocol import LayerView, Snapshot
 
 # Headroom thresholds (bits = doublings left before the dtype's largest finite value).
@@ -31,18 +31,18 @@ def current_precision(snap: Snapshot) -> Precision:
     paused only shows in the intervention's `after`, so those are replayed on top.
     """
     dtype = snap.header.get("dtype")
-    scale = as_float(snap.header.get("init_scale")) if dtype == "float16" else None
+    scale = read_float(snap.header.get("init_scale")) if dtype == "float16" else None
     last_step = -1
     if snap.last is not None:
         dtype = snap.last.get("dtype", dtype)
-        scale = as_float(snap.last.get("scale"))
+        scale = read_float(snap.last.get("scale"))
         last_step = int(snap.last.get("step", -1))
     for event in snap.events:
         after = event.get("after")
         if (event.get("kind") in ("intervention", "checkpoint_restored") and isinstance(after, dict)
                 and int(event.get("step", -1)) > last_step and "dtype" in after):
             dtype = after.get("dtype", dtype)
-            scale = as_float(after.get("scale"))
+            scale = read_float(after.get("scale"))
     return Precision(dtype, scale)
 
 
@@ -249,14 +249,6 @@ def event_label(event: dict) -> tuple[str, str]:
 
 
 INTERVENTION_SOURCES = {"dashboard": "key", "at": "--at", "api": "api"}
-
-
-def as_float(value) -> float | None:
-    """A record number (which may be "NaN"/"Infinity") as a float; None if missing or bad."""
-    try:
-        return decode_float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _at(values: list, i: int) -> float | None:

@@ -12,14 +12,15 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from amp_tui.ui.text import literal, short_dtype
+from amp_tui.core.precision import short_name
+from amp_tui.ui.text import literal
 
 
 def checkpoint_label(info, run_dir: Path | None) -> Text:
     text = Text()
     if info.step is not None:
         text.append(f"step {info.step:>7}", style="bold")
-        text.append(f"  {short_dtype(info.dtype):<5}")
+        text.append(f"  {short_name(info.dtype):<5}")
     else:
         text.append(f"{'weights only':<12}  {'':<5}", style="bold")
     path = Path(info.path)

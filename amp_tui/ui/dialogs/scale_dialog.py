@@ -12,7 +12,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
-from amp_tui.ui.text import scale_text, short_dtype
+from amp_tui.core.precision import short_name
+from amp_tui.ui.text import scale_text
 
 _POWER = re.compile(r"^\s*2\s*(?:\^|\*\*)\s*(-?\d+(?:\.\d+)?)\s*$")
 
@@ -74,7 +75,7 @@ class ScaleDialog(ModalScreen[float | None]):
                                   "The new value applies at the next step boundary."))
             else:
                 yield Label("Set init_scale", classes="title")
-                yield Static(Text(f"The run is in {short_dtype(self.dtype)}, which needs no loss "
+                yield Static(Text(f"The run is in {short_name(self.dtype)}, which needs no loss "
                                   "scaling: the value becomes the init_scale used when fp16 is "
                                   "next entered."))
             yield Input(placeholder="e.g. 4096 or 2^12", id="scale-input")

@@ -31,7 +31,8 @@ from amp_tui.ui.widgets.event_log import EventLog
 from amp_tui.ui.widgets.layer_table import LayerTable
 from amp_tui.ui.widgets.notice import PauseNotice
 from amp_tui.ui.widgets.status_bar import StatusBar
-from amp_tui.ui.text import short_dtype
+from amp_tui.core.precision import short_name
+
 from amp_tui.ui.widgets.too_small import TooSmall, too_small
 from amp_tui.ui.view import (current_precision, layer_rows, newest_notable_event, nonfinite_origin,
                              nonfinite_pause, unmeasured_note)
@@ -180,7 +181,7 @@ class DashboardScreen(Screen):
             if urgent != self._table_urgent or tick - self._table_at >= pace.table_s:
                 self._layers_key, self._table_at, self._table_urgent = layers_key, tick, urgent
                 self.layer_table.show(layer_rows(snap.layers, prec), snap.layers.step,
-                                      short_dtype(prec.dtype), origin, note)
+                                      short_name(prec.dtype), origin, note)
             else:
                 done = False
         else:

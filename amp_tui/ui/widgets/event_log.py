@@ -10,6 +10,7 @@ from textual import events
 from textual.widgets import RichLog
 
 from amp_tui.sources.protocol import EVENT_LIMIT, Snapshot
+from amp_tui.core.text import clip
 from amp_tui.ui.text import literal
 from amp_tui.ui.view import event_label
 
@@ -72,8 +73,6 @@ def event_line(event: dict) -> Table:
     grid.add_column(width=6, justify="right", style="dim")
     grid.add_column(width=9, no_wrap=True)
     grid.add_column(ratio=1, overflow="fold")
-    message = str(event.get("message", ""))
-    if len(message) > MESSAGE_LIMIT:
-        message = message[:MESSAGE_LIMIT - 1] + "…"
+    message = clip(str(event.get("message", "")), MESSAGE_LIMIT)
     grid.add_row(Text(str(event.get("step", "?"))), Text(label, style=style), literal(message))
     return grid

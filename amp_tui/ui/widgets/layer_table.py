@@ -23,7 +23,8 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from amp_tui.ui.text import bits_text, magnitude, middle_ellipsis, same_text, visible
+from amp_tui.core.text import visible
+from amp_tui.ui.text import bits_text, magnitude, middle_ellipsis, same_text
 from amp_tui.ui.view import DANGER_BITS, SORTS, WARN_BITS, LayerRow, sort_rows, summarize_layers
 
 # Long names are cut in the middle: the tail (".q_proj", ".fc2") is what tells layers apart.

@@ -6,7 +6,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from amp_tui.ui.text import literal, short_dtype
+from amp_tui.core.precision import short_name
+from amp_tui.ui.text import literal
 from amp_tui.ui.view import NonfinitePause
 
 HELPFUL_KEYS = (("d", "switch dtype"), ("s", "halve scale"), ("r", "restore"), ("space", "resume"),
@@ -42,7 +43,7 @@ def notice_text(pause: NonfinitePause) -> Text:
     text = Text()
     text.append(f"Paused: {pause.loss} loss at step {pause.step}", style="bold")
     if pause.dtype:
-        text.append(f" in {short_dtype(pause.dtype)}")
+        text.append(f" in {short_name(pause.dtype)}")
     if pause.layer:
         text.append("; first non-finite layer: ")
         text.append_text(literal(pause.layer, "bold"))

@@ -10,8 +10,10 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from amp_tui.sources.protocol import Snapshot
-from amp_tui.ui.text import literal, loss_text, same_text, short_dtype
-from amp_tui.ui.view import Precision, as_float
+from amp_tui.core.precision import short_name
+from amp_tui.ui.text import literal, loss_text, same_text
+from amp_tui.core.jsonsafe import read_float
+from amp_tui.ui.view import Precision
 
 STATE_STYLES = {
     "starting": "black on grey70",
@@ -78,7 +80,7 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
     text = Text()
     text.append(f" {state.upper()} ", style=STATE_STYLES.get(state, "reverse"))
     text.append(" ")
-    text.append(f" {short_dtype(prec.dtype)} ", style="bold black on cyan")
+    text.append(f" {short_name(prec.dtype)} ", style="bold black on cyan")
     text.append(" ")
     script = header.get("script")
     text.append_text(literal(PurePath(script).name if script else "starting…", "bold"))
@@ -108,7 +110,7 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
     total = snap.total_steps
     text.append("step ", style="dim")
     text.append(f"{iterations}/{total}" if total else str(iterations), style="bold")
-    loss = as_float(last.get("loss"))
+    loss = read_float(last.get("loss"))
     _field(text, "loss", loss_text(loss), "bold red" if loss is not None and not math.isfinite(loss) else "bold")
     _field(text, "scale", f"{prec.scale:g}" if prec.scale is not None else "none")
     skipped = int(last.get("skipped_total", 0) or 0)

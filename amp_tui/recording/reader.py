@@ -1,0 +1,127 @@
+"""Reading a session whole: every valid record, and a count of what had to be skipped.
+
+The replay index (amp_tui.recording.index) reads the same lines with the same rules, keeping only
+what it needs; `amp-tui ls` reads a file's tail (`tail_records`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+from amp_tui.core import jsonsafe
+from amp_tui.recording.format import FORMAT, KNOWN_TYPES, MAX_LINE_BYTES, VERSION, SessionFormatError
+
+_SKIP_BYTES = 1 << 20   # an over-long line is read past in pieces of this size
+
+
+@dataclass
+class Session:
+    header: dict
+    records: list[dict] = field(default_factory=list)
+    skipped_lines: int = 0         # damaged, torn or over-long lines
+    long_lines: int = 0            # of which longer than MAX_LINE_BYTES (skipped unread)
+    unknown_records: int = 0       # well-formed records of a type this version doesn't know
+    path: Path | None = None
+
+    @property
+    def steps(self) -> list[dict]:
+        return [r for r in self.records if r.get("type") == "step"]
+
+    @property
+    def events(self) -> list[dict]:
+        return [r for r in self.records if r.get("type") == "event"]
+
+    @property
+    def end(self) -> dict | None:
+        ends = [r for r in self.records if r.get("type") == "end"]
+        return ends[-1] if ends else None
+
+
+def resolve_session_path(target: str | Path) -> Path:
+    """A run directory or a session file -> the session file."""
+    path = Path(target)
+    if path.is_dir():
+        path = path / "session.jsonl"
+    if not path.exists():
+        raise SessionFormatError(f"no session found at {target}")
+    return path
+
+
+def check_header(header: Any, path: Path) -> dict:
+    if not isinstance(header, dict) or header.get("type") != "header" or header.get("format") != FORMAT:
+        raise SessionFormatError(f"{path} is not an amp-tui session (its first line is not a header)")
+    version = header.get("version")
+    if not isinstance(version, int) or version < 1:
+        raise SessionFormatError(f"{path}: header has no valid format version")
+    if version > VERSION:
+        raise SessionFormatError(
+            f"{path} was written by a newer amp-tui (session format {version}; this version reads "
+            f"up to {VERSION}): upgrade amp-tui to read it")
+    return header
+
+
+def parse_record(line: str) -> dict | None:
+    """One line -> a record dict, or None when the line is damaged."""
+    try:
+        record = jsonsafe.loads(line)
+    except (ValueError, RecursionError):   # RecursionError: arrays nested thousands deep
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("type"), str) else None
+
+
+def read_lines(fh: BinaryIO) -> Iterator[bytes | None]:
+    """The lines of a binary file, without their newline; None stands for a line longer than
+    MAX_LINE_BYTES, which is read past piece by piece: no more than the limit is ever held."""
+    while True:
+        piece = fh.readline(_SKIP_BYTES)
+        if not piece:
+            return
+        pieces, size = [piece], len(piece)
+        while not piece.endswith(b"\n") and size <= MAX_LINE_BYTES:
+            piece = fh.readline(_SKIP_BYTES)
+            if not piece:
+                break             # the last line, without a newline
+            pieces.append(piece)
+            size += len(piece)
+        if size - piece.endswith(b"\n") > MAX_LINE_BYTES:
+            del pieces
+            while piece and not piece.endswith(b"\n"):
+                piece = fh.readline(_SKIP_BYTES)
+            yield None
+            continue
+        line = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        yield line[:-1] if line.endswith(b"\n") else line
+
+
+def too_long_message(path: Path) -> str:
+    return (f"{path}: its first line is longer than {MAX_LINE_BYTES >> 20} MiB: not an amp-tui "
+            "session header")
+
+
+def read_session(target: str | Path) -> Session:
+    """Load every valid record; count what had to be skipped instead of failing."""
+    path = resolve_session_path(target)
+    with open(path, "rb") as fh:
+        lines = read_lines(fh)
+        first = next(lines, b"")
+        if first is None:
+            raise SessionFormatError(too_long_message(path))
+        header = check_header(parse_record(first.decode("utf-8", "replace")), path)
+        session = Session(header=header, path=path)
+        for raw in lines:
+            if raw is None:
+                session.skipped_lines += 1
+                session.long_lines += 1
+                continue
+            if not raw.strip():
+                continue
+            record = parse_record(raw.decode("utf-8", "replace"))
+            if record is None:
+                session.skipped_lines += 1
+            elif record["type"] not in KNOWN_TYPES or record["type"] == "header":
+                session.unknown_records += 1
+            else:
+                session.records.append(record)
+    return session
