@@ -27,7 +27,7 @@ from typing import Iterator
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.text import clip_strings, plural
-from amp_tui.recording.format import KNOWN_TYPES, MAX_LINE_BYTES, SessionFormatError
+from amp_tui.recording.format import KNOWN_TYPES, MAX_LINE_BYTES, STEP_HEAD, SessionFormatError
 from amp_tui.recording.reader import (check_header, parse_record, resolve_session_path, too_long_message)
 
 CHUNK_BYTES = 1 << 20          # the file is read in chunks of this size
@@ -48,7 +48,7 @@ F_NONFINITE_OTHER = 32
 
 
 def _step_head(p: bytes) -> re.Pattern:
-    """The leading scalar fields of a step line as `step_record` writes them (compact separators).
+    """The leading fields of a step line (format.STEP_HEAD, in that order, compact separators).
 
     Character classes rather than the exact JSON number grammar keep this fast (a few
     microseconds a line); each captured value is then parsed (a bad one sends the line to the full
@@ -56,12 +56,19 @@ def _step_head(p: bytes) -> re.Pattern:
     possessive repeats (Python >= 3.11: no backtracking state to keep, faster) or b"" (3.10).
     Both match the same lines: no repeated class can match the character that follows it."""
     val = rb'(-?[0-9][0-9.eE+-]*' + p + rb'|"[A-Za-z-]+' + p + rb'"|null)'
-    return re.compile(
-        rb'\{"type":"step","step":([0-9]{1,18}' + p + rb'),"loss":' + val + rb',"scale":' + val
-        + rb',"skipped":(true|false),"skipped_total":[0-9]+' + p + rb',"updates":[0-9]+' + p
-        + rb',"dtype":"([A-Za-z0-9_]{1,64}' + p + rb')","micro_batches":[0-9]+' + p + rb',"time":' + val
-        + rb',"duration":[^,{}]+' + p + rb'((?:,"[a-z_]+' + p + rb'":[^,{}]+' + p + rb')*' + p
-        + rb')(,"layers":\{|\})')
+    count = rb'[0-9]+' + p
+    # What each leading field's value looks like; a capture group is a value the index keeps.
+    values = {
+        "type": rb'"step"', "step": rb'([0-9]{1,18}' + p + rb')', "loss": val, "scale": val,
+        "skipped": rb'(true|false)', "skipped_total": count, "updates": count,
+        "dtype": rb'"([A-Za-z0-9_]{1,64}' + p + rb')"', "micro_batches": count, "time": val,
+        "duration": rb'[^,{}]+' + p,
+    }
+    if tuple(values) != STEP_HEAD:   # the writer's order and this one must be the same
+        raise AssertionError(f"the replay index reads {tuple(values)}, the writer writes {STEP_HEAD}")
+    head = b",".join(b'"' + name.encode() + b'":' + values[name] for name in STEP_HEAD)
+    rest = rb'((?:,"[a-z_]+' + p + rb'":[^,{}]+' + p + rb')*' + p + rb')(,"layers":\{|\})'
+    return re.compile(rb'\{' + head + rest)
 
 
 try:
