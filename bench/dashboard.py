@@ -33,7 +33,7 @@ import torch
 
 from amp_tui.job.run import BatchFeed, Run, RunConfig
 from amp_tui.training.script import TrainSetup
-from amp_tui.sources.protocol import LiveSource
+from amp_tui.sources.live import LiveSource
 
 from bench import common
 from bench.models import build

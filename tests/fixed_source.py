@@ -10,13 +10,16 @@ import math
 from typing import Iterable
 
 from amp_tui.core.commands import Command, Outcome
-from amp_tui.sources.protocol import RunBuffer, Snapshot
+from amp_tui.sources.buffer import RunBuffer
+from amp_tui.sources.protocol import Snapshot
 
 
 class FixedSource:
     def __init__(self, records: Iterable[dict], *, mode: str = "live", checkpoints: Iterable = (),
                  answer: Outcome | None = None, run_dir=None, session_path=None):
         self.mode = mode
+        self.can_steer = mode in ("live", "attached")
+        self.playback = None   # a frozen picture: nothing to play
         self.buffer = RunBuffer(mode)
         for record in records:
             self.buffer.feed(record)

@@ -20,7 +20,7 @@ from amp_tui.training.engine import GuardedTrainer
 from amp_tui.training.local_fp32 import match_modules
 from amp_tui.training.probes import LayerProbe
 from amp_tui.sources.replay import ReplaySource
-from amp_tui.sources.protocol import RunBuffer
+from amp_tui.sources.buffer import RunBuffer
 from amp_tui.ui.app import create_app
 from amp_tui.ui.view import ACT_NOT_MEASURED, unmeasured_note
 

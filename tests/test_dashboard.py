@@ -20,7 +20,8 @@ from textual.widgets._toast import Toast
 from amp_tui.cli import build_parser, prepare_run
 from amp_tui.core.commands import Outcome
 from amp_tui.recording.reader import read_session
-from amp_tui.sources.protocol import LayerView, LiveSource
+from amp_tui.sources.protocol import LayerView
+from amp_tui.sources.live import LiveSource
 from amp_tui.ui import view
 from amp_tui.ui.app import AmpTuiApp, create_app
 from amp_tui.ui.widgets.charts import envelope, integer_ticks

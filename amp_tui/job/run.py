@@ -24,6 +24,7 @@ import torch
 import amp_tui
 from amp_tui.training import checkpoint as ckpt
 from amp_tui.core import precision
+from amp_tui.core.records import end_status
 from amp_tui.training.autocast import unsupported_reason
 from amp_tui.core.commands import Command, CommandQueue, Outcome
 from amp_tui.training.devices import describe_device, move_to_device
@@ -39,8 +40,6 @@ from amp_tui.recording.writer import SessionWriter
 
 NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback")
 PRECISION_ACTIONS = ("dtype", "scale", "fp32")  # what --at 0:... may set before the pre-flight
-# The state a run ends in, and the status its end record gives, from the state it was in.
-ENDED_STATES = {"finished": "finished", "stopped": "stopped", "error": "error"}
 ENDING_WAIT_S = 5.0   # how long another thread waits for the training thread to end the file
 
 # Exit statuses of a run (the CLI returns them).
@@ -792,7 +791,7 @@ class Run:
             self._ended.wait(ENDING_WAIT_S)
             return
         if self._writer is not None and not self._writer.closed:
-            self._finish_recording(ENDED_STATES.get(self.state, "stopped"))
+            self._finish_recording(end_status(self.state))
         if self._control is not None:   # after the end: ctl resume may be what completes it
             self._control.close()
             self._control = None

@@ -23,9 +23,9 @@ import os
 import re
 from array import array
 from pathlib import Path
-from typing import Iterator
 
 from amp_tui.core.jsonsafe import read_float
+from amp_tui.core.records import MARKER_EVENTS, STATE_EVENTS
 from amp_tui.core.text import clip_strings, plural
 from amp_tui.recording.format import KNOWN_TYPES, MAX_LINE_BYTES, STEP_HEAD, SessionFormatError
 from amp_tui.recording.reader import (check_header, parse_record, resolve_session_path, too_long_message)
@@ -80,9 +80,6 @@ _BAD = object()
 _MAX_STEP = 1 << 62            # larger step numbers are damage (and don't fit the arrays)
 _NONFINITE_FLAGS = {"loss": F_NONFINITE_LOSS, "gradients": F_NONFINITE_GRADIENTS}
 
-# Events that change what state the recorded run was in.
-_STATE_KINDS = ("intervention", "checkpoint_restored", "paused", "error")
-MARKER_KINDS = ("intervention", "checkpoint_restored")
 
 
 def _bare_constant(buf: bytes, start: int, end: int) -> bool:
@@ -413,9 +410,9 @@ class SessionIndex:
         self.event_kinds.append(code)
         if kind != "nonfinite":  # the only kind that comes by the thousand (one per skipped step)
             self._kept[k] = e
-        if kind in _STATE_KINDS:
+        if kind in STATE_EVENTS:
             self.state_events.append(k)
-        if kind in MARKER_KINDS:
+        if kind in MARKER_EVENTS:
             self.marker_events.append(k)
         if kind == "error" and e.get("during") == "step":
             self.error_events.append(k)
@@ -497,11 +494,6 @@ class SessionIndex:
             self._cache[k] = e
         return e
 
-    def iter_events(self, kinds: tuple[str, ...] | None = None) -> Iterator[dict]:
-        for k in range(len(self.event_steps)):
-            if kinds is None or self.event_kind(k) in kinds:
-                yield self.event(k)
-
     def read_step(self, frame: int) -> dict | None:
         """The full step record of `frame`, or None when it can't be read or parsed."""
         r = self._read(self.offsets[frame], self.lengths[frame])
@@ -560,5 +552,3 @@ class SessionIndex:
                   self.event_frames, self.state_events, self.marker_events, self.error_events)
         return (sum(a.itemsize * len(a) for a in arrays) + len(self.flags) + len(self.probed)
                 + len(self.dtype_codes) + len(self.event_kinds))
-
-

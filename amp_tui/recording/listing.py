@@ -10,6 +10,7 @@ from pathlib import Path
 from amp_tui.core import precision
 from amp_tui.job.control import job_alive
 from amp_tui.core.jsonsafe import read_float
+from amp_tui.core.records import next_state
 from amp_tui.recording.reader import parse_record
 
 TAIL_BYTES = 256 * 1024
@@ -61,7 +62,7 @@ def describe_run(run_dir: Path) -> RunRow:
     if job_alive(run_dir):
         state = "running"
     elif end is not None:
-        state = {"finished": "finished", "error": "error"}.get(end.get("status"), "stopped")
+        state = next_state("running", end)
     else:
         state = "crashed"
     last_event = ""

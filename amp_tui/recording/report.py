@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.text import clip
@@ -174,7 +173,3 @@ def render_summary(s: Summary, console) -> None:
     console.print(table)
     for message in s.errors[-3:]:
         console.print(Text("error: " + clip(message, TEXT_LIMIT, count=True), style="red"))
-
-
-def session_dir(path: Path) -> Path:
-    return path.parent if path.is_file() else path

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from amp_tui.core.precision import SHORT
+from amp_tui.core.records import nonfinite_layer
 from amp_tui.core.text import one_line, plural
 from amp_tui.recording.index import F_NONFINITE_GRADIENTS, F_NONFINITE_LOSS, F_SKIPPED, SessionIndex
 
@@ -178,7 +179,7 @@ def _first_layer(idx: SessionIndex, step: int) -> str | None:
     k = idx.events_upto(step - 1)
     while k < idx.event_count and idx.event_steps[k] == step:
         if idx.event_kind(k) == "nonfinite":
-            layer = idx.event(k).get("layer")
+            layer = nonfinite_layer(idx.event(k))
             return one_line(layer, 120) if layer else None
         k += 1
     return None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from amp_tui.job import control
 from amp_tui.core.commands import Command, Outcome
-from amp_tui.sources.replay import ReplaySnapshot, ReplaySource
+from amp_tui.sources.replay import ReplaySnapshot, ReplaySource, run_checkpoints
 
 FOLLOW_SPEED = ReplaySource.SPEEDS[-1]   # catch up with the job as fast as playback goes
 
@@ -23,6 +23,8 @@ class AttachedSource:
     """A `Source` for a running job: figures from the recording, commands over the socket."""
 
     mode = "attached"
+    can_steer = True
+    playback = None   # it follows the job: no seeking
 
     def __init__(self, run_dir: str | Path, *, refresh_interval: float = 0.25):
         self.run_dir = Path(run_dir)
@@ -71,11 +73,7 @@ class AttachedSource:
         return None   # nothing here is recorded: a stop is never held
 
     def checkpoints(self) -> list:
-        from amp_tui.training.checkpoint import CheckpointError, list_checkpoints
-        try:
-            return list_checkpoints(self.run_dir / "checkpoints")
-        except (CheckpointError, OSError):
-            return []
+        return run_checkpoints(self.run_dir)
 
     def job_alive(self) -> bool:
         return control.job_alive(self.run_dir)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 import time
 from pathlib import Path
@@ -23,8 +24,10 @@ from typing import TYPE_CHECKING, Callable
 
 from amp_tui.core import jsonsafe
 from amp_tui.core.jsonsafe import read_floats
-from amp_tui.recording.index import MARKER_KINDS, F_LOSS_NONE, F_SKIPPED, RATE_WINDOW, SessionIndex
-from amp_tui.sources.protocol import EVENT_LIMIT, HISTORY_POINTS, MARKER_LIMIT, History, LayerView, Snapshot
+from amp_tui.core.records import next_state, state_after
+from amp_tui.recording.index import F_LOSS_NONE, F_SKIPPED, RATE_WINDOW, SessionIndex
+from amp_tui.sources.protocol import (EVENT_LIMIT, HISTORY_POINTS, MARKER_LIMIT, History, LayerView, Playback,
+                                      Snapshot)
 
 if TYPE_CHECKING:
     from amp_tui.core.commands import Command
@@ -39,7 +42,6 @@ class ReplaySnapshot(Snapshot):
     recorded run was doing at `position` ("running", "paused", "finished", "stopped", "error",
     "starting"), as a live dashboard would have shown it then."""
 
-    run_state: str = "starting"
     playing: bool = False
     speed: float = 0.0              # steps per second of playback
     following: bool = False         # follow mode (the file is re-read as it grows)
@@ -50,6 +52,7 @@ class ReplaySource:
     """A recorded session as a `Source` (see the module docstring)."""
 
     mode = "replay"
+    can_steer = False
     SPEEDS = tuple(2.0 ** k for k in range(11))      # 1 ... 1024 steps per second
     DEFAULT_SPEED = 16.0
 
@@ -102,11 +105,11 @@ class ReplaySource:
         return None   # nothing here is recorded: a stop is never held
 
     def checkpoints(self) -> list:
-        from amp_tui.training.checkpoint import CheckpointError, list_checkpoints
-        try:
-            return list_checkpoints(self.run_dir / "checkpoints")
-        except (CheckpointError, OSError):
-            return []
+        return run_checkpoints(self.run_dir)
+
+    @property
+    def playback(self) -> Playback:
+        return self
 
     def snapshot(self) -> ReplaySnapshot:
         if self.started:
@@ -430,28 +433,18 @@ class ReplaySource:
 
     def _run_state(self, i: int, count: int) -> str:
         idx = self.index
-        state = "starting"
-        for k in idx.state_events:
-            if k >= count:
-                break
-            e = idx.event(k)
-            kind = e.get("kind")
-            if kind in MARKER_KINDS:
-                after = e.get("after")
-                if isinstance(after, dict) and after.get("state") in ("paused", "running", "stopped"):
-                    state = after["state"]
-            elif kind == "paused":
-                state = "paused"
-            elif kind == "error" and e.get("during") == "step":
-                state = "error"
-        if i >= 0 and state == "starting":
-            state = "running"
-        if i >= 0 and i == idx.frames - 1 and idx.end is not None:
-            state = {"finished": "finished", "error": "error"}.get(idx.end.get("status"), "stopped")
+        state = state_after(idx.event(k) for k in itertools.takewhile(lambda k: k < count, idx.state_events))
+        if i >= 0:
+            state = next_state(state, {"type": "step"})
+            if i == idx.frames - 1 and idx.end is not None:
+                state = next_state(state, idx.end)
         return state
 
 
-def open_replay(target: str | Path, *, follow: bool = False, **kwargs) -> ReplaySource:
-    """`ReplaySource(target, follow=follow)`; raises SessionFormatError (not a session, a newer
-    format, no file) or OSError with a message for the user."""
-    return ReplaySource(target, follow=follow, **kwargs)
+def run_checkpoints(run_dir: Path) -> list:
+    """The checkpoints in a run directory, newest first; none when the folder can't be read."""
+    from amp_tui.training.checkpoint import CheckpointError, list_checkpoints
+    try:
+        return list_checkpoints(run_dir / "checkpoints")
+    except (CheckpointError, OSError):
+        return []

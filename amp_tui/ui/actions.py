@@ -35,11 +35,6 @@ class KeyAction:
                                # that has its own entry; listed in the help only)
 
     @property
-    def live_only(self) -> bool:
-        """Steers the training run: meaningless when replaying a recording."""
-        return "replay" not in self.modes
-
-    @property
     def replay_only(self) -> bool:
         return self.modes == REPLAY
 

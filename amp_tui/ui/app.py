@@ -29,6 +29,7 @@ from amp_tui.ui.screens.help_screen import HelpScreen
 from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
 from amp_tui.ui.dialogs.restore_dialog import RestoreDialog
 from amp_tui.ui.dialogs.scale_dialog import ScaleDialog
+from amp_tui.core.records import ENDED
 from amp_tui.core.text import clip, visible
 from amp_tui.ui.view import SORTS, current_precision, nonfinite_pause
 
@@ -36,7 +37,6 @@ STOP_TIMEOUT_S = 10.0     # how long `q` waits for the current step before forci
 FORCED_EXIT_DELAY_S = 1.5  # leave the "forcing the exit" message on screen this long
 COMMAND_SOURCE = "dashboard"
 NOTIFY_LIMIT = 400         # characters of a recorded text in a notification (the event log has more)
-ENDED_STATES = ("finished", "stopped", "error")
 COMMAND_TITLES = {"dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore",
                   "pause": "pause", "resume": "resume", "step": "single step", "fp32": "local fp32"}
 
@@ -74,8 +74,7 @@ class AmpTuiApp(App[int]):
         self._events_seen = 0
         self._error_where: list[tuple[str, str]] = []
         self._stop_job: Command | None = None   # attached: Q sent this; exit once it's done
-        # A replay with playback controls (a ReplaySource; a FixedSource(mode="replay") has none).
-        self.playback = source.mode == "replay" and callable(getattr(source, "toggle", None))
+        self.playback = source.playback   # a recording's controls; None for a run
         # BINDINGS are the live keys; this mode's keys (replay's, attached's Q) are added here,
         # one binding per key; a key that does something else in this mode gets its texts.
         for binding in bindings(source.mode):
@@ -143,7 +142,7 @@ class AmpTuiApp(App[int]):
                 self.notify("The run is paused: free some space, then space resumes.",
                             title="paused", severity="warning", timeout=20, markup=False)
         if snap.state != self._last_state:
-            if snap.state in ENDED_STATES:
+            if snap.state in ENDED:
                 self._pending.clear()
             if snap.state == "finished" and snap.mode in ("live", "attached"):
                 self.notify("the run finished: q quits", title="finished", markup=False)
@@ -152,11 +151,11 @@ class AmpTuiApp(App[int]):
 
     def _playback_text(self) -> str | None:
         """A replay's "paused · 16 steps/s" / "playing 16 steps/s" for the status bar."""
-        if not self.playback:
+        if self.playback is None:
             return None
-        text = self.source.playback_text()
-        if not self.source.playing:
-            text += f" · {self.source.speed:g} steps/s"
+        text = self.playback.playback_text()
+        if not self.playback.playing:
+            text += f" · {self.playback.speed:g} steps/s"
         return text
 
     def _new_events(self, snap: Snapshot) -> list[dict]:
@@ -170,7 +169,7 @@ class AmpTuiApp(App[int]):
     def _where(self) -> list[tuple[str, str]]:
         """Where the user's work is kept, for the error panel."""
         lines = []
-        session = _attr(self.source, "session_path")
+        session = self.source.session_path
         if session is not None:
             lines.append(("session", str(session)))
         try:
@@ -201,15 +200,15 @@ class AmpTuiApp(App[int]):
         if key_action.always:
             return True
         if mode == "replay":
-            return self.playback
+            return self.playback is not None
         return self.can_steer()
 
     def can_steer(self) -> bool | None:
         """True for a live run or a job we're attached to; None (keys shown dimmed) once it
         ended; False (keys hidden) for a recording, which can't be steered."""
-        if self.source.mode not in ("live", "attached"):
+        if not self.source.can_steer:
             return False
-        return None if self._last_state in ENDED_STATES else True
+        return None if self._last_state in ENDED else True
 
     def send(self, action: str, value=None) -> None:
         command = Command(action, value, COMMAND_SOURCE)
@@ -276,7 +275,7 @@ class AmpTuiApp(App[int]):
         except Exception as exc:  # noqa: BLE001 - e.g. an unreadable checkpoint folder
             self.notify(visible(exc), title="checkpoints", severity="error", markup=False)
             found = []
-        run_dir = _attr(self.source, "run_dir")
+        run_dir = self.source.run_dir
 
         def chosen(path: str | None) -> None:
             if path is not None:
@@ -286,8 +285,8 @@ class AmpTuiApp(App[int]):
 
     def action_toggle_pause(self) -> None:
         if self.source.mode == "replay":   # the same key plays/pauses a recording
-            if self.playback:
-                self.source.toggle()
+            if self.playback is not None:
+                self.playback.toggle()
                 self.refresh_view_soon()
             return
         pending = [c.action for c in self._pending if c.action in ("pause", "resume")]
@@ -306,39 +305,39 @@ class AmpTuiApp(App[int]):
         self.refresh_view_soon()
 
     def action_replay_faster(self) -> None:
-        self.source.faster()
+        self.playback.faster()
         self._playback_done()
 
     def action_replay_slower(self) -> None:
-        self.source.slower()
+        self.playback.slower()
         self._playback_done()
 
     def action_replay_step(self, n: int) -> None:
-        self.source.step_by(int(n))
+        self.playback.step_by(int(n))
         self._playback_done()
 
     def action_replay_event(self, direction: int) -> None:
-        found = self.source.next_event() if int(direction) > 0 else self.source.previous_event()
+        found = self.playback.next_event() if int(direction) > 0 else self.playback.previous_event()
         if found is None:
             self.notify("no event " + ("after" if int(direction) > 0 else "before") + " this step",
                         title="events", markup=False)
         self._playback_done()
 
     def action_replay_home(self) -> None:
-        self.source.home()
+        self.playback.home()
         self._playback_done()
 
     def action_replay_end(self) -> None:
-        self.source.end()
+        self.playback.end()
         self._playback_done()
 
     def action_replay_goto(self) -> None:
         def chosen(step: int | None) -> None:
             if step is not None:
-                self.source.seek(step)
+                self.playback.seek(step)
                 self._playback_done()
 
-        self.push_screen(GotoDialog(self.source.total_steps, self.source.position), chosen)
+        self.push_screen(GotoDialog(self.playback.total_steps, self.playback.position), chosen)
 
     def action_sort_layers(self, column: str) -> None:
         self.dashboard.sort_layers(column)
@@ -353,7 +352,7 @@ class AmpTuiApp(App[int]):
         self.stopping = True
         if self.source.mode == "attached":
             self.notify(f"detaching: the job keeps running (amp-tui attach "
-                        f"{_attr(self.source, 'run_dir')} comes back; Q stops it)",
+                        f"{self.source.run_dir} comes back; Q stops it)",
                         title="detach", markup=False)
         elif self._give_up_on_quit:
             self.notify("writing the last records once more; quitting without them if the disk "
@@ -434,14 +433,6 @@ def brief(value: object) -> str:
     return clip(visible(value), NOTIFY_LIMIT)
 
 
-def _attr(source, name: str):
-    """An optional source attribute (a live source may expose it via its run)."""
-    value = getattr(source, name, None)
-    if value is None:
-        value = getattr(getattr(source, "run", None), name, None)
-    return value
-
-
 def create_app(source: Source, *, refresh_rate: float = 20.0, clock: Callable[[], float] = time.time,
                warnings: Iterable[str] = (), stop_timeout: float = STOP_TIMEOUT_S,
                pace_clock: Callable[[], float] = time.monotonic) -> AmpTuiApp:
@@ -454,7 +445,7 @@ def create_app(source: Source, *, refresh_rate: float = 20.0, clock: Callable[[]
 def run_dashboard(run, warnings: list[str], refresh_rate: float = 20.0) -> int:
     """Run `run` under the dashboard; after the app exits make sure the run stopped and the session
     is flushed, print the run summary, and return the exit status."""
-    from amp_tui.sources.protocol import LiveSource
+    from amp_tui.sources.live import LiveSource
 
     source = LiveSource(run)
     app = create_app(source, refresh_rate=refresh_rate, warnings=warnings)

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from amp_tui.core import precision
+from amp_tui.core.records import nonfinite_layer
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.sources.protocol import LayerView, Snapshot
 
@@ -182,8 +183,7 @@ def nonfinite_origin(snap: Snapshot) -> str | None:
         if event.get("kind") == "nonfinite":
             if event.get("step") != last:
                 return None
-            origin = event.get("origin") or event.get("layer")
-            return str(origin) if origin else None
+            return nonfinite_layer(event)
     return None
 
 
@@ -216,8 +216,7 @@ def nonfinite_pause(snap: Snapshot) -> NonfinitePause | None:
         if kind == "paused" and event.get("reason") == "nonfinite":
             cause = next((e for e in reversed(events[:i]) if e.get("kind") == "nonfinite"), {})
             step = cause.get("step", max(int(event.get("step", 1)) - 1, 0))
-            layer = cause.get("layer") or cause.get("origin")
-            return NonfinitePause(int(step), layer, str(cause.get("loss", "non-finite")),
+            return NonfinitePause(int(step), nonfinite_layer(cause), str(cause.get("loss", "non-finite")),
                                   cause.get("dtype"), first_index + i + 1)
     return None
 

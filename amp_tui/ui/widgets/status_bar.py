@@ -73,7 +73,7 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
                 now: float, playback: str | None = None) -> Text:
     """`playback`: a replay's "paused · 16 steps/s" (then the badge is the recorded run's state)."""
     header, last = snap.header, snap.last or {}
-    state = getattr(snap, "run_state", None) if playback is not None else None
+    state = snap.run_state if playback is not None else None
     state = state or snap.state
     if stopping and snap.mode in ("live", "attached") and state in ("running", "paused", "starting"):
         state = "stopping"

@@ -1,0 +1,102 @@
+"""The records of a session as types, and the one reducer from records to a run's state.
+
+A live run, a replay and `amp-tui ls` all need "what state was the run in after these records":
+they fold `next_state` over the records they have. The fields are documented in
+docs/session-format.md; the TypedDicts name the ones code reads (a record may hold more).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypedDict
+
+RecordType = Literal["header", "step", "event", "end"]
+RunState = Literal["starting", "running", "paused", "stopped", "finished", "error"]
+EndStatus = Literal["finished", "stopped", "error"]
+Mode = Literal["live", "replay", "attached"]
+EventKind = Literal["intervention", "checkpoint_saved", "checkpoint_restored", "nonfinite", "alert",
+                    "error", "paused", "stopping", "resumed"]
+
+ENDED: frozenset[str] = frozenset({"finished", "stopped", "error"})
+# The events that change a run's state; the others (a checkpoint saved, an alert...) don't.
+STATE_EVENTS: tuple[str, ...] = ("intervention", "checkpoint_restored", "paused", "error")
+# The events a chart marks on its step axis.
+MARKER_EVENTS: tuple[str, ...] = ("intervention", "checkpoint_restored")
+# What an intervention's `after.state` may set.
+_STEERED = ("paused", "running", "stopped")
+
+
+class StepRecord(TypedDict, total=False):
+    type: Literal["step"]
+    step: int
+    loss: float | str | None
+    scale: float | str | None
+    skipped: bool
+    skipped_total: int
+    updates: int
+    dtype: str
+    layers: dict[str, list]
+
+
+class EventRecord(TypedDict, total=False):
+    type: Literal["event"]
+    step: int
+    kind: str
+    message: str
+    after: dict[str, Any]
+    during: str
+    reason: str
+    where: Literal["loss", "gradients"]
+    layer: str | None
+    origin: str | None
+    backward_origin: str | None
+
+
+class EndRecord(TypedDict, total=False):
+    type: Literal["end"]
+    step: int
+    status: EndStatus
+    updates: int
+    skipped_total: int
+    exit_status: int
+
+
+def end_status(state: str) -> EndStatus:
+    """What the end record says of a run that was in `state` when it ended."""
+    return state if state in ENDED else "stopped"   # type: ignore[return-value]
+
+
+def next_state(state: RunState, record: Mapping[str, Any]) -> RunState:
+    """The state of a run after `record`, given the state before it."""
+    kind = record.get("type")
+    if kind == "end":
+        return end_status(str(record.get("status")))
+    if kind == "step":
+        return "running" if state == "starting" else state
+    if kind != "event":
+        return state
+    event = record.get("kind")
+    if event in ("intervention", "checkpoint_restored"):
+        after = record.get("after")
+        if isinstance(after, Mapping) and after.get("state") in _STEERED:
+            return after["state"]
+    elif event == "paused":
+        return "paused"
+    elif event == "error" and record.get("during") == "step":
+        return "error"
+    return state
+
+
+def state_after(records: Iterable[Mapping[str, Any]], state: RunState = "starting") -> RunState:
+    for record in records:
+        state = next_state(state, record)
+    return state
+
+
+def nonfinite_layer(event: Mapping[str, Any]) -> str | None:
+    """The module a `nonfinite` event names: where it went wrong first, in the forward pass for a
+    non-finite loss (`origin`) and in the backward pass for gradients (`backward_origin`); `layer`
+    (the same module, or the probes' first non-finite figure when no diagnosis ran) otherwise."""
+    first = event.get("origin") if event.get("where") == "loss" else event.get("backward_origin")
+    found = first or event.get("layer")
+    return str(found) if found else None

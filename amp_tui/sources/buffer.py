@@ -1,0 +1,118 @@
+"""The records a producer feeds, reduced to what the dashboard shows.
+
+A producer (the training thread, or a file reader) calls `RunBuffer.feed(record)` with each record;
+the UI calls `snapshot()` on its own timer. Memory stays bounded however long the run: the chart
+history is decimated (every other point is dropped when it fills up, and from then on only every
+2nd, 4th, ... step is kept), the event list and the marker lists are capped.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from amp_tui.core.jsonsafe import read_float, read_floats
+from amp_tui.core.records import MARKER_EVENTS, Mode, RunState, next_state
+from amp_tui.sources.protocol import (EVENT_LIMIT, HISTORY_POINTS, MARKER_LIMIT, History, LayerView, Snapshot)
+
+
+class RunBuffer:
+    """Thread-safe collector of records; producers feed, the UI takes snapshots."""
+
+    def __init__(self, mode: Mode = "live", history_points: int = HISTORY_POINTS):
+        self.mode = mode
+        self._lock = threading.Lock()
+        self._points = history_points
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._header: dict = {}
+            self._state: RunState = "starting"
+            self._last: dict | None = None
+            self._history = History()
+            self._skipped: collections.deque[int] = collections.deque(maxlen=MARKER_LIMIT)
+            self._interventions: collections.deque[int] = collections.deque(maxlen=MARKER_LIMIT)
+            self._layers = LayerView([], [], [], [], None, None)
+            self._events: collections.deque[dict] = collections.deque(maxlen=EVENT_LIMIT)
+            self._events_seen = 0
+            self._error: dict | None = None
+            self._version = 0
+            self._rate_window: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
+
+    def set_state(self, state: RunState) -> None:
+        with self._lock:
+            self._state = state
+            self._version += 1
+
+    def feed(self, record: dict) -> None:
+        kind = record.get("type")
+        with self._lock:
+            self._version += 1
+            if kind == "header":
+                self._header = dict(record)
+                self._layers = LayerView(list(record.get("layers", [])), [], [], [], None, None)
+            elif kind == "step":
+                self._feed_step(record)
+            elif kind == "event":
+                self._feed_event(record)
+            elif kind == "end":
+                self._state = next_state(self._state, record)
+
+    def _feed_step(self, r: dict) -> None:
+        self._last = r
+        step = int(r.get("step", 0))
+        h = self._history
+        if r.get("skipped"):
+            self._skipped.append(step)
+        if step % h.stride == 0:
+            h.steps.append(step)
+            h.loss.append(read_float(r.get("loss")))
+            h.scale.append(read_float(r.get("scale")))
+            if len(h.steps) > self._points:
+                h.stride *= 2
+                keep = [i for i, s in enumerate(h.steps) if s % h.stride == 0]
+                h.steps = [h.steps[i] for i in keep]
+                h.loss = [h.loss[i] for i in keep]
+                h.scale = [h.scale[i] for i in keep]
+        layers = r.get("layers")
+        if isinstance(layers, dict):
+            n = len(self._layers.names)
+            self._layers = LayerView(
+                self._layers.names,
+                read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n), read_floats(layers.get("weight"), n),
+                step, r.get("dtype"))
+        t = r.get("time")
+        if isinstance(t, (int, float)):
+            self._rate_window.append((step, float(t)))
+        self._state = next_state(self._state, r)
+
+    def _feed_event(self, e: dict) -> None:
+        self._events.append(e)
+        self._events_seen += 1
+        kind = e.get("kind")
+        if kind in MARKER_EVENTS:
+            self._interventions.append(int(e.get("step", 0)))
+        elif kind == "error" and e.get("during") == "step":
+            self._error = e
+        self._state = next_state(self._state, e)
+
+    def snapshot(self, **extra) -> Snapshot:
+        with self._lock:
+            return Snapshot(
+                mode=self.mode, header=dict(self._header), state=self._state, last=self._last,
+                total_steps=self._header.get("steps"), steps_per_second=self._rate(),
+                history=self._history_copy(), layers=self._layers, events=list(self._events),
+                events_seen=self._events_seen, error=self._error, version=self._version, **extra)
+
+    def _history_copy(self) -> History:
+        h = self._history
+        return History(list(h.steps), list(h.loss), list(h.scale), list(self._skipped),
+                       list(self._interventions), h.stride)
+
+    def _rate(self) -> float:
+        w = self._rate_window
+        if len(w) < 2:
+            return 0.0
+        (s0, t0), (s1, t1) = w[0], w[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
