@@ -1,14 +1,12 @@
-"""Commands that steer a run, applied by the run loop at the next step boundary.
+"""Commands that steer a run: what they are, how they are written (`--at`, `ctl`) and parsed.
 
-Any thread may `submit()`; the loop drains the queue between steps, so a command never lands in
+A run applies them at its next step boundary (amp_tui.job.commands), so a command never lands in
 the middle of a forward or backward pass.
 """
 
 from __future__ import annotations
 
 import math
-import queue
-import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -95,29 +93,3 @@ def parse_at(text: str) -> tuple[int, Command]:
     if step < 0:
         raise CommandError(f"--at {text!r}: the step must be 0 or more")
     return step, parse_action(action, source="at")
-
-
-class CommandQueue:
-    """Thread-safe FIFO that the run loop drains at step boundaries."""
-
-    def __init__(self):
-        self._queue: queue.Queue[Command] = queue.Queue()
-        self.wakeup = threading.Event()
-
-    def submit(self, command: Command) -> None:
-        self._queue.put(command)
-        self.wakeup.set()
-
-    def drain(self) -> list[Command]:
-        out = []
-        while True:
-            try:
-                out.append(self._queue.get_nowait())
-            except queue.Empty:
-                return out
-
-    def wait(self, timeout: float) -> None:
-        """Block until something is submitted (or the timeout passes)."""
-        if self._queue.empty():
-            self.wakeup.wait(timeout)
-        self.wakeup.clear()

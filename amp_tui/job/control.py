@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 
 from amp_tui.core.commands import CommandError, Outcome, parse_action
+from amp_tui.core.precision import short_name
 
 SOCKET_NAME = "control.sock"
 POINTER_NAME = "control.path"   # holds the socket's path when it had to live elsewhere
@@ -193,7 +194,8 @@ class ControlServer:
 
     def answer(self, text: str, peer: dict) -> dict:
         if text == "status":
-            return {"ok": True, "message": self.run.status_line(), "status": self.run.status()}
+            status = self.run.status()
+            return {"ok": True, "message": status_text(status), "status": status}
         try:
             command = parse_action(text, source=f"ctl pid={peer['pid']} user={peer['user']}")
         except CommandError as exc:
@@ -246,6 +248,15 @@ class ControlServer:
             self.path.unlink()
         with contextlib.suppress(OSError):
             (self.run_dir / POINTER_NAME).unlink()
+
+
+def status_text(status: dict) -> str:
+    """A job's `status` as one line: "running at step 12/100: fp16, scale 65536, ..."."""
+    scale = "-" if status["scale"] is None else f"{status['scale']:g}"
+    total = f"/{status['steps']}" if status["steps"] else ""
+    return (f"{status['state']} at step {status['step']}{total}: {short_name(status['dtype'])}, "
+            f"scale {scale}, {status['updates']} updates applied, {status['skipped']} skipped, "
+            f"loss {status['loss']}")
 
 
 def send(run_dir: Path, text: str, *, timeout: float = REPLY_TIMEOUT + 5) -> dict:

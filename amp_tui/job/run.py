@@ -1,4 +1,5 @@
-"""A run: the guarded trainer, its batches, the session file, checkpoints and the command loop.
+"""A run: the guarded trainer stepped by a loop that applies commands at step boundaries, with
+its batches (job/feed.py), its recording (job/recorder.py) and its checkpoints (job/checkpoints.py).
 
 The dashboard and the headless CLI both drive a `Run`; the run knows nothing of either. Observers
 get every record (header, step, event, end) on the training thread and must be quick.
@@ -6,7 +7,6 @@ get every record (header, step, event, end) on the training thread and must be q
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import socket
@@ -17,26 +17,29 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
 import amp_tui
-from amp_tui.training import checkpoint as ckpt
 from amp_tui.core import precision
-from amp_tui.core.records import end_status
+from amp_tui.core.commands import Command, Outcome
+from amp_tui.core.jsonsafe import encode_float
+from amp_tui.core.numfmt import number
+from amp_tui.core.records import RunState, end_status
+from amp_tui.job.checkpoints import RunCheckpoints
+from amp_tui.job.commands import CommandQueue, Handler, apply_command
+from amp_tui.job.feed import BatchFeed
+from amp_tui.job.recorder import Observers, Recorder
+from amp_tui.recording.format import SessionFormatError, event_record, step_record
+from amp_tui.recording.report import RunOutcome, describe_records
+from amp_tui.training import checkpoint as ckpt
 from amp_tui.training.autocast import unsupported_reason
-from amp_tui.core.commands import Command, CommandQueue, Outcome
-from amp_tui.training.devices import describe_device, move_to_device
+from amp_tui.training.devices import describe_device
 from amp_tui.training.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult
 from amp_tui.training.guards import GuardConfig, PrecisionGuard
-from amp_tui.training.local_fp32 import LocalFp32, ModuleMatchError
-from amp_tui.core.jsonsafe import encode_float
-from amp_tui.core.numfmt import byte_size, number
+from amp_tui.training.local_fp32 import LocalFp32, ModuleMatchError, match_modules
 from amp_tui.training.script import ScriptError, TrainSetup, describe_exception
-from amp_tui.recording.report import RunOutcome, describe_records
-from amp_tui.recording.format import SessionFormatError, event_record, step_record
-from amp_tui.recording.writer import SessionWriter
 
 NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback")
 PRECISION_ACTIONS = ("dtype", "scale", "fp32")  # what --at 0:... may set before the pre-flight
@@ -81,60 +84,6 @@ def default_run_dir(script: Path, root: Path = Path("runs")) -> Path:
     return path
 
 
-class BatchFeed:
-    """Yields batches on the device forever, re-iterating `batches` when it runs out."""
-
-    def __init__(self, batches: Iterable, device: torch.device):
-        self._batches = batches
-        self._device = device
-        self._iter = None
-        self._peeked = None   # the next batch, already on the device (peek() read it)
-        self.consumed = 0
-
-    def _next_raw(self):
-        if self._iter is None:
-            self._iter = iter(self._batches)
-        try:
-            return next(self._iter)
-        except StopIteration:
-            self._iter = iter(self._batches)
-            try:
-                return next(self._iter)
-            except StopIteration:
-                if self.consumed == 0:
-                    raise ScriptError("'batches' yielded no batch") from None
-                if self._iter is self._batches:
-                    raise ScriptError(f"'batches' ran out after {self.consumed} batches and can't start "
-                                      "over (its iter() is itself, like a generator's): return a list "
-                                      "or a DataLoader") from None
-                raise ScriptError(f"'batches' ran out after {self.consumed} batches and yielded none "
-                                  "when started over") from None
-
-    def peek(self):
-        """The next batch on the device; take() hands out this same object."""
-        if self._peeked is None:
-            self._peeked = move_to_device(self._next_raw(), self._device)
-        return self._peeked
-
-    def _next(self):
-        batch, self._peeked = self._peeked, None
-        if batch is None:
-            batch = move_to_device(self._next_raw(), self._device)
-        self.consumed += 1
-        return batch
-
-    def take(self, count: int) -> list:
-        return [self._next() for _ in range(count)]
-
-    def skip(self, count: int) -> None:
-        for _ in range(count):
-            if self._peeked is not None:
-                self._peeked = None
-            else:
-                self._next_raw()
-            self.consumed += 1
-
-
 class Run:
     """Owns the trainer and the session; `run()` is the loop (call it on the training thread)."""
 
@@ -157,25 +106,27 @@ class Run:
         for pattern in config.fp32_modules:
             self.local_fp32.add(pattern)  # ModuleMatchError names a pattern that matches nothing
         self.commands = CommandQueue()
-        self.observers: list[Callable[[dict], None]] = []
-        self.state = "starting"
+        self.state: RunState = "starting"
         self.exit_status = EXIT_OK
         self.last_result: StepResult | None = None
         self.error: str | None = None
         self.run_dir = config.run_dir or default_run_dir(config.script)
-        self.checkpoint_dir = self.run_dir / "checkpoints"
         self.session_path = self.run_dir / "session.jsonl"
-        self._writer: SessionWriter | None = None
+        self.recorder = Recorder(self.session_path, on_refused=self._on_io_error)
+        self.checkpointing = RunCheckpoints(self)
+        self._handlers: dict[str, Handler] = {
+            "dtype": self._set_dtype, "scale": self._set_scale, "save": self._save,
+            "restore": self.checkpointing.restore, "fp32": self._toggle_fp32, "pause": self._pause,
+            "resume": self._resume_running, "step": self._single_step, "stop": self._stop,
+        }
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in config.at:
             self._scheduled.setdefault(step, []).append(command)
-        self._before_open: list[dict] = []  # records made before the session exists
         self._header: dict | None = None    # taken before the pre-flight's --at actions apply
         self._resumed = False
         self._stop_requested = threading.Event()
         self._checkpoint_on_stop = False
         self._stop_reason: str | None = None
-        self._session_failed = False
         self._pause_reason: str | None = None     # "io": held until the disk takes writes again
         self._io_error: str | None = None         # the last write the disk refused
         self._checkpoint_due: str | None = None   # the source of a save the disk refused
@@ -197,6 +148,10 @@ class Run:
         self.started_at = time.time()
 
     # ---- public, thread-safe ------------------------------------------------------------
+    @property
+    def observers(self) -> Observers:
+        return self.recorder.observers
+
     def submit(self, command: Command) -> None:
         self.commands.submit(command)
 
@@ -228,6 +183,25 @@ class Run:
     @property
     def step(self) -> int:
         return self.trainer.step_index
+
+    def checkpoints(self) -> list[ckpt.CheckpointInfo]:
+        return self.checkpointing.list()
+
+    def status(self) -> dict:
+        """A snapshot for `amp-tui ctl RUN status` (read from another thread: plain values only)."""
+        t, r = self.trainer, self.last_result
+        return {"state": self.state, "step": self.step, "steps": self.config.steps, "dtype": t.dtype,
+                "scale": t.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
+                "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
+                "run_dir": str(self.run_dir), "script": str(self.config.script)}
+
+    def outcome(self) -> RunOutcome:
+        return RunOutcome(state=self.state, steps=self.step, unwritten=dict(self.unwritten),
+                          recording_error=self.recording_error)
+
+    def pending_records(self) -> dict[str, int]:
+        """Records the disk has refused so far and that are still kept, by type."""
+        return self.recorder.pending_records()
 
     # ---- recording ----------------------------------------------------------------------
     def header(self) -> dict:
@@ -261,38 +235,32 @@ class Run:
             "host": socket.gethostname(),
         }
 
-    def _emit(self, record: dict) -> None:
-        if self._writer is None:
-            self._before_open.append(record)  # the pre-flight's: written after the header
-            return
-        if not self._writer.closed:
-            try:
-                self._writer.write(record)
-                if self.state == "paused" and record.get("type") == "step":
-                    # A single step while paused: no later record comes to push it to the file,
-                    # where `ctl`, `attach` and `replay --follow` look for it.
-                    self._writer.flush()
-                self._session_failed = False
-            except OSError as exc:
-                self._on_io_error(f"could not append to {self.session_path}: {exc.strerror or exc}")
-        for observer in list(self.observers):
-            try:
-                observer(record)
-            except Exception:  # noqa: BLE001 - a broken observer must not stop training
-                traceback.print_exc(file=sys.stderr)
+    def event(self, kind: str, message: str, *, step: int | None = None, **fields: Any) -> dict:
+        record = event_record(self.step if step is None else step, kind, message, **fields)
+        self.recorder.emit(record)
+        return record
 
-    def _on_io_error(self, message: str) -> None:
-        """The session can't be appended to (a full disk...): tell the observers, then halt.
-        The records stay pending in the writer and reach the file once it takes them again."""
-        if self._session_failed and (self.state == "paused" or self._stop_requested.is_set()):
+    def intervention(self, command: Command, before: dict, after: dict, message: str) -> Outcome:
+        """Record what a command changed, in the run's words; the command's answer."""
+        who = {"client": command.client} if command.client else {}
+        self.event("intervention", message, action=command.action, value=_json_value(command.value),
+                   source=command.source, before=before, after=after, **who)
+        return Outcome(True, message)
+
+    def set_state(self, state: RunState) -> None:
+        self.state = state
+
+    # ---- a disk that refuses writes ------------------------------------------------------
+    def _waits_for_space(self) -> bool:
+        """A full disk pauses the run (someone watching can free space), or stops it."""
+        return self.config.on_io_error == "pause" and not self._give_up_unwritten
+
+    def _on_io_error(self, message: str, first: bool = True) -> None:
+        """The session can't be appended to (a full disk...): say so, then halt. The records
+        stay pending in the writer and reach the file once it takes them again."""
+        if not first and (self.state == "paused" or self._stop_requested.is_set()):
             return  # already reported; the run is paused or stopping
-        self._session_failed = True
-        record = event_record(self.step, "error", message, during="io")
-        with contextlib.suppress(OSError):
-            self._writer.write(record)   # kept pending: the recording says why, once it can
-        for observer in list(self.observers):
-            with contextlib.suppress(Exception):
-                observer(record)
+        self.recorder.keep(event_record(self.step, "error", message, during="io"))
         self._halt_for_io(message)
 
     def _halt_for_io(self, message: str) -> None:
@@ -301,34 +269,36 @@ class Run:
         if self._waits_for_space():
             self._single_steps = 0
             self._pause_reason = "io"
-            self._set_state("paused")
+            self.set_state("paused")
             self.event("paused", "paused: the disk refused a write; free some space, then resume "
                        "(the records kept meanwhile are written then)", reason="io")
         else:
             self.exit_status = EXIT_ERROR
             self._stop_requested.set()
 
-    def event(self, kind: str, message: str, *, step: int | None = None, **fields: Any) -> dict:
-        record = event_record(self.step if step is None else step, kind, message, **fields)
-        self._emit(record)
-        return record
+    def checkpoint_refused(self, source: str, message: str) -> None:
+        """A checkpoint the disk refused: saved again once the user frees space and resumes."""
+        if self._waits_for_space():
+            self._checkpoint_due = source
+        self._halt_for_io(message)
 
+    def _save_checkpoint(self, *, source: str) -> ckpt.CheckpointInfo | None:
+        info = self.checkpointing.save(source=source)
+        if info is not None:
+            self._checkpoint_due = None
+        return info
+
+    # ---- starting -------------------------------------------------------------------------
     def open(self) -> None:
         """Create the run directory and write the header (or, resuming, append to the session)."""
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.cleanup_temporary_files(self.checkpoint_dir)
+        self.checkpointing.folder.mkdir(parents=True, exist_ok=True)
+        ckpt.cleanup_temporary_files(self.checkpointing.folder)
         resuming = self.config.resume_from is not None
         if resuming and not self._resumed:
-            self._resume(self.config.resume_from)   # first: the header says where a resume stops
+            self.checkpointing.resume(self.config.resume_from)   # first: the header says where it stops
             self._resumed = True
         header = self._header or self.header()   # resuming, only the observers see it
-        self._writer = SessionWriter(self.session_path, header, append=resuming,
-                                     flush_interval=self.config.flush_interval)
-        for observer in list(self.observers):
-            observer({"type": "header", **header})
-        early, self._before_open = self._before_open, []
-        for record in early:
-            self._emit(record)
+        self.recorder.open(header, append=resuming, flush_interval=self.config.flush_interval)
         if self.config.control:
             from amp_tui.job.control import ControlServer
             self._control = ControlServer(self, self.run_dir)
@@ -344,7 +314,7 @@ class Run:
         script = self.config.script
         if self.config.resume_from is not None:
             try:
-                self._resume(self.config.resume_from)  # the check runs on the state it goes on from
+                self.checkpointing.resume(self.config.resume_from)  # the check runs on the state it goes on from
             except (OSError, ckpt.CheckpointError, SessionFormatError, ValueError) as exc:
                 raise ScriptError(f"--resume {self.run_dir}: {exc}") from None
             self._resumed = True
@@ -375,69 +345,21 @@ class Run:
         while scheduled and scheduled[0].action in PRECISION_ACTIONS:
             self._apply(scheduled.pop(0))
 
-    def _resume(self, path: Path) -> None:
-        """Continue a crashed or stopped run from a checkpoint; the step counter goes on from the
-        last recorded step, like a restore, so the recording stays one forward timeline, and
-        --steps counts the iterations of this command: a resume runs that many more."""
-        from amp_tui.recording.reader import read_session
-        last_step = max((r["step"] for r in read_session(self.session_path).steps), default=-1)
-        t = self.trainer
-        loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
-        loaded.apply(t.model, t.optimizer, t.scheduler)
-        t.restore_scaler(loaded.scaler_state)
-        t.discard_started_step()
-        self._restore_counters(loaded)
-        t.step_index = last_step + 1
-        if self.config.steps is not None:
-            self.config.steps += t.step_index
-        extra = loaded.extra or {}
-        self.feed.skip(int(extra.get("micro_batches_consumed", 0)))  # same data order as before
-        start, stop = t.step_index, self.config.steps
-        rolled_back = max(0, start - (loaded.step or 0))
-        undone = (f"the {rolled_back} recorded step{'s' if rolled_back != 1 else ''} after it "
-                  f"{'are' if rolled_back != 1 else 'is'} rolled back, " if rolled_back else "")
-        runs = (f"--steps {stop - start} runs steps {start}-{stop - 1}" if stop is not None
-                else "it runs until stopped")
-        skipped = self.config.resume_skipped
-        passed = (f"; skipped {len(skipped)} newer checkpoint{'s' if len(skipped) != 1 else ''} "
-                  f"that failed the checks: {', '.join(p for p, _ in skipped)}" if skipped else "")
-        self.event("resumed", f"resumed from {self._rel(path)} (saved at step {loaded.step}, "
-                   f"{loaded.dtype}) after the recording's step {last_step}: {undone}the step counter "
-                   f"goes on from {start}, and {runs}{passed}",
-                   path=self._rel(path), checkpoint_step=loaded.step, checkpoint_dtype=loaded.dtype,
-                   previous_last_step=last_step, rolled_back=rolled_back,
-                   steps=None if stop is None else stop - start, until_step=stop,
-                   updates=t.updates_applied, skipped_total=t.skipped_total,
-                   skipped_checkpoints=[{"path": p, "reason": why} for p, why in skipped])
-
-    def _restore_counters(self, loaded: ckpt.LoadedCheckpoint) -> None:
-        """The applied and skipped counts are part of the state a full checkpoint brings back:
-        after a restore or a resume they count what the weights went through, not the updates
-        rolled back with them."""
-        extra = loaded.extra or {}
-        t = self.trainer
-        if "updates_applied" in extra:
-            t.updates_applied = int(extra["updates_applied"])
-        if "skipped_total" in extra:
-            t.skipped_total = int(extra["skipped_total"])
-
     # ---- the loop -----------------------------------------------------------------------
     def run(self) -> int:
         self._thread = threading.current_thread()
-        if self._writer is None:
+        if not self.recorder.opened:
             try:
                 self.open()
             except (OSError, ckpt.CheckpointError, ValueError) as exc:
                 # No session to write to: tell the observers (the dashboard) and give up cleanly.
                 message = f"could not start the run in {self.run_dir}: {exc}"
                 self.error, self.exit_status = message, EXIT_ERROR
-                self._set_state("error")
-                for observer in list(self.observers):
-                    with contextlib.suppress(Exception):
-                        observer(event_record(self.step, "error", message, during="step", traceback=""))
+                self.set_state("error")
+                self.observers.notify(event_record(self.step, "error", message, during="step", traceback=""))
                 self.close()
                 return self.exit_status
-        self._set_state("running")
+        self.set_state("running")
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - recorded, then the session is closed cleanly
@@ -460,15 +382,15 @@ class Run:
                     self.event("stopping", f"stopping: {self._stop_reason}", reason=self._stop_reason)
                 if self._checkpoint_on_stop or self._checkpoint_due is not None:
                     self._save_checkpoint(source=self._stop_reason or self._checkpoint_due or "stop")
-                if self.state not in ("error",):
-                    self._set_state("stopped")
+                if self.state != "error":
+                    self.set_state("stopped")
                 return
             if self._checkpoint_due is not None and self.state == "running":
                 # A save the disk refused, tried again first once the user resumed.
                 self._save_checkpoint(source=self._checkpoint_due)
                 continue
             if cfg.steps is not None and self.step >= cfg.steps and self._pause_reason != "io":
-                self._set_state("finished")
+                self.set_state("finished")
                 return
             if self.state == "paused" and self._single_steps == 0:
                 self.commands.wait(0.25)
@@ -490,7 +412,9 @@ class Run:
             where = describe_exception(exc, self.config.script)
             raise StepFailure(step, f"step {step}: the script raised {where}", exc) from exc
         self.last_result = result
-        self._emit(step_record(result))
+        # A single step while paused: no later record comes to push it to the file, where
+        # `ctl`, `attach` and `replay --follow` look for it.
+        self.recorder.emit(step_record(result), flush=self.state == "paused")
         if self.trainer.act_unmeasured and not self._act_unmeasured_said:
             self._act_unmeasured_said = True
             self.event("alert", self.trainer.act_unmeasured, step=result.step, reason="act_not_measured",
@@ -551,7 +475,7 @@ class Run:
         policy = self.config.on_nonfinite  # "skip" and "fallback" just go on (the guard decides)
         if policy == "pause" and self.state == "running":
             self._single_steps = 0
-            self._set_state("paused")
+            self.set_state("paused")
             self.event("paused", f"paused after a non-finite loss at step {result.step} "
                                  "(--on-nonfinite pause): change the dtype, cut the scale or restore",
                        reason="nonfinite")
@@ -562,90 +486,84 @@ class Run:
                                    "(--on-nonfinite stop)", reason="nonfinite")
 
     # ---- commands -----------------------------------------------------------------------
-    def _apply(self, command: Command) -> None:
+    def _apply(self, command: Command) -> Outcome:
+        return apply_command(self._handlers, command, self._command_failed)
+
+    def _command_failed(self, command: Command, message: str) -> None:
+        self.event("error", message, during=command.action, source=command.source)
+
+    def _refused(self, command: Command, message: str) -> Outcome:
+        self.event("error", message, during=command.action, source=command.source)
+        return Outcome(False, message)
+
+    def _set_dtype(self, command: Command) -> Outcome:
         try:
-            outcome = self._dispatch(command)
-        except Exception as exc:  # noqa: BLE001 - a refused command never stops the run
-            outcome = Outcome(False, f"{command.text()} failed: {exc}")
-            self.event("error", outcome.message, during=command.action, source=command.source)
-        if command.on_done is not None:
-            command.on_done(outcome)
+            change = self.trainer.set_dtype(str(command.value))
+        except PrecisionRefused as exc:
+            self._refused(command, f"dtype change refused: {exc}")
+            return Outcome(False, str(exc))
+        b, a = change["before"], change["after"]
+        return self.intervention(command, b, a, f"dtype {precision.SHORT[b['dtype']]} → "
+                                 f"{precision.SHORT[a['dtype']]}" + _scale_note(a))
 
-    def _intervention(self, command: Command, before: dict, after: dict, message: str) -> Outcome:
-        who = {"client": command.client} if command.client else {}
-        self.event("intervention", message, action=command.action, value=_json_value(command.value),
-                   source=command.source, before=before, after=after, **who)
-        return Outcome(True, message)
+    def _set_scale(self, command: Command) -> Outcome:
+        try:
+            change = self.trainer.set_scale(command.value)
+        except PrecisionRefused as exc:
+            self._refused(command, f"scale change refused: {exc}")
+            return Outcome(False, str(exc))
+        b, a = change["before"], change["after"]
+        if b["scale"] is not None:
+            text = f"loss scale {b['scale']:g} → {a['scale']:g}"
+        else:
+            text = f"fp16 loss scale {b['fp16_scale']:g} → {a['fp16_scale']:g} (used when fp16 is next entered)"
+        return self.intervention(command, b, a, text)
 
-    def status(self) -> dict:
-        """A snapshot for `amp-tui ctl RUN status` (read from another thread: plain values only)."""
-        t, r = self.trainer, self.last_result
-        return {"state": self.state, "step": self.step, "steps": self.config.steps, "dtype": t.dtype,
-                "scale": t.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
-                "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
-                "run_dir": str(self.run_dir), "script": str(self.config.script)}
+    def _save(self, command: Command) -> Outcome:
+        info = self._save_checkpoint(source=command.source)
+        if info is None:
+            return Outcome(False, "checkpoint not saved (see the error event)")
+        path = self.checkpointing.relative(info.path)
+        return self.intervention(command, {}, {"checkpoint": path}, f"checkpoint saved: {path}")
 
-    def status_line(self) -> str:
-        s = self.status()
-        scale = "-" if s["scale"] is None else f"{s['scale']:g}"
-        total = f"/{s['steps']}" if s["steps"] else ""
-        return (f"{s['state']} at step {s['step']}{total}: {precision.SHORT[s['dtype']]}, scale {scale}, "
-                f"{s['updates']} updates applied, {s['skipped']} skipped, loss {s['loss']}")
+    def _toggle_fp32(self, command: Command) -> Outcome:
+        pattern = str(command.value)
+        before = {"fp32_modules": self.local_fp32.names}
+        try:
+            already = set(match_modules(self.trainer.model, pattern)) & set(self.local_fp32.names)
+            changed = self.local_fp32.remove(pattern) if already else self.local_fp32.add(pattern)
+            if changed:
+                self.trainer.discard_started_step()  # it ran under the old autocast policy
+        except ModuleMatchError as exc:
+            return self._refused(command, str(exc))
+        verb = "back to autocast" if already else "now in fp32"
+        return self.intervention(command, before, {"fp32_modules": self.local_fp32.names},
+                                 f"{', '.join(changed) or pattern} {verb}")
 
-    def _dispatch(self, command: Command) -> Outcome:
-        action = command.action
-        if action == "dtype":
-            try:
-                change = self.trainer.set_dtype(str(command.value))
-            except PrecisionRefused as exc:
-                self.event("error", f"dtype change refused: {exc}", during="dtype", source=command.source)
-                return Outcome(False, str(exc))
-            b, a = change["before"], change["after"]
-            return self._intervention(command, b, a, f"dtype {precision.SHORT[b['dtype']]} → "
-                                      f"{precision.SHORT[a['dtype']]}" + _scale_note(a))
-        if action == "scale":
-            try:
-                change = self.trainer.set_scale(command.value)
-            except PrecisionRefused as exc:
-                self.event("error", f"scale change refused: {exc}", during="scale", source=command.source)
-                return Outcome(False, str(exc))
-            b, a = change["before"], change["after"]
-            if b["scale"] is not None:
-                text = f"loss scale {b['scale']:g} → {a['scale']:g}"
-            else:
-                text = (f"fp16 loss scale {b['fp16_scale']:g} → {a['fp16_scale']:g} "
-                        f"(used when fp16 is next entered)")
-            return self._intervention(command, b, a, text)
-        if action == "save":
-            info = self._save_checkpoint(source=command.source)
-            if info is None:
-                return Outcome(False, "checkpoint not saved (see the error event)")
-            return self._intervention(command, {}, {"checkpoint": self._rel(info.path)},
-                                      f"checkpoint saved: {self._rel(info.path)}")
-        if action == "restore":
-            return self._restore(command)
-        if action == "fp32":
-            return self._toggle_fp32(command)
-        if action in ("pause", "resume", "step"):
-            before = {"state": self.state}
-            if action == "pause":
-                self._single_steps = 0
-                self._set_state("paused")
-            elif action == "resume":
-                self._single_steps = 0
-                self._pause_reason = None
-                self._set_state("running")
-            else:
-                if self.state != "paused":
-                    return Outcome(False, self._pause_first(command.source))
-                self._single_steps += 1
-            text = {"pause": "paused", "resume": "resumed", "step": f"single step {self.step}"}[action]
-            return self._intervention(command, before, {"state": self.state}, text)
-        if action == "stop":
-            self._intervention(command, {"state": self.state}, {"state": "stopped"}, "stop requested")
-            self._stop_requested.set()
-            return Outcome(True, "stopping at this step boundary")
-        return Outcome(False, f"unknown command {action!r}")
+    def _pause(self, command: Command) -> Outcome:
+        before = {"state": self.state}
+        self._single_steps = 0
+        self.set_state("paused")
+        return self.intervention(command, before, {"state": self.state}, "paused")
+
+    def _resume_running(self, command: Command) -> Outcome:
+        before = {"state": self.state}
+        self._single_steps = 0
+        self._pause_reason = None
+        self.set_state("running")
+        return self.intervention(command, before, {"state": self.state}, "resumed")
+
+    def _single_step(self, command: Command) -> Outcome:
+        if self.state != "paused":
+            return Outcome(False, self._pause_first(command.source))
+        self._single_steps += 1
+        return self.intervention(command, {"state": self.state}, {"state": self.state},
+                                 f"single step {self.step}")
+
+    def _stop(self, command: Command) -> Outcome:
+        self.intervention(command, {"state": self.state}, {"state": "stopped"}, "stop requested")
+        self._stop_requested.set()
+        return Outcome(True, "stopping at this step boundary")
 
     def _pause_first(self, source: str) -> str:
         """Why a single step was refused, in the terms of whoever asked for it."""
@@ -657,101 +575,12 @@ class Run:
                     f"(amp-tui ctl {run_dir} pause), then step")
         return "a single step works while the run is paused: pause it first"
 
-    def _toggle_fp32(self, command: Command) -> Outcome:
-        pattern = str(command.value)
-        before = {"fp32_modules": self.local_fp32.names}
-        try:
-            from amp_tui.training.local_fp32 import match_modules
-            already = set(match_modules(self.trainer.model, pattern)) & set(self.local_fp32.names)
-            changed = self.local_fp32.remove(pattern) if already else self.local_fp32.add(pattern)
-            if changed:
-                self.trainer.discard_started_step()  # it ran under the old autocast policy
-        except ModuleMatchError as exc:
-            self.event("error", str(exc), during="fp32", source=command.source)
-            return Outcome(False, str(exc))
-        verb = "back to autocast" if already else "now in fp32"
-        return self._intervention(command, before, {"fp32_modules": self.local_fp32.names},
-                                  f"{', '.join(changed) or pattern} {verb}")
-
-    def _set_state(self, state: str) -> None:
-        self.state = state
-
-    def _rel(self, path: Path) -> str:
-        try:
-            return str(Path(path).relative_to(self.run_dir))
-        except ValueError:
-            return str(path)
-
-    # ---- checkpoints --------------------------------------------------------------------
-    def _save_checkpoint(self, *, source: str) -> ckpt.CheckpointInfo | None:
-        t = self.trainer
-        path = ckpt.checkpoint_path(self.checkpoint_dir, self.step)
-        started = time.perf_counter()
-        try:
-            info = ckpt.save_checkpoint(
-                path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
-                scaler_state=t.scaler_state(), step=self.step, dtype=t.dtype,
-                extra={**t.checkpoint_extra(), "micro_batches_consumed": self.feed.consumed})
-        except ckpt.CheckpointError as exc:
-            self.event("error", str(exc), during="save", source=source)
-            if isinstance(exc.__cause__, OSError):  # a full disk, not a bad model state
-                if self._waits_for_space():
-                    self._checkpoint_due = source   # saved once the user frees space and resumes
-                self._halt_for_io(str(exc))
-            return None
-        self._checkpoint_due = None
-        size = os.path.getsize(info.path)
-        self.event("checkpoint_saved", f"checkpoint {self._rel(info.path)} saved at step {self.step} "
-                   f"({byte_size(size)}, {time.perf_counter() - started:.2f}s)",
-                   path=self._rel(info.path), checkpoint_step=self.step, dtype=t.dtype, bytes=size,
-                   source=source)
-        return info
-
-    def checkpoints(self) -> list[ckpt.CheckpointInfo]:
-        return ckpt.list_checkpoints(self.checkpoint_dir)
-
-    def _restore(self, command: Command) -> Outcome:
-        target = str(command.value or "latest")
-        if target == "latest":
-            found = self.checkpoints()
-            if not found:
-                self.event("error", "restore refused: this run has no checkpoint yet", during="restore",
-                           source=command.source)
-                return Outcome(False, "no checkpoint yet")
-            path = found[0].path
-        else:
-            path = Path(target).expanduser()
-            if not path.is_absolute() and not path.exists() and (self.run_dir / path).exists():
-                path = self.run_dir / path
-        t = self.trainer
-        try:
-            loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
-        except ckpt.CheckpointError as exc:
-            self.event("error", f"restore refused: {exc}", during="restore", source=command.source,
-                       path=str(path))
-            return Outcome(False, str(exc))
-        before = t.describe_precision()
-        loaded.apply(t.model, t.optimizer, t.scheduler)
-        t.restore_scaler(loaded.scaler_state)
-        self._restore_counters(loaded)
-        t.discard_started_step()  # it ran on the weights before the restore
-        after = t.describe_precision()
-        ck_step = loaded.step
-        note = f" ({loaded.notice})" if loaded.notice else ""
-        saved = f"saved at step {ck_step}, {loaded.dtype}" if ck_step is not None else "weights only"
-        message = (f"restored {self._rel(path)} ({saved}) before step {self.step}; the step counter "
-                   f"goes on from {self.step}{note}")
-        self.event("checkpoint_restored", message, path=self._rel(path), checkpoint_step=ck_step,
-                   checkpoint_dtype=loaded.dtype, checkpoint_kind=loaded.kind, source=command.source,
-                   before=before, after=after)
-        return Outcome(True, message)
-
     # ---- ending -------------------------------------------------------------------------
     def _record_failure(self, exc: BaseException) -> None:
         if isinstance(exc, StepFailure):
             message, original, step = exc.message, exc.original, exc.step
         elif isinstance(exc, KeyboardInterrupt):
-            self._set_state("stopped")
+            self.set_state("stopped")
             self.event("stopping", "interrupted", reason="interrupt")
             return
         else:
@@ -761,21 +590,8 @@ class Run:
             traceback.format_exception(type(original), original, original.__traceback__))
         self.error = message
         self.exit_status = EXIT_ERROR
-        self._set_state("error")
+        self.set_state("error")
         self.event("error", message, step=step, during="step", traceback=tb[-20000:])
-
-    def _waits_for_space(self) -> bool:
-        """A full disk pauses the run (someone watching can free space), or stops it."""
-        return self.config.on_io_error == "pause" and not self._give_up_unwritten
-
-    def outcome(self) -> RunOutcome:
-        return RunOutcome(state=self.state, steps=self.step, unwritten=dict(self.unwritten),
-                          recording_error=self.recording_error)
-
-    def pending_records(self) -> dict[str, int]:
-        """Records the disk has refused so far and that are still kept, by type."""
-        writer = self._writer
-        return writer.pending_records() if writer is not None and not writer.closed else {}
 
     def close(self) -> None:
         """End the recording with its end record. The last flush counts like every other one:
@@ -790,7 +606,7 @@ class Run:
             self.request_stop(give_up_unwritten=True)
             self._ended.wait(ENDING_WAIT_S)
             return
-        if self._writer is not None and not self._writer.closed:
+        if self.recorder.opened and not self.recorder.closed:
             self._finish_recording(end_status(self.state))
         if self._control is not None:   # after the end: ctl resume may be what completes it
             self._control.close()
@@ -813,26 +629,21 @@ class Run:
 
     def _write_end(self, status: str, waiting_allowed: bool) -> None:
         while True:
-            end = self._end_record(status)
             try:
-                self._writer.finish(end)
+                self.recorder.finish(self._end_record(status))
                 break
             except OSError as exc:
                 why = f"{exc.strerror or exc}: {self.session_path}"
                 if not (waiting_allowed and self._waits_for_space()):
                     self._give_up(status, why)
                     return
-                self._session_failed = False   # each try at the end is reported
                 self._on_io_error(f"could not write the end of {self.session_path}: "
-                                  f"{exc.strerror or exc}")
+                                  f"{exc.strerror or exc}")   # each try at the end is reported
                 self._wait_for_space(why)
         if self.error is not None and self.error == self._io_error and self._checkpoint_due is None:
             self.error = None   # the disk took everything in the end: nothing was lost
-        self._set_state(status)
+        self.set_state(status)
         self._answer_stops(Outcome(True, "stopped; every record is written"))
-        for observer in list(self.observers):
-            with contextlib.suppress(Exception):
-                observer({"type": "end", **end})
 
     def _answer_stops(self, outcome: Outcome) -> None:
         replies, self._stop_replies = self._stop_replies, []
@@ -859,8 +670,8 @@ class Run:
                     # don't fit; either way it is answered once the last flush was tried.
                     if self.stop_held.is_set():
                         self._give_up_unwritten = True
-                    self._intervention(command, {"state": self.state}, {"state": "stopped"},
-                                       "stop requested")
+                    self.intervention(command, {"state": self.state}, {"state": "stopped"},
+                                      "stop requested")
                     self._stop_replies.append(command)
                     self._stop_requested.set()
                 elif command.action in ("resume", "step", "pause"):
@@ -876,17 +687,13 @@ class Run:
 
     def _give_up(self, status: str, why: str) -> None:
         """End without what the disk refused: counted, said, and a non-zero exit status."""
-        self.unwritten = self._writer.abandon()
         self.recording_error = why
         self.error = self.error or why
         self.exit_status = self.exit_status or EXIT_ERROR
-        self._set_state(status)
+        self.set_state(status)
+        self.unwritten = self.recorder.give_up(self._end_record(status))
         self._answer_stops(Outcome(True, f"stopped without {describe_records(self.unwritten)} "
                                          f"({why})"))
-        end = {"type": "end", **self._end_record(status), "unwritten": dict(self.unwritten)}
-        for observer in list(self.observers):
-            with contextlib.suppress(Exception):
-                observer(end)
 
 
 class StepFailure(Exception):

@@ -1,0 +1,139 @@
+"""A run's checkpoints: saving its whole state, restoring it mid-run, and resuming from it.
+
+A full checkpoint holds the weights, the optimizer, the scheduler, the GradScaler and the RNG
+states, the applied and skipped counts, and how many micro-batches were consumed (so a resume
+reads the data in the same order). Each operation records what it did as an event; a save the
+disk refuses is handed to the run's full-disk policy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from amp_tui.core.commands import Command, Outcome
+from amp_tui.core.numfmt import byte_size
+from amp_tui.core.text import plural
+from amp_tui.recording.reader import read_session
+from amp_tui.training import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from amp_tui.job.run import Run
+
+
+class RunCheckpoints:
+    def __init__(self, run: Run):
+        self.run = run
+        self.folder = run.run_dir / "checkpoints"
+
+    def list(self) -> list[ckpt.CheckpointInfo]:
+        return ckpt.list_checkpoints(self.folder)
+
+    def relative(self, path: Path) -> str:
+        """`path` as the recording names it: relative to the run directory where it is inside."""
+        try:
+            return str(Path(path).relative_to(self.run.run_dir))
+        except ValueError:
+            return str(path)
+
+    def save(self, *, source: str) -> ckpt.CheckpointInfo | None:
+        run, t = self.run, self.run.trainer
+        path = ckpt.checkpoint_path(self.folder, run.step)
+        started = time.perf_counter()
+        try:
+            info = ckpt.save_checkpoint(
+                path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+                scaler_state=t.scaler_state(), step=run.step, dtype=t.dtype,
+                extra={**t.checkpoint_extra(), "micro_batches_consumed": run.feed.consumed})
+        except ckpt.CheckpointError as exc:
+            run.event("error", str(exc), during="save", source=source)
+            if isinstance(exc.__cause__, OSError):  # a full disk, not a bad model state
+                run.checkpoint_refused(source, str(exc))
+            return None
+        size = os.path.getsize(info.path)
+        run.event("checkpoint_saved", f"checkpoint {self.relative(info.path)} saved at step {run.step} "
+                  f"({byte_size(size)}, {time.perf_counter() - started:.2f}s)",
+                  path=self.relative(info.path), checkpoint_step=run.step, dtype=t.dtype, bytes=size,
+                  source=source)
+        return info
+
+    def restore(self, command: Command) -> Outcome:
+        run, t = self.run, self.run.trainer
+        target = str(command.value or "latest")
+        if target == "latest":
+            found = self.list()
+            if not found:
+                run.event("error", "restore refused: this run has no checkpoint yet", during="restore",
+                          source=command.source)
+                return Outcome(False, "no checkpoint yet")
+            path = found[0].path
+        else:
+            path = Path(target).expanduser()
+            if not path.is_absolute() and not path.exists() and (run.run_dir / path).exists():
+                path = run.run_dir / path
+        try:
+            loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+        except ckpt.CheckpointError as exc:
+            run.event("error", f"restore refused: {exc}", during="restore", source=command.source,
+                      path=str(path))
+            return Outcome(False, str(exc))
+        before = t.describe_precision()
+        self._apply(loaded)
+        after = t.describe_precision()
+        ck_step = loaded.step
+        note = f" ({loaded.notice})" if loaded.notice else ""
+        saved = f"saved at step {ck_step}, {loaded.dtype}" if ck_step is not None else "weights only"
+        message = (f"restored {self.relative(path)} ({saved}) before step {run.step}; the step counter "
+                   f"goes on from {run.step}{note}")
+        run.event("checkpoint_restored", message, path=self.relative(path), checkpoint_step=ck_step,
+                  checkpoint_dtype=loaded.dtype, checkpoint_kind=loaded.kind, source=command.source,
+                  before=before, after=after)
+        return Outcome(True, message)
+
+    def resume(self, path: Path) -> None:
+        """Continue a crashed or stopped run from a checkpoint; the step counter goes on from the
+        last recorded step, like a restore, so the recording stays one forward timeline, and
+        --steps counts the iterations of this command: a resume runs that many more."""
+        run, t = self.run, self.run.trainer
+        last_step = max((r["step"] for r in read_session(run.session_path).steps), default=-1)
+        loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+        self._apply(loaded)
+        t.step_index = last_step + 1
+        config = run.config
+        if config.steps is not None:
+            config.steps += t.step_index
+        extra = loaded.extra or {}
+        run.feed.skip(int(extra.get("micro_batches_consumed", 0)))  # same data order as before
+        start, stop = t.step_index, config.steps
+        rolled_back = max(0, start - (loaded.step or 0))
+        undone = (f"the {plural(rolled_back, 'recorded step')} after it "
+                  f"{'are' if rolled_back != 1 else 'is'} rolled back, " if rolled_back else "")
+        runs = (f"--steps {stop - start} runs steps {start}-{stop - 1}" if stop is not None
+                else "it runs until stopped")
+        skipped = config.resume_skipped
+        passed = (f"; skipped {plural(len(skipped), 'newer checkpoint')} "
+                  f"that failed the checks: {', '.join(p for p, _ in skipped)}" if skipped else "")
+        run.event("resumed", f"resumed from {self.relative(path)} (saved at step {loaded.step}, "
+                  f"{loaded.dtype}) after the recording's step {last_step}: {undone}the step counter "
+                  f"goes on from {start}, and {runs}{passed}",
+                  path=self.relative(path), checkpoint_step=loaded.step, checkpoint_dtype=loaded.dtype,
+                  previous_last_step=last_step, rolled_back=rolled_back,
+                  steps=None if stop is None else stop - start, until_step=stop,
+                  updates=t.updates_applied, skipped_total=t.skipped_total,
+                  skipped_checkpoints=[{"path": p, "reason": why} for p, why in skipped])
+
+    def _apply(self, loaded: ckpt.LoadedCheckpoint) -> None:
+        t = self.run.trainer
+        loaded.apply(t.model, t.optimizer, t.scheduler)
+        t.restore_scaler(loaded.scaler_state)
+        # The applied and skipped counts are part of the state a full checkpoint brings back:
+        # after a restore or a resume they count what the weights went through, not the
+        # updates rolled back with them.
+        extra = loaded.extra or {}
+        if "updates_applied" in extra:
+            t.updates_applied = int(extra["updates_applied"])
+        if "skipped_total" in extra:
+            t.skipped_total = int(extra["skipped_total"])
+        t.discard_started_step()  # it ran on the weights before the restore
