@@ -4,6 +4,8 @@ Tiny models only: fp16 matmuls are slow on these CPUs.
 """
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -319,3 +321,15 @@ def test_a_dtype_whose_predict_raises_is_an_error_not_a_crash(write_script, caps
     status, out, _ = run([script, "--dtypes", "bf16"], capsys)
     assert status == 1 and "FAIL  bf16: predict in train_script.py failed on eval batch 0" in out
 
+
+def test_the_compare_parser_is_built_without_torch():
+    # Every command builds the whole parser, compare's included: `report`, `replay` and `ls`
+    # must not pay for importing torch (about a second) because compare is registered.
+    code = ("import argparse, sys\n"
+            "import amp_tui.compare\n"
+            "from amp_tui.compare.command import add_parser\n"
+            "add_parser(argparse.ArgumentParser().add_subparsers())\n"
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
