@@ -4,12 +4,17 @@ Tiny models only: fp16 matmuls are slow on these CPUs.
 """
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from amp_tui import compare
 from amp_tui.cli import main
+from amp_tui.compare import decisions, validation
+from amp_tui.compare.command import parse_max_flips
+from amp_tui.compare.criteria import DEFAULT_ATOL, Criteria
+from amp_tui.compare.speed import lean_steps
 
 # One layer planted to overflow fp16: `up` multiplies by ~1e5, so its output passes 65504 and is
 # inf under fp16 autocast; `down` brings it back to O(1), so fp32 and bf16 stay finite.
@@ -124,7 +129,7 @@ def test_planted_overflow_fails_fp16_passes_bf16(write_script, capsys):
     assert bf16["out_of_tolerance"] == 0 and 0 < bf16["max_abs"] < 1
     assert data["reference"]["finite"] is True
     assert data["eval_set"] == {"source": "batches", "batches": 4, "samples": 64, "predict": "default"}
-    assert data["criteria"]["atol"] == compare.DEFAULT_ATOL
+    assert data["criteria"]["atol"] == DEFAULT_ATOL
     assert data["speed"] is None
 
     status, out, _ = run([script, "--dtypes", "bf16", "--eval-batches", "2"], capsys)
@@ -245,8 +250,8 @@ def test_nonfinite_reference_fails(write_script, capsys):
 
 def test_unsupported_dtype_is_reported_not_a_crash(write_script, capsys, monkeypatch):
     from amp_tui.core import precision
-    real = compare.unsupported_reason
-    monkeypatch.setattr(compare, "unsupported_reason",
+    real = validation.unsupported_reason
+    monkeypatch.setattr(validation, "unsupported_reason",
                         lambda device, dtype: "bf16 is not supported on this test device"
                         if precision.canonical(dtype) == "bfloat16" else real(device, dtype))
     script = write_script(NEAR_TIE)
@@ -258,27 +263,27 @@ def test_unsupported_dtype_is_reported_not_a_crash(write_script, capsys, monkeyp
 
 
 def test_decisions_single_output_and_labels():
-    crit = compare.Criteria(atol=0.01, rtol=0.0)
+    crit = Criteria(atol=0.01, rtol=0.0)
     scores = torch.tensor([[0.5], [-0.2], [0.004]])
-    kind = compare.decision_kind(scores)
+    kind = decisions.decision_kind(scores)
     assert kind == "sign"
-    assert compare.decide(scores, kind).tolist() == [1, 0, 1]
-    near, gap = compare.near_ties(scores, kind, crit)
+    assert decisions.decide(scores, kind).tolist() == [1, 0, 1]
+    near, gap = decisions.near_ties(scores, kind, crit)
     assert near.tolist() == [False, False, True]
     multi = torch.tensor([[1.0, 1.005, 0.0], [3.0, 0.0, 0.0]])
-    assert compare.decision_kind(multi) == "argmax"
-    near, gap = compare.near_ties(multi, "argmax", crit)
+    assert decisions.decision_kind(multi) == "argmax"
+    near, gap = decisions.near_ties(multi, "argmax", crit)
     assert near.tolist() == [True, False] and gap[1] == 3.0
     labels = torch.tensor([1, 0])
-    assert compare.find_labels((multi, labels), torch.Size([2])) is labels
-    assert compare.find_labels({"labels": labels}, torch.Size([2])) is labels
-    assert compare.find_labels((multi, torch.randn(2)), torch.Size([2])) is None
+    assert decisions.find_labels((multi, labels), torch.Size([2])) is labels
+    assert decisions.find_labels({"labels": labels}, torch.Size([2])) is labels
+    assert decisions.find_labels((multi, torch.randn(2)), torch.Size([2])) is None
 
 
 @pytest.mark.parametrize("text, count, share", [("0", 0, None), ("3", 3, None),
                                                 ("0.01", None, 0.01), ("2%", None, 0.02)])
 def test_max_flips_parses_a_count_or_a_share(text, count, share):
-    parsed = compare._max_flips(text)
+    parsed = parse_max_flips(text)
     assert parsed.count == count
     assert parsed.share == (pytest.approx(share) if share is not None else None)
 
@@ -294,12 +299,12 @@ def test_lean_steps_counts_skipped_updates_without_warmup():
     def loss_fn(model, batch):
         return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
-    run = compare.lean_steps(model, opt, loss_fn, batches, torch.device("cpu"), "float16",
-                             steps=3, warmup=0)
+    run = lean_steps(model, opt, loss_fn, batches, torch.device("cpu"), "float16",
+                     steps=3, warmup=0)
     assert len(run.step_ms) == 3 and run.median_ms > 0
     assert run.skipped_updates == 3 and run.peak_bytes is None
-    run = compare.lean_steps(model, opt, loss_fn, batches, torch.device("cpu"), "bfloat16",
-                             steps=2, warmup=1)
+    run = lean_steps(model, opt, loss_fn, batches, torch.device("cpu"), "bfloat16",
+                     steps=2, warmup=1)
     assert run.skipped_updates == 0 and len(run.step_ms) == 2
 
 
@@ -315,3 +320,16 @@ def test_a_dtype_whose_predict_raises_is_an_error_not_a_crash(write_script, caps
     assert "failed on eval batch 0 under bf16 autocast: NotImplementedError: no half kernel" in bf16["reason"]
     status, out, _ = run([script, "--dtypes", "bf16"], capsys)
     assert status == 1 and "FAIL  bf16: predict in train_script.py failed on eval batch 0" in out
+
+
+def test_the_compare_parser_is_built_without_torch():
+    # Every command builds the whole parser, compare's included: `report`, `replay` and `ls`
+    # must not pay for importing torch (about a second) because compare is registered.
+    code = ("import argparse, sys\n"
+            "import amp_tui.compare\n"
+            "from amp_tui.compare.command import add_parser\n"
+            "add_parser(argparse.ArgumentParser().add_subparsers())\n"
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]

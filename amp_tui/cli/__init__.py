@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--refresh-rate", type=argtypes.positive, default=20.0, metavar="HZ",
                         help="dashboard refreshes per second at most (default 20)")
 
-    from amp_tui.compare import add_parser as add_compare_parser
+    from amp_tui.compare.command import add_parser as add_compare_parser
     add_compare_parser(sub)
 
     ctl = sub.add_parser("ctl", help="steer a running job from a shell",
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         return cmd_report(args)
     if args.command == "compare":
-        from amp_tui.compare import cmd_compare
+        from amp_tui.compare.command import cmd_compare
         return cmd_compare(args, script_argv)
     if args.command == "ctl":
         return cmd_ctl(args)
