@@ -1,5 +1,8 @@
 """The `amp-tui` argument tree and the dispatch: each command's module adds its own subparser and
 names the function that runs it (`set_defaults(func=...)`).
+
+Building the tree imports no command's heavy dependencies (torch, the engine, Textual): the
+read-side commands (report, replay --headless, ls) start without them.
 """
 
 from __future__ import annotations
@@ -14,11 +17,30 @@ from amp_tui.cli import attach, compare, ctl, ls, replay, report, train
 COMMANDS = (train, report, replay, compare, ctl, attach, ls)
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser. One made with `deferred=build` has its arguments defined by a module
+    too heavy to import for every command: `build(prog)` makes the real parser, and only once this
+    command is the one given (its line in `amp-tui --help` needs just the `help` text)."""
+
+    def __init__(self, *args, deferred=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._deferred = deferred
+        self._real: argparse.ArgumentParser | None = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._deferred is None:
+            return super().parse_known_args(args, namespace)
+        if self._real is None:
+            self._real = self._deferred(self.prog)
+        return self._real.parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="amp-tui", description="See and steer mixed-precision training live in the terminal.")
     parser.add_argument("--version", action="version", version=f"amp-tui {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=CommandParser)
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
