@@ -9,10 +9,7 @@
 """
 
 from amp_tui.cli.parser import build_parser, main
-from amp_tui.cli.terminal import EXIT_USAGE
-
-# amp_tui.compare reports its errors with it.
-from amp_tui.cli.terminal import error as _error  # noqa: F401
+from amp_tui.cli.terminal import error as _error  # noqa: F401 - amp_tui.compare reports with it
 from amp_tui.cli.train import prepare_run, run_headless
 
-__all__ = ["EXIT_USAGE", "build_parser", "main", "prepare_run", "run_headless"]
+__all__ = ["build_parser", "main", "prepare_run", "run_headless"]
