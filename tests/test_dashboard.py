@@ -397,7 +397,7 @@ async def test_q_with_a_hung_step_forces_the_exit_after_the_bounded_wait(write_s
 
 def test_run_dashboard_stops_flushes_prints_summary_and_returns_status(mlp_script, tmp_path,
                                                                       monkeypatch, capsys):
-    from amp_tui.ui import app as app_module
+    from amp_tui.cli.train import run_dashboard
 
     original_run = AmpTuiApp.run
 
@@ -411,7 +411,7 @@ def test_run_dashboard_stops_flushes_prints_summary_and_returns_status(mlp_scrip
     args = build_parser().parse_args(["train", str(mlp_script), "--run-dir", str(tmp_path / "r"),
                                       "--device", "cpu"])
     run, warnings = prepare_run(args, [], ["amp-tui"], on_nonfinite_default="pause")
-    assert app_module.run_dashboard(run, warnings, refresh_rate=10) == 0
+    assert run_dashboard(run, warnings, refresh_rate=10) == 0
     out = capsys.readouterr().out
     assert any(line.split()[:2] == ["status", "stopped"] for line in out.splitlines()), out
     assert read_session(run.session_path).end["status"] == "stopped"

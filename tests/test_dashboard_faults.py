@@ -401,7 +401,7 @@ async def test_q_on_a_full_disk_says_what_would_be_lost_and_writes_it_once_space
 @run_async
 async def test_a_second_q_quits_without_the_records_and_the_summary_and_status_say_so(
         mlp_script, tmp_path, monkeypatch, capsys):
-    from amp_tui.ui.app import _finish
+    from amp_tui.cli.train import _finish
     run, source, disk = live_run_filling_the_disk_at_its_end(mlp_script, tmp_path / "run", monkeypatch)
     app = create_app(source)
     async with app.run_test(size=SIZE, notifications=True) as pilot:

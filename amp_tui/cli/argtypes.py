@@ -1,10 +1,12 @@
-"""Argument types for the command line: each parses a number and names what was wrong with it."""
+"""Argument types for the command line: each parses a value and names what was wrong with it."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+from collections.abc import Callable
+
+from amp_tui.core.precision import canonical
 
 
 def _number(text: str, *, percent: bool = False) -> float:
@@ -47,3 +49,11 @@ def whole(minimum: int):
 
 positive_int = whole(1)
 nonnegative_int = whole(0)
+
+
+def dtype(text: str) -> str:
+    """A precision name in any of its spellings (fp16, half, torch.float16...), canonical."""
+    try:
+        return canonical(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

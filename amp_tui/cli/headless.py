@@ -1,4 +1,5 @@
-"""Headless mode: a live status line, events printed as they happen, a summary at the end."""
+"""Headless mode: a live status line and events printed as they happen (the summary at the end
+is summary.py's, shared with the dashboard)."""
 
 from __future__ import annotations
 
@@ -112,19 +113,3 @@ def _pauses(record: dict) -> bool:
 def _num(x: float | None) -> str:
     return number(x, 5)
 
-
-def print_after_run(run, console: Console) -> None:
-    """The summary after a run (headless or dashboard): what the recording holds, and where the
-    disk refused part of it, what the run did beyond that and what was lost."""
-    from amp_tui.recording.report import describe_records, render_summary, summarize
-    from amp_tui.recording.format import SessionFormatError
-    from amp_tui.recording.reader import read_session
-
-    if run.unwritten:
-        console.print(Text(f"amp-tui: error: {run.recording_error}: "
-                           f"{describe_records(run.unwritten)} could not be written", style="bold red"),
-                      soft_wrap=True)   # one line, never folded: the path stays whole
-    try:
-        render_summary(summarize(read_session(run.session_path), run.outcome()), console)
-    except (SessionFormatError, OSError) as exc:
-        console.print(Text(f"amp-tui: no session to summarize: {exc}", style="red"))

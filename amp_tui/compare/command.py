@@ -108,7 +108,7 @@ def cmd_compare(args, script_argv: list[str] | None = None) -> int:
     # torch comes in here, with the modules that use it: not when the parser is built.
     from rich.console import Console
 
-    from amp_tui.cli import _error
+    from amp_tui.cli.terminal import error as _error
     from amp_tui.compare import render
     from amp_tui.compare.speed import measure_speed
     from amp_tui.compare.validation import validate

@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from amp_tui.core import precision
 from amp_tui.job.control import job_alive
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import next_state
@@ -114,7 +113,3 @@ def list_runs_in(folders: list[Path]) -> list[RunRow]:
         for row in list_runs(folder):
             rows.setdefault(row.run_dir.resolve(), row)
     return sorted(rows.values(), key=lambda r: r.modified, reverse=True)
-
-
-def short_dtype(dtype: str | None) -> str:
-    return precision.SHORT.get(dtype or "", dtype or "?")

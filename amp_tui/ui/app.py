@@ -1,4 +1,5 @@
-"""The dashboard app and its factory (shared by the CLI and the tests).
+"""The dashboard app and its factory (shared by the CLI and the tests; `amp-tui train`'s wiring of
+a run, its source, the hang-up guard and the summary around it is amp_tui.cli.train.run_dashboard).
 
 Threads: the training loop runs on the source's own thread. This app never calls into the loop
 except through `source.send()`/`stop()`; the loop's `on_done` callbacks and the quit sequence's
@@ -24,7 +25,6 @@ from amp_tui.sources.protocol import Snapshot, Source
 from amp_tui.ui.actions import BY_ACTION, KEY_ACTIONS, bindings, key_label
 from amp_tui.ui.dialogs.goto_dialog import GotoDialog
 from amp_tui.ui.screens.dashboard import DashboardScreen
-from amp_tui.ui.hangup import HangupGuard, terminal_input
 from amp_tui.ui.screens.help_screen import HelpScreen
 from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
 from amp_tui.ui.dialogs.restore_dialog import RestoreDialog
@@ -441,46 +441,3 @@ def create_app(source: Source, *, refresh_rate: float = 20.0, clock: Callable[[]
     return AmpTuiApp(source, refresh_rate=refresh_rate, clock=clock, warnings=warnings,
                      stop_timeout=stop_timeout, pace_clock=pace_clock)
 
-
-def run_dashboard(run, warnings: list[str], refresh_rate: float = 20.0) -> int:
-    """Run `run` under the dashboard; after the app exits make sure the run stopped and the session
-    is flushed, print the run summary, and return the exit status."""
-    from amp_tui.sources.live import LiveSource
-
-    source = LiveSource(run)
-    app = create_app(source, refresh_rate=refresh_rate, warnings=warnings)
-    with HangupGuard(app, source, run, STOP_TIMEOUT_S, input_fd=terminal_input()):
-        crashed = False
-        try:
-            app.run()
-            crashed = app.return_code not in (None, 0)
-        finally:
-            # The app may have exited without the quit sequence (a crash, SIGHUP): stop here.
-            # Nobody can free space or answer any more: what the disk refuses is given up.
-            run.unattended()
-            stopped = source.stop(0.0 if app.forced_exit else STOP_TIMEOUT_S)
-            if not stopped:
-                run.close()   # flush the session; the training thread is stuck inside a step
-        return _finish(run, warnings, stopped, crashed)
-
-
-def _finish(run, warnings: list[str], stopped: bool, crashed: bool) -> int:
-    """After the app: the summary on the terminal, and the exit status."""
-    from rich.console import Console
-    from rich.text import Text
-
-    from amp_tui.cli.headless import print_after_run
-
-    console = Console(highlight=False)
-    try:
-        for warning in warnings:
-            console.print(Text(f"warning: {visible(warning)}", style="yellow"))
-        if not stopped:
-            console.print(Text("amp-tui: the training step did not finish in time; exited without "
-                               "waiting for it", style="bold red"))
-        print_after_run(run, console)
-    except OSError:
-        pass  # the terminal is gone (SSH drop): the session on disk is what matters
-    if crashed or not stopped or run.state == "error" or run.error is not None:
-        return max(run.exit_status, 1)
-    return run.exit_status

@@ -1,0 +1,46 @@
+"""The `amp-tui` argument tree and the dispatch: each command's module adds its own subparser and
+names the function that runs it (`set_defaults(func=...)`).
+
+Building the tree imports no command's heavy dependencies (torch, the engine, Textual): the
+read-side commands (report, replay --headless, ls) start without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from amp_tui import __version__
+from amp_tui.cli import attach, compare, ctl, ls, replay, report, train
+
+# In the order `amp-tui --help` lists them.
+COMMANDS = (train, report, replay, compare, ctl, attach, ls)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="amp-tui", description="See and steer mixed-precision training live in the terminal.")
+    parser.add_argument("--version", action="version", version=f"amp-tui {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """amp-tui's own arguments, and the script's (after `--`)."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, script_argv = split_script_args(argv)
+    args = build_parser().parse_args(ours)
+    # What train and compare hand on: the script's arguments, and the command line as typed
+    # (recorded in the session's header; --detach starts the job with it).
+    args.script_argv = script_argv
+    args.command_line = ["amp-tui", *argv]
+    return args.func(args)

@@ -1,0 +1,19 @@
+"""What every command shares about the terminal: the one-line error, and whether a person is there."""
+
+from __future__ import annotations
+
+import sys
+
+EXIT_USAGE = 2
+
+
+def error(message: str, status: int = EXIT_USAGE) -> int:
+    """Print `amp-tui: error: MESSAGE` on stderr and return the exit status to leave with."""
+    print(f"amp-tui: error: {message}", file=sys.stderr)
+    return status
+
+
+def interactive() -> bool:
+    """Both ends are a terminal: a dashboard can read keys and draw. Pipes, CI and a job started
+    in the background get the printed (headless) output instead."""
+    return sys.stdin.isatty() and sys.stdout.isatty()

@@ -1,0 +1,365 @@
+"""`amp-tui train SCRIPT`: a run under the dashboard, headless, or as a background job (--detach).
+
+Building the parser imports nothing heavy: torch, the engine and the dashboard are imported by
+the functions that run a training, so that the read-side commands start without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from amp_tui.cli import argtypes
+from amp_tui.cli.terminal import error, interactive
+
+DETACH_WAIT_S = 60.0   # how long --detach waits for the background job to open its control socket
+
+
+def add_parser(sub) -> None:
+    train = sub.add_parser("train", help="run a training script under the guarded AMP loop",
+                           description="Run SCRIPT's setup() under the guarded autocast + GradScaler "
+                                       "loop. Arguments after -- go to the script.")
+    train.add_argument("script", type=Path, help="a Python file with a setup() function")
+    train.add_argument("--dtype", type=argtypes.dtype, default=None,
+                       help="fp16 (default), bf16 or fp32 (resuming: the checkpoint's dtype)")
+    train.add_argument("--init-scale", type=argtypes.positive, default=65536.0, metavar="X",
+                       help="GradScaler's initial loss scale in fp16 (default 65536)")
+    train.add_argument("--steps", type=argtypes.positive_int, default=None, metavar="N",
+                       help="iterations to run (default: until stopped); with --resume, that many "
+                            "more from where the recording goes on")
+    train.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    train.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
+                       help="where session.jsonl and checkpoints/ go (default runs/<time>-<script>)")
+    train.add_argument("--headless", action="store_true", help="no dashboard: a status line and events")
+    train.add_argument("--detach", action="store_true",
+                       help="run the job in the background (headless, output in RUN_DIR/job.log) and "
+                            "attach the dashboard to it: q leaves it running, amp-tui attach RUN_DIR "
+                            "comes back")
+    train.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                       help="continue RUN_DIR from its newest valid checkpoint, appending to its session")
+    train.add_argument("--checkpoint-every", type=argtypes.positive_int, default=None, metavar="N",
+                       help="save a checkpoint every N steps")
+    train.add_argument("--probe-every", type=argtypes.positive_int, default=1, metavar="N",
+                       help="collect per-layer figures every N steps (default 1)")
+    train.add_argument("--underflow-every", type=argtypes.positive_int, default=10, metavar="N",
+                       help="underflow shares on every Nth probed step (default 10; 1 = every probe)")
+    train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback"), default=None,
+                       help="what a non-finite loss does (default: skip headless, pause in the "
+                            "dashboard); fallback moves fp16 -> bf16 -> fp32 when it keeps failing")
+    train.add_argument("--repeat-interventions", type=Path, default=None, metavar="RUN",
+                       help="apply a recording's interventions again at the same steps")
+    train.add_argument("--at", action="append", default=[], metavar="STEP:ACTION",
+                       help="schedule an intervention before STEP: dtype=bf16|fp16|fp32, scale=4096, "
+                            "scale=half, save, restore=latest|PATH, pause (repeatable)")
+    train.add_argument("--refresh-rate", type=argtypes.positive, default=20.0, metavar="HZ",
+                       help="dashboard refreshes per second at most (default 20)")
+    train.add_argument("--fp32-modules", action="append", default=[], metavar="PATTERN",
+                       help="run modules whose name matches PATTERN (fnmatch, e.g. 'blocks.*.attn') "
+                            "with autocast off and float32 inputs (repeatable)")
+    guards = train.add_argument_group("scale guards and the fallback ladder")
+    guards.add_argument("--min-scale", type=argtypes.positive, default=None, metavar="X",
+                        help="never let the loss scale fall below X")
+    guards.add_argument("--alert-scale-drops", type=argtypes.positive_int, default=5, metavar="N",
+                        help="alert when the scale falls N times in a row (default 5)")
+    guards.add_argument("--alert-skip-share", type=argtypes.share, default=0.25, metavar="X",
+                        help="alert when more than X (0-1) of a window's updates are skipped (default 0.25)")
+    guards.add_argument("--alert-window", type=argtypes.positive_int, default=100, metavar="N",
+                        help="steps in the skip-share window (default 100)")
+    guards.add_argument("--fallback-after", type=argtypes.positive_int, default=3, metavar="K",
+                        help="with --on-nonfinite fallback: move down the ladder after K non-finite "
+                             "steps in a row (default 3)")
+    guards.add_argument("--storm-share", type=argtypes.share, default=0.5, metavar="X",
+                        help="... or when X (0-1) of the last --storm-window updates were skipped (default 0.5)")
+    guards.add_argument("--storm-window", type=argtypes.positive_int, default=20, metavar="N",
+                        help="steps in the skip-storm window (default 20)")
+    guards.add_argument("--rollback", action="store_true",
+                        help="with --on-nonfinite fallback: restore the newest good checkpoint before moving")
+    train.set_defaults(func=cmd_train)
+
+
+def cmd_train(args) -> int:
+    from amp_tui.core.commands import CommandError
+    from amp_tui.training.devices import DeviceError
+    from amp_tui.training.engine import PrecisionRefused
+    from amp_tui.training.script import ScriptError
+
+    if args.detach:
+        return cmd_detach(args)
+    dashboard = use_dashboard(args)
+    try:
+        run, warnings = prepare_run(args, args.script_argv, args.command_line,
+                                    on_nonfinite_default="pause" if dashboard else "skip")
+    except (ScriptError, DeviceError, CommandError, PrecisionRefused) as exc:
+        return error(str(exc))
+    if dashboard:
+        return run_dashboard(run, warnings, refresh_rate=args.refresh_rate)
+    return run_headless(run, warnings)
+
+
+def use_dashboard(args) -> bool:
+    """--headless, pipes and CI keep the headless mode."""
+    return not args.headless and interactive()
+
+
+# ---- building the run ---------------------------------------------------------------------------
+
+def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: list[str],
+                on_nonfinite_default: str = "skip"):
+    """Load and check the script, then build the Run (no file is written yet).
+
+    Raises ScriptError / DeviceError / CommandError / PrecisionRefused with a message for the user.
+    """
+    from amp_tui.core.commands import parse_at
+    from amp_tui.job.feed import BatchFeed
+    from amp_tui.job.run import Run, RunConfig
+    from amp_tui.training.autocast import unsupported_reason
+    from amp_tui.training.checkpoint import list_checkpoints
+    from amp_tui.training.devices import resolve_device
+    from amp_tui.training.guards import GuardConfig
+    from amp_tui.training.local_fp32 import match_modules
+    from amp_tui.training.script import ScriptError, load_script
+
+    at = [parse_at(text) for text in args.at]
+    if args.repeat_interventions is not None:
+        from amp_tui.recording.format import SessionFormatError
+        from amp_tui.recording.timeline import interventions_as_commands
+        try:
+            at += interventions_as_commands(args.repeat_interventions)
+        except (SessionFormatError, OSError) as exc:
+            raise ScriptError(f"--repeat-interventions: {exc}") from None
+    device = resolve_device(args.device)
+    run_dir = args.run_dir
+    if args.resume is not None:
+        if run_dir is not None and run_dir.resolve() != args.resume.resolve():
+            raise ScriptError("--resume RUN_DIR continues that run in place; drop --run-dir")
+        run_dir = args.resume
+        if not (run_dir / "session.jsonl").is_file():
+            raise ScriptError(f"--resume {run_dir}: no session.jsonl there")
+        from amp_tui.job.control import job_alive
+        if job_alive(run_dir):
+            raise ScriptError(f"--resume {run_dir}: a job is still running there (amp-tui ctl {run_dir} stop)")
+    elif run_dir is not None and (run_dir / "session.jsonl").exists():
+        raise ScriptError(f"{run_dir} already holds a session; choose another --run-dir (or --resume it)")
+    candidates = list_checkpoints(run_dir / "checkpoints") if args.resume is not None else []
+    dtype = args.dtype or next((c.dtype for c in candidates if c.dtype), None) or "float16"
+    reason = unsupported_reason(device, dtype)
+    if reason:
+        from amp_tui.training.engine import PrecisionRefused
+        raise PrecisionRefused(reason)
+    setup = load_script(args.script, device=str(device), argv=script_argv, dtype=dtype)
+    resume_from, resume_skipped = None, []
+    if args.resume is not None:
+        resume_from, resume_skipped = _newest_valid_checkpoint(candidates, setup, run_dir)
+        setup.warnings.extend(f"--resume: skipped {path.relative_to(run_dir)}: {reason}"
+                              for path, reason in resume_skipped)
+    feed = BatchFeed(setup.batches, device)
+    for pattern in args.fp32_modules:
+        if not match_modules(setup.model, pattern):
+            raise ScriptError(f"--fp32-modules {pattern!r} matches no module of the model "
+                              f"(module names look like {_example_names(setup.model)})")
+    policy = args.on_nonfinite or on_nonfinite_default
+    guard = GuardConfig(
+        min_scale=args.min_scale, alert_scale_drops=args.alert_scale_drops,
+        alert_skip_share=args.alert_skip_share, alert_window=args.alert_window,
+        fallback=policy == "fallback", fallback_after=args.fallback_after,
+        storm_share=args.storm_share, storm_window=args.storm_window, rollback=args.rollback)
+    config = RunConfig(
+        script=args.script, script_argv=script_argv, dtype=dtype, init_scale=args.init_scale,
+        steps=args.steps, run_dir=run_dir, checkpoint_every=args.checkpoint_every,
+        probe_every=args.probe_every, underflow_every=args.underflow_every, on_nonfinite=policy,
+        at=at, command_line=command_line,
+        guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from,
+        resume_skipped=[(str(path.relative_to(run_dir)), reason) for path, reason in resume_skipped],
+        control=True)
+    run = Run(config, setup, device, feed)
+    # After every precision policy is in place (--dtype, --fp32-modules, --at 0:...): the check
+    # is the first step's own forward.
+    run.preflight()
+    return run, setup.warnings
+
+
+def _newest_valid_checkpoint(candidates, setup, run_dir: Path) -> tuple[Path, list[tuple[Path, str]]]:
+    """The newest checkpoint that passes every check against this script's model, and the newer
+    ones skipped with the reason (a partly written or corrupted file, one whose header can't
+    even be read, a weights-only file that has no optimizer state to go on from)."""
+    from amp_tui.training.checkpoint import (
+        CheckpointError,
+        checkpoint_files,
+        read_checkpoint,
+    )
+    from amp_tui.training.script import ScriptError
+    skipped: list[tuple[Path, str]] = []
+    chosen = None
+    for info in candidates:
+        if info.kind != "full":
+            skipped.append((info.path, "weights only: no optimizer or scaler state to resume from"))
+            continue
+        try:
+            read_checkpoint(info.path, model=setup.model, optimizer=setup.optimizer, scheduler=setup.scheduler)
+            chosen = info
+            break
+        except CheckpointError as exc:
+            skipped.append((info.path, str(exc)))
+    listed = {info.path for info in candidates}
+    for path in checkpoint_files(run_dir / "checkpoints"):
+        if path in listed:
+            continue
+        try:
+            newer = chosen is None or path.stat().st_mtime >= chosen.mtime
+            if newer:
+                read_checkpoint(path, model=setup.model, optimizer=setup.optimizer,
+                                scheduler=setup.scheduler)
+        except (CheckpointError, OSError) as exc:
+            skipped.append((path, str(exc)))
+    if chosen is None:
+        detail = f" (newest refused: {skipped[0][1]})" if skipped else ""
+        raise ScriptError(f"--resume {run_dir}: no valid checkpoint in {run_dir / 'checkpoints'}{detail}")
+    return chosen.path, skipped
+
+
+def _example_names(model, count: int = 3) -> str:
+    from amp_tui.training.local_fp32 import named_modules
+    names = [n for n in named_modules(model) if n][:count]
+    return ", ".join(repr(n) for n in names) or "(the model has no submodules)"
+
+
+# ---- headless -----------------------------------------------------------------------------------
+
+def run_headless(run, warnings: list[str]) -> int:
+    from rich.console import Console
+
+    from amp_tui.cli.headless import HeadlessPrinter
+    from amp_tui.cli.summary import print_after_run
+
+    console = Console(highlight=False, stderr=False)
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/] {warning}", markup=True)
+    interrupts = 0
+
+    def on_signal(signum, _frame):
+        nonlocal interrupts
+        if signum == signal.SIGINT:
+            interrupts += 1
+            if interrupts > 1:
+                raise KeyboardInterrupt  # the second Ctrl+C forces the exit
+            run.request_stop(reason="interrupted (Ctrl+C)")
+        else:
+            # SIGHUP (the SSH connection dropped) or SIGTERM: keep the progress, then exit.
+            run.request_stop(checkpoint=True, reason=signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with HeadlessPrinter(console, run.config.steps, run_dir=run.run_dir) as printer:
+            run.observers.append(printer)
+            status = run.run()
+    except KeyboardInterrupt:
+        console.print("forced exit (second Ctrl+C); the session is closed")
+        return 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print_after_run(run, console)
+    return status
+
+
+# ---- the dashboard ------------------------------------------------------------------------------
+
+def run_dashboard(run, warnings: list[str], refresh_rate: float = 20.0) -> int:
+    """Run `run` under the dashboard; after the app exits make sure the run stopped and the session
+    is flushed, print the run summary, and return the exit status."""
+    from amp_tui.sources.live import LiveSource
+    from amp_tui.ui.app import STOP_TIMEOUT_S, create_app
+    from amp_tui.ui.hangup import HangupGuard, terminal_input
+
+    source = LiveSource(run)
+    app = create_app(source, refresh_rate=refresh_rate, warnings=warnings)
+    with HangupGuard(app, source, run, STOP_TIMEOUT_S, input_fd=terminal_input()):
+        crashed = False
+        try:
+            app.run()
+            crashed = app.return_code not in (None, 0)
+        finally:
+            # The app may have exited without the quit sequence (a crash, SIGHUP): stop here.
+            # Nobody can free space or answer any more: what the disk refuses is given up.
+            run.unattended()
+            stopped = source.stop(0.0 if app.forced_exit else STOP_TIMEOUT_S)
+            if not stopped:
+                run.close()   # flush the session; the training thread is stuck inside a step
+        return _finish(run, warnings, stopped, crashed)
+
+
+def _finish(run, warnings: list[str], stopped: bool, crashed: bool) -> int:
+    """After the app: the summary on the terminal, and the exit status."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from amp_tui.cli.summary import print_after_run
+    from amp_tui.ui.text import visible
+
+    console = Console(highlight=False)
+    try:
+        for warning in warnings:
+            console.print(Text(f"warning: {visible(warning)}", style="yellow"))
+        if not stopped:
+            console.print(Text("amp-tui: the training step did not finish in time; exited without "
+                               "waiting for it", style="bold red"))
+        print_after_run(run, console)
+    except OSError:
+        pass  # the terminal is gone (SSH drop): the session on disk is what matters
+    if crashed or not stopped or run.state == "error" or run.error is not None:
+        return max(run.exit_status, 1)
+    return run.exit_status
+
+
+# ---- --detach -----------------------------------------------------------------------------------
+
+def cmd_detach(args) -> int:
+    """`train --detach`: the same command line as a headless background job, then attach to it."""
+    import subprocess
+    import time
+
+    from amp_tui.cli.attach import attach_dashboard
+    from amp_tui.cli.parser import split_script_args
+    from amp_tui.job.control import job_alive
+    from amp_tui.job.run import default_run_dir
+
+    argv = args.command_line[1:]
+    ours, script_argv = split_script_args(argv)
+    run_dir = args.resume or args.run_dir or default_run_dir(args.script)
+    job = [a for a in ours if a != "--detach"]
+    if not args.headless:
+        job.append("--headless")
+    if args.resume is None and args.run_dir is None:
+        job += ["--run-dir", str(run_dir)]
+    job = [sys.executable, "-m", "amp_tui", *job] + (["--", *script_argv] if "--" in argv else [])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "job.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(job, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + DETACH_WAIT_S
+    while not (job_alive(run_dir) and (run_dir / "session.jsonl").is_file()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.kill()
+                why = f"the job did not open its control socket within {DETACH_WAIT_S:.0f} s"
+            else:
+                why = f"the job exited with status {proc.returncode} before it started"
+            print(f"amp-tui: error: {why}; the end of {log_path}:", file=sys.stderr)
+            print(_tail(log_path), file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+    if args.headless or not interactive():
+        print(f"amp-tui: the job runs in the background (pid {proc.pid}) in {run_dir}; "
+              f"attach with: amp-tui attach {run_dir}")
+        return 0
+    return attach_dashboard(run_dir, args.refresh_rate)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(cannot read it: {exc})"
