@@ -18,7 +18,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from amp_tui.training import checkpoint as ckpt_mod
+from amp_tui.training.checkpoint import codec
+from amp_tui.training.checkpoint import io as ckpt_io
 from amp_tui.training.checkpoint import (
     WEIGHTS_NOTICE,
     CheckpointError,
@@ -126,7 +127,7 @@ def rewrite_metadata(path, **changes) -> None:
     n = header_len(data)
     header = json.loads(data[8:8 + n])
     header["__metadata__"].update(changes)
-    header["__metadata__"]["metadata_digest"] = ckpt_mod._metadata_digest(header["__metadata__"])
+    header["__metadata__"]["metadata_digest"] = codec.metadata_digest(header["__metadata__"])
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
@@ -410,7 +411,7 @@ def test_header_length_that_looks_like_pickle_is_still_read(tmp_path):
     path = tmp_path / "w.safetensors"
     for pad in range(700):
         f = io.BytesIO()
-        ckpt_mod._write_safetensors(f, dict(model.state_dict()), {"format": "pt", "pad": "x" * pad})
+        ckpt_io.write_safetensors(f, dict(model.state_dict()), {"format": "pt", "pad": "x" * pad})
         if header_len(f.getvalue()) == 0x280:
             break
     path.write_bytes(f.getvalue())
@@ -643,7 +644,7 @@ def test_failed_save_leaves_no_temp_file_and_keeps_previous(tmp_path, monkeypatc
     if inject == "fsync":
         monkeypatch.setattr(os, "fsync", _fail_fsync)
     else:
-        monkeypatch.setattr(ckpt_mod, "_write_safetensors", _fail_write)
+        monkeypatch.setattr(ckpt_io, "write_safetensors", _fail_write)
     path = previous if onto_existing else checkpoint_path(tmp_path, 2)
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(path, model=model, optimizer=opt, scaler_state=SCALER, step=2,
@@ -661,4 +662,4 @@ def test_failed_save_leaves_no_temp_file_and_keeps_previous(tmp_path, monkeypatc
 def test_raw_bytes_of_bfloat16_without_numpy():
     t = torch.tensor([1.0, -2.0, 3.5], dtype=torch.bfloat16)
     expected = ctypes.string_at(t.data_ptr(), 6)
-    assert bytes(ckpt_mod._raw(t)) == expected == bytes(t.view(torch.uint8).tolist())
+    assert bytes(codec.raw_bytes(t)) == expected == bytes(t.view(torch.uint8).tolist())
