@@ -54,7 +54,7 @@ def _peek(path: Path) -> CheckpointInfo | None:
         return None
     head, mtime = read
     try:
-        if codec.kind(head.metadata, head.entries) == "weights":
+        if codec.kind(head.metadata, head.names) == "weights":
             return CheckpointInfo(path=path, step=None, dtype=None, kind="weights", mtime=mtime)
         step, dtype = codec.check_metadata(head.metadata)
     except Problem:

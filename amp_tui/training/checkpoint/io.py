@@ -1,15 +1,18 @@
-"""The file: a safetensors file read whole and checked before use, written atomically.
+"""The file: safetensors, read and written by the safetensors library, checked first, written
+atomically.
 
-Nothing here knows what the tensors and the metadata mean (that is codec.py); this module only
-turns a file into a header and tensors and back, refusing anything that is not a sound
-safetensors file without ever unpickling it.
+Nothing here knows what the tensors and the metadata mean (that is codec.py). The library parses
+and writes the format; this module adds what it leaves out:
+- a check of the header before the library sees the file, for what the library lets through
+  (a key named twice, unknown entry fields, bytes before the JSON) and for messages that say
+  what is wrong (a pickle or zip file, where a file was cut off, overlapping offsets);
+- the atomic write: a temporary file in the same folder, fsync, rename, fsync of the folder.
+Files are never unpickled.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import math
 import os
 import re
 import stat
@@ -18,32 +21,19 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import safetensors
+import safetensors.torch
 import torch
 
 from amp_tui.core import jsonsafe
-from amp_tui.training.checkpoint.codec import raw_bytes
 from amp_tui.training.checkpoint.errors import Problem, Unencodable, dtype_name, one_line, reason
 
 # safetensors refuses headers above 100 MB; anything larger is not a safetensors file.
 MAX_HEADER = 100_000_000
 # The temporary file of a save: ".<name>.tmp-<pid>-<n>" next to its target.
 TEMPORARY_NAME = re.compile(r"^\..+\.safetensors\.tmp-(\d+)(?:-\d+)?$")
-
-# safetensors dtype names. Optional entries only exist in newer torch builds.
-_ST_TO_TORCH: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool, "C64": torch.complex64,
-}
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
-                     ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
-                     ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
-                     ("F8_E8M0", "float8_e8m0fnu")):
-    if hasattr(torch, _attr):
-        _ST_TO_TORCH[_name] = getattr(torch, _attr)
-_TORCH_TO_ST = {v: k for k, v in _ST_TO_TORCH.items()}
+_ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
 
 # Temporary files of saves running in this process, so cleanup never removes one mid-write.
 _in_progress: set[str] = set()
@@ -52,38 +42,41 @@ _tmp_counter = itertools.count(1)
 
 
 def _check_little_endian() -> None:
-    # safetensors stores little-endian bytes and we copy raw memory both ways.
+    # The digests cover the tensors' bytes as safetensors stores them: little-endian.
     if sys.byteorder != "little":
         raise Problem("checkpoints need a little-endian machine")
 
 
+def _as_os_error(exc: Exception) -> Exception:
+    """The OSError inside a safetensors error ("I/O error: No space left on device (os error
+    28)"), so that a full disk reads as one; other errors as they are."""
+    m = re.search(r"\(os error (\d+)\)", str(exc))
+    if m is None:
+        return exc
+    code = int(m.group(1))
+    return OSError(code, os.strerror(code))
+
+
 # --------------------------------------------------------------------------- writing
-# Written here rather than with safetensors.torch.save_file: since safetensors 0.8 that needs
-# numpy, which amp-tui does not depend on. The layout is the standard one and the tests check
-# that safetensors itself reads these files back.
 
 
-def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     _check_little_endian()
-    # Larger elements first, as safetensors does, so every tensor is aligned for mmap readers.
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        if t.dtype not in _TORCH_TO_ST:
-            raise Unencodable(f"tensor {name} has dtype {dtype_name(t.dtype)}, "
-                              "which safetensors cannot store")
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _TORCH_TO_ST[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    f.write(struct.pack("<Q", len(raw)))
-    f.write(raw)
-    for name in order:
-        f.write(raw_bytes(tensors[name]))
+    try:
+        safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    except KeyError as e:  # safetensors.torch knows no size for this dtype
+        names = sorted(n for n, t in tensors.items() if t.dtype == e.args[0])
+        if not names:
+            raise
+        raise Unencodable(f"tensor {names[0]} has dtype {dtype_name(e.args[0])}, "
+                          "which safetensors cannot store") from None
+    except safetensors.SafetensorError as e:
+        raise _as_os_error(e) from None
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -95,10 +88,8 @@ def write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dic
         _in_progress.add(tmp.name)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            write_safetensors(f, tensors, metadata)
-            f.flush()
-            os.fsync(f.fileno())
+        write_safetensors(tmp, tensors, metadata)
+        _fsync_file(tmp)  # safetensors does not sync: the data must be on disk before the rename
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -134,13 +125,11 @@ def being_written(name: str) -> bool:
 @dataclass
 class Header:
     metadata: dict[str, str] | None
-    entries: dict[str, tuple[torch.dtype, list[int], int, int]]  # name -> dtype, shape, begin, end
-    data_start: int
-    data_len: int
+    names: frozenset[str]  # of the tensors
 
 
-def _parse_header(f, size: int) -> Header:
-    """Read and check a safetensors header from an open file of `size` bytes."""
+def _check_header(f, size: int) -> Header:
+    """Read the header of an open file of `size` bytes and check it; the library decodes."""
     if size == 0:
         raise Problem("the file is empty")
     if size < 10:  # 8-byte length + "{}" is the smallest safetensors file
@@ -177,26 +166,18 @@ def _parse_header(f, size: int) -> Header:
     ):
         raise Problem("the header is corrupted (__metadata__ is not a map of strings)")
 
-    entries = {}
+    spans = []
     for name, e in header.items():
-        ok = (isinstance(e, dict) and set(e) == {"dtype", "shape", "data_offsets"}
-              and isinstance(e["shape"], list) and isinstance(e["data_offsets"], list)
-              and len(e["data_offsets"]) == 2
-              and all(type(x) is int and x >= 0 for x in e["shape"] + e["data_offsets"]))
-        if not ok:
+        offsets = e.get("data_offsets") if isinstance(e, dict) else None
+        if not (isinstance(e, dict) and set(e) == _ENTRY_FIELDS and isinstance(offsets, list)
+                and len(offsets) == 2 and all(type(x) is int and x >= 0 for x in offsets)):
             raise Problem(f"the header is corrupted (bad entry for tensor {name!r})")
-        dtype = _ST_TO_TORCH.get(e["dtype"]) if isinstance(e["dtype"], str) else None
-        if dtype is None:
-            raise Problem(f"tensor {name!r} has dtype {e['dtype']!r}, which amp-tui cannot read")
-        begin, end = e["data_offsets"]
-        numel = math.prod(e["shape"])
-        if end - begin != numel * torch.empty((), dtype=dtype).element_size():
-            raise Problem(f"the header is corrupted (tensor {name!r} has the wrong byte size)")
-        entries[name] = (dtype, e["shape"], begin, end)
+        spans.append(tuple(offsets))
 
-    # Tensors must tile the data section exactly, as safetensors requires.
+    # Tensors must tile the data section exactly, as safetensors requires; checked here too
+    # so the message can tell a cut-off file from a damaged header.
     expected = 0
-    for _, _, begin, end in sorted(entries.values(), key=lambda v: (v[2], v[3])):
+    for begin, end in sorted(spans):
         if begin != expected:
             raise Problem("the header is corrupted (tensor data offsets overlap or leave gaps)")
         expected = end
@@ -206,7 +187,14 @@ def _parse_header(f, size: int) -> Header:
                       "truncated, probably by an interrupted save or copy")
     if data_len > expected:
         raise Problem(f"the file has {data_len - expected} unexpected bytes after the tensor data")
-    return Header(metadata, entries, 8 + n, data_len)
+    return Header(metadata, frozenset(header))
+
+
+def _library_problem(exc: Exception) -> Problem:
+    exc = _as_os_error(exc)
+    if isinstance(exc, OSError):
+        return Problem(f"could not read it ({reason(exc)})")
+    return Problem(f"safetensors cannot read it ({one_line(exc)})")
 
 
 def _open_regular(path: Path):
@@ -228,39 +216,40 @@ def _open_regular(path: Path):
 
 
 def read_header(path: Path) -> tuple[Header, float] | None:
-    """The checked header of a regular file and its mtime, reading nothing else; None if the file
-    cannot be read or is not a sound safetensors file."""
+    """The checked header of a regular file and its mtime, reading no tensor data; None if the
+    file cannot be read or is not a sound safetensors file."""
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
                 return None
-            return _parse_header(f, st.st_size), st.st_mtime
-    except (OSError, Problem):
+            head = _check_header(f, st.st_size)
+        # The library's own header checks (dtypes, byte sizes), so a listed file is one that a
+        # restore reads.
+        with safetensors.safe_open(str(path), framework="pt", backend="pread"):
+            pass
+    except (OSError, Problem, safetensors.SafetensorError):
         return None
+    return head, st.st_mtime
 
 
 def read_file(path: Path) -> tuple[Header, dict[str, torch.Tensor], float]:
-    """The checked header, every tensor and the mtime of the file at `path`; raises Problem."""
+    """The checked header, every tensor (in memory) and the mtime of the file at `path`; raises
+    Problem."""
     _check_little_endian()
-    f = _open_regular(path)
-    with f:
+    with _open_regular(path) as f:
         try:
             st = os.fstat(f.fileno())
-            head = _parse_header(f, st.st_size)
-            # Read into memory once: checks and apply then use the same bytes even if the file
-            # is replaced or truncated meanwhile (an mmap would crash on truncation).
-            buf = bytearray(head.data_len)
-            got = f.readinto(buf) if head.data_len else 0
+            head = _check_header(f, st.st_size)
         except OSError as e:
             raise Problem(f"could not read it ({reason(e)})") from None
-    if got != head.data_len:
+        # pread, not mmap: every tensor is copied into memory, so checks and apply use the same
+        # bytes even if the file is replaced meanwhile, and a file truncated while it is read
+        # is an error here rather than a crash (SIGBUS) of the whole process.
+        try:
+            tensors = safetensors.torch.load_file(path, backend="pread")
+        except (safetensors.SafetensorError, OSError, KeyError, RuntimeError, ValueError) as e:
+            raise _library_problem(e) from None
+    if set(tensors) != head.names:
         raise Problem("the file changed while it was being read")
-    tensors = {}
-    for name, (dtype, shape, begin, end) in head.entries.items():
-        if end == begin:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-        else:
-            raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=begin)
-            tensors[name] = raw.view(dtype).reshape(shape)
     return head, tensors, st.st_mtime

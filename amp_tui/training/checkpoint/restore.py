@@ -136,7 +136,7 @@ def read_checkpoint(path: Path, *, model, optimizer, scheduler=None) -> LoadedCh
 
 def _load(path: Path) -> LoadedCheckpoint:
     head, tensors, mtime = io.read_file(path)
-    if codec.kind(head.metadata, head.entries) == "weights":
+    if codec.kind(head.metadata, head.names) == "weights":
         info = CheckpointInfo(path=path, step=None, dtype=None, kind="weights", mtime=mtime)
         return LoadedCheckpoint(info, model_state=tensors)
     step, dtype, state = codec.decode(head.metadata, tensors)
