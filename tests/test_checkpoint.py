@@ -10,6 +10,8 @@ import math
 import os
 import pickle
 import struct
+import subprocess
+import sys
 
 import pytest
 import safetensors
@@ -643,3 +645,32 @@ def test_raw_bytes_of_bfloat16_without_numpy():
     t = torch.tensor([1.0, -2.0, 3.5], dtype=torch.bfloat16)
     expected = ctypes.string_at(t.data_ptr(), 6)
     assert bytes(codec.raw_bytes(t)) == expected == bytes(t.view(torch.uint8).tolist())
+
+
+WRITE_PAST_A_FILE_SIZE_LIMIT = '''
+import resource, signal, sys
+import torch
+from torch import nn
+from amp_tui.training.checkpoint import CheckpointError, save_checkpoint
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG instead
+model = nn.Linear(64, 64)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    save_checkpoint(sys.argv[1], model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    scaler_state=None, step=1, dtype="fp32")
+except CheckpointError as exc:
+    print(exc)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="needs RLIMIT_FSIZE and SIGXFSZ as Linux has them")
+def test_a_write_error_inside_safetensors_reads_as_the_system_error(tmp_path):
+    # The kernel refuses the write (no injection); the message says so like any OSError would.
+    path = tmp_path / "step-0000001.safetensors"
+    done = subprocess.run([sys.executable, "-c", WRITE_PAST_A_FILE_SIZE_LIMIT, str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    message = done.stdout.strip()
+    assert message == f"could not write checkpoint {path}: {os.strerror(errno.EFBIG)}"
+    assert list(tmp_path.iterdir()) == []
