@@ -674,3 +674,95 @@ def test_a_write_error_inside_safetensors_reads_as_the_system_error(tmp_path):
     message = done.stdout.strip()
     assert message == f"could not write checkpoint {path}: {os.strerror(errno.EFBIG)}"
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- torch.compile
+# A compiled model's state_dict names its tensors "_orig_mod.…"; checkpoints hold the original
+# module's names, so they move between compiled and eager runs.
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def small_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(4))
+    except Exception as exc:  # noqa: BLE001 - any failure means no compiled tests here
+        pytest.skip(f"torch.compile does not work here ({type(exc).__name__}: {str(exc)[:200]})")
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+@pytest.mark.parametrize("into", ["eager", "compiled"])
+def test_a_compiled_runs_checkpoint_from_before_restores_into_either(into):
+    # Written by amp-tui's own safetensors writer, before checkpoints held portable names, from
+    # torch.compile(small_net(0)) + Adam(lr=0.1) after two steps: its names are "model._orig_mod.…".
+    path = os.path.join(DATA, "compiled-before-portable-names.safetensors")
+    saved = safetensors.torch.load_file(path)
+    assert {k for k in saved if k.startswith("model.")} == {
+        f"model._orig_mod.{n}" for n in small_net().state_dict()}
+    net = small_net(seed=1)
+    model = torch.compile(net) if into == "compiled" else net
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    loaded = read_checkpoint(path, model=model, optimizer=opt)
+    assert (loaded.kind, loaded.step, loaded.dtype) == ("full", 2, "float16")
+    loaded.apply(model, opt)
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, saved[f"model._orig_mod.{name}"]), name
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved["optim.0.exp_avg"])
+
+
+def test_a_compiled_submodules_checkpoint_restores_into_the_eager_model(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 3), nn.Sequential(nn.ReLU(), nn.Linear(3, 2)))
+    model[1] = torch.compile(model[1])           # names "1._orig_mod.1.weight"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, model=model, optimizer=opt, scaler_state=None, step=1, dtype="fp32")
+    eager = nn.Sequential(nn.Linear(4, 3), nn.Sequential(nn.ReLU(), nn.Linear(3, 2)))
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    read_checkpoint(path, model=eager, optimizer=eager_opt).apply(eager, eager_opt)
+    assert torch.equal(eager[1][1].weight, model[1]._orig_mod[1].weight)
+
+
+@pytest.mark.parametrize("direction", ["compiled-to-eager", "eager-to-compiled"])
+def test_a_checkpoint_moves_between_compiled_and_eager_runs(tmp_path, compiler, direction):
+    source_net, target_net = small_net(seed=0), small_net(seed=1)
+    source = torch.compile(source_net) if direction == "compiled-to-eager" else source_net
+    target = torch.compile(target_net) if direction == "eager-to-compiled" else target_net
+    x = torch.randn(5, 4)
+    target(x)                                   # a compiled target has its graph already
+    opt = OPTIMIZERS["adam"](source.parameters())
+    train(source, opt, steps=2)                 # a compiled source trains compiled
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, model=source, optimizer=opt, scaler_state=SCALER, step=2, dtype="fp32")
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert not [k for k in f.keys() if "_orig_mod" in k]
+
+    target_opt = OPTIMIZERS["adam"](target.parameters(), lr=0.5)
+    read_checkpoint(path, model=target, optimizer=target_opt).apply(target, target_opt)
+    assert_same(snapshot(target_net, target_opt)["model"], snapshot(source_net)["model"], "model")
+    assert_same(target_opt.state_dict()["state"], opt.state_dict()["state"], "optimizer state")
+    with torch.no_grad():
+        assert torch.allclose(target(x), source_net(x), atol=1e-6)
+
+
+def test_a_model_whose_own_names_hold_orig_mod_keeps_them(tmp_path):
+    class Odd(nn.Module):  # not compiled: "_orig_mod" is just a submodule's name here
+        def __init__(self):
+            super().__init__()
+            self._orig_mod = nn.Linear(2, 2)
+            self.weight = nn.Parameter(torch.randn(2, 2))   # "_orig_mod.weight" without "_orig_mod"
+
+    model, other = Odd(), Odd()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    path = tmp_path / "odd.safetensors"
+    save_checkpoint(path, model=model, optimizer=opt, scaler_state=None, step=1, dtype="fp32")
+    read_checkpoint(path, model=other, optimizer=other_opt).apply(other, other_opt)
+    assert_same(snapshot(other)["model"], snapshot(model)["model"], "model")

@@ -9,16 +9,7 @@ from typing import Any
 import torch
 
 from amp_tui.training.checkpoint.errors import Problem, dtype_name, few
-
-
-def flat_params(optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def cuda_ready() -> bool:
-    # Only touch CUDA RNG when CUDA is already in use: setting it before initialisation is
-    # deferred by torch and would fail later, far from here.
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+from amp_tui.training.checkpoint.live import ModelState, cuda_ready, flat_params
 
 
 def scaler_problem(state: Any) -> str | None:
@@ -56,9 +47,9 @@ def _aliases(live: dict[str, torch.Tensor]) -> dict[str, set[str]]:
     return {k: set(g) - {k} for g in groups.values() if len(g) > 1 for k in g}
 
 
-def check_model(saved: dict[str, torch.Tensor], model) -> dict[str, str]:
+def check_model(saved: dict[str, torch.Tensor], model: ModelState) -> dict[str, str]:
     """Raise Problem unless `saved` fits `model`; return the names to fill from a tied twin."""
-    live = model.state_dict()
+    live = model.tensors
     odd = [k for k, v in live.items() if not isinstance(v, torch.Tensor)]
     if odd:
         raise Problem(f"the model has non-tensor state {few(odd)}, which checkpoints cannot hold")

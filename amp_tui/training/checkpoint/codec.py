@@ -1,7 +1,8 @@
 """The run state as a checkpoint file holds it: tensors under fixed names, everything else as
 tagged JSON strings in the safetensors metadata, and a SHA-256 digest of both.
 
-Tensor names: "model.<state_dict name>", "optim.<param>.<key>" (and "sched.…" for tensors in a
+Tensor names: "model.<state_dict name>" (of the module torch.compile wrapped, without its
+`_orig_mod` parts; files from before have them, and read the same), "optim.<param>.<key>" (and "sched.…" for tensors in a
 scheduler's state), "rng.cpu", "rng.cuda.<device>". Metadata: format, format_version, step,
 dtype, created, torch_version, extra, scaler, optimizer, scheduler, [scheduler_note], digest,
 metadata_digest.
@@ -20,8 +21,9 @@ import torch
 
 from amp_tui.core import jsonsafe
 from amp_tui.core.precision import DTYPES
-from amp_tui.training.checkpoint.checks import cuda_ready, flat_params, scaler_problem
+from amp_tui.training.checkpoint.checks import scaler_problem
 from amp_tui.training.checkpoint.errors import Problem, Unencodable, few, one_line, reason
+from amp_tui.training.checkpoint.live import cuda_ready, flat_params, model_state, portable_names
 
 FORMAT = "amp-tui-checkpoint"
 FORMAT_VERSION = "1"
@@ -148,7 +150,7 @@ def encode(*, model, optimizer, scheduler, scaler_state: dict | None, step: int,
            extra: dict | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of a full checkpoint; raises Unencodable for state it cannot hold."""
     tensors: dict[str, torch.Tensor] = {}
-    for k, v in model.state_dict().items():
+    for k, v in model_state(model).tensors.items():
         if not isinstance(v, torch.Tensor):
             raise Unencodable(f"model state {k!r} is a {type(v).__name__}, not a tensor")
         tensors[f"model.{k}"] = snapshot(v)
@@ -277,7 +279,8 @@ def decode(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> tuple[int,
         sched_class = sched["class"]
         sched_state = _decode(sched["state"], tensors, used)
 
-    model_state = {k[len("model."):]: t for k, t in tensors.items() if k.startswith("model.")}
+    weights = saved_weights({k[len("model."):]: t for k, t in tensors.items()
+                             if k.startswith("model.")})
     rng_cpu = tensors.get("rng.cpu")
     rng_cuda = {}
     for k, t in tensors.items():
@@ -287,15 +290,21 @@ def decode(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> tuple[int,
     for t in [rng_cpu, *rng_cuda.values()]:
         if t is not None and (t.dtype != torch.uint8 or t.dim() != 1):
             raise Problem("an RNG state in the file is not a byte vector")
-    known = used | {f"model.{k}" for k in model_state} | {"rng.cpu"} | {
+    known = used | {k for k in tensors if k.startswith("model.")} | {"rng.cpu"} | {
         f"rng.cuda.{i}" for i in rng_cuda}
     stray = [k for k in tensors if k not in known]
     if stray:
         raise Problem(f"the file holds tensors the header does not explain: {few(stray)}")
 
-    return step, dtype, dict(model_state=model_state, optimizer=optimizer, scheduler=sched_state,
+    return step, dtype, dict(model_state=weights, optimizer=optimizer, scheduler=sched_state,
                              scheduler_class=sched_class, scheduler_note=meta.get("scheduler_note"),
                              scaler_state=scaler, extra=extra, rng_cpu=rng_cpu, rng_cuda=rng_cuda)
+
+
+def saved_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A file's model tensors by portable name."""
+    portable = portable_names(tensors)
+    return {portable[k]: t for k, t in tensors.items()}
 
 
 def _decode_optimizer(raw: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from amp_tui.training.checkpoint import checks, codec, io
+from amp_tui.training.checkpoint import checks, codec, io, live
 from amp_tui.training.checkpoint.errors import CheckpointError, Problem
 from amp_tui.training.checkpoint.files import CheckpointInfo
 
@@ -44,14 +44,16 @@ class LoadedCheckpoint:
         return (f"LoadedCheckpoint(path={str(self.info.path)!r}, kind={self.kind!r}, "
                 f"step={self.step!r}, dtype={self.dtype!r})")
 
-    def _check(self, model, optimizer, scheduler) -> dict[str, str]:
-        """Raise Problem if this checkpoint cannot be applied; return the alias plan for weights."""
-        aliases = checks.check_model(self._model_state, model)
+    def _check(self, model, optimizer, scheduler) -> tuple[live.ModelState, dict[str, str]]:
+        """Raise Problem if this checkpoint cannot be applied; return the live model's state and
+        the alias plan for its weights."""
+        state = live.model_state(model)
+        aliases = checks.check_model(self._model_state, state)
         if self.kind == "full":
             checks.check_optimizer(self._optimizer, optimizer)
             checks.check_scheduler(self._scheduler_class, scheduler)
             checks.check_rng(self._rng_cpu, self._rng_cuda)
-        return aliases
+        return state, aliases
 
     def apply(self, model, optimizer, scheduler=None) -> None:
         """Restore onto the live objects: weights; for full checkpoints also the optimizer,
@@ -61,23 +63,23 @@ class LoadedCheckpoint:
         not left half-applied.
         """
         try:
-            plan = self._check(model, optimizer, scheduler)
+            state, plan = self._check(model, optimizer, scheduler)
         except Problem as e:
             raise CheckpointError(f"cannot restore {self.info.path}: {e}") from None
 
-        weights = dict(self._model_state)
+        weights = {state.names[k]: t for k, t in self._model_state.items()}
         for alias, present in plan.items():
-            weights[alias] = self._model_state[present]
+            weights[state.names[alias]] = self._model_state[present]
 
         if self.kind == "full":
             osd = self._optimizer_state_dict(optimizer)
             sched = (copy.deepcopy(self._scheduler)
                      if scheduler is not None and self._scheduler is not None else None)
             cuda = ({i: s for i, s in self._rng_cuda.items() if i < torch.cuda.device_count()}
-                    if self._rng_cuda and checks.cuda_ready() else {})
+                    if self._rng_cuda and live.cuda_ready() else {})
 
         with torch.no_grad():
-            model.load_state_dict(weights, strict=True)
+            state.module.load_state_dict(weights, strict=True)
         if self.kind != "full":
             return
         optimizer.load_state_dict(osd)
@@ -105,11 +107,11 @@ class LoadedCheckpoint:
             return value
 
         groups = []
-        for live, sg in zip(optimizer.param_groups, saved["param_groups"]):
+        for live_group, sg in zip(optimizer.param_groups, saved["param_groups"]):
             group = fresh(sg)
             for key, value in group.items():
                 # A tensor hyperparameter (lr as a tensor) goes back to where the live one lives.
-                have = live.get(key)
+                have = live_group.get(key)
                 if isinstance(value, torch.Tensor) and isinstance(have, torch.Tensor):
                     group[key] = value.to(have.device)
             groups.append(group)
@@ -138,7 +140,7 @@ def _load(path: Path) -> LoadedCheckpoint:
     head, tensors, mtime = io.read_file(path)
     if codec.kind(head.metadata, head.names) == "weights":
         info = CheckpointInfo(path=path, step=None, dtype=None, kind="weights", mtime=mtime)
-        return LoadedCheckpoint(info, model_state=tensors)
+        return LoadedCheckpoint(info, model_state=codec.saved_weights(tensors))
     step, dtype, state = codec.decode(head.metadata, tensors)
     info = CheckpointInfo(path=path, step=step, dtype=dtype, kind="full", mtime=mtime)
     return LoadedCheckpoint(info, **state)
