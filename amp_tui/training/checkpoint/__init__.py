@@ -9,12 +9,13 @@ Restoring is two steps so that a bad file never leaves a half-restored run behin
 ``read_checkpoint`` reads the file and checks everything against the live model and optimizer
 without changing anything; ``LoadedCheckpoint.apply`` then changes the live objects.
 
-Nothing here unpickles: files are read with a strict safetensors parser, and all non-tensor state
-is JSON in the safetensors header.
+Nothing here unpickles: files are read and written by the safetensors library, each header
+checked strictly first, and all non-tensor state is JSON in the safetensors metadata.
 
 The parts: ``io`` (the safetensors file: checked reading, atomic writing), ``codec`` (the run
-state to tensors and tagged JSON and back, with the digests), ``checks`` (against the live
-objects), ``files`` (names, listing, temporary files), ``save`` and ``restore``.
+state to tensors and tagged JSON and back, with the digests), ``live`` (what is read from the live
+model and optimizer), ``checks`` (against the live objects), ``files`` (names, listing, temporary
+files), ``save`` and ``restore``.
 """
 
 from amp_tui.training.checkpoint.codec import FORMAT, FORMAT_VERSION

@@ -1,11 +1,11 @@
 """The run state as a checkpoint file holds it: tensors under fixed names, everything else as
 tagged JSON strings in the safetensors metadata, and a SHA-256 digest of both.
 
-Tensor names: "model.<state_dict name>" (of the module torch.compile wrapped, without its
-`_orig_mod` parts; files from before have them, and read the same), "optim.<param>.<key>" (and "sched.…" for tensors in a
-scheduler's state), "rng.cpu", "rng.cuda.<device>". Metadata: format, format_version, step,
-dtype, created, torch_version, extra, scaler, optimizer, scheduler, [scheduler_note], digest,
-metadata_digest.
+Tensor names: "model.<name>" (a name in the state_dict of the module torch.compile wrapped,
+without `_orig_mod` parts; files from before have them and read the same), "optim.<param>.<key>"
+(and "sched.…" for tensors in a scheduler's state), "rng.cpu", "rng.cuda.<device>". Metadata:
+format, format_version, step, dtype, created, torch_version, extra, scaler, optimizer, scheduler,
+[scheduler_note], digest, metadata_digest.
 """
 
 from __future__ import annotations
