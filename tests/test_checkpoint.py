@@ -766,3 +766,15 @@ def test_a_model_whose_own_names_hold_orig_mod_keeps_them(tmp_path):
     save_checkpoint(path, model=model, optimizer=opt, scaler_state=None, step=1, dtype="fp32")
     read_checkpoint(path, model=other, optimizer=other_opt).apply(other, other_opt)
     assert_same(snapshot(other)["model"], snapshot(model)["model"], "model")
+
+
+def test_a_dtype_safetensors_cannot_store_is_named_and_nothing_is_written(tmp_path):
+    model = mlp()
+    model.register_buffer("phase", torch.zeros(2, dtype=torch.complex128))
+    opt = OPTIMIZERS["adam"](model.parameters())
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(path, model=model, optimizer=opt, scaler_state=None, step=1, dtype="fp32")
+    assert str(info.value) == (f"could not write checkpoint {path}: tensor model.phase has dtype "
+                               "complex128, which safetensors cannot store")
+    assert list(tmp_path.iterdir()) == []
