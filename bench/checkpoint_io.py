@@ -4,9 +4,11 @@ The state is a model of a few tens of MB with its AdamW state (a few real steps,
 exist). Contenders, alternating within each round, in a temporary folder:
 
 - ours, save: `save_checkpoint` (a private CPU snapshot of every tensor, a SHA-256 digest of the
-  tensor bytes and of the header, a temporary file, fsync, rename, fsync of the folder);
-- ours, restore: `read_checkpoint` (strict parse, digest check, shape/dtype checks against the live
-  model and optimizer) + `.apply` (copies into the live objects);
+  tensor bytes and of the header, `safetensors.torch.save_file` into a temporary file, fsync,
+  rename, fsync of the folder);
+- ours, restore: `read_checkpoint` (strict header check, `safetensors.torch.load_file` reading with
+  pread into memory, digest check, shape/dtype checks against the live model and optimizer) +
+  `.apply` (copies into the live objects);
 - `torch.save({"model": ..., "optimizer": ...})` (pickle + zip, no fsync), and the same followed
   by an fsync of the file, for a like-for-like comparison of durability;
 - `torch.load(weights_only=True)` + `load_state_dict` into the live model and optimizer.

@@ -5,12 +5,13 @@ from __future__ import annotations
 import copy
 import ctypes
 import errno
-import io
 import json
 import math
 import os
 import pickle
 import struct
+import subprocess
+import sys
 
 import pytest
 import safetensors
@@ -18,7 +19,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from amp_tui.training import checkpoint as ckpt_mod
+from amp_tui.training.checkpoint import codec
+from amp_tui.training.checkpoint import io as ckpt_io
 from amp_tui.training.checkpoint import (
     WEIGHTS_NOTICE,
     CheckpointError,
@@ -126,33 +128,15 @@ def rewrite_metadata(path, **changes) -> None:
     n = header_len(data)
     header = json.loads(data[8:8 + n])
     header["__metadata__"].update(changes)
-    header["__metadata__"]["metadata_digest"] = ckpt_mod._metadata_digest(header["__metadata__"])
+    header["__metadata__"]["metadata_digest"] = codec.metadata_digest(header["__metadata__"])
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
 
 
 def save_model_like_safetensors(model, path) -> None:
-    """safetensors.torch.save_model, or the same steps without numpy (which save_model needs
-    since safetensors 0.8 and amp-tui does not depend on)."""
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        safetensors.torch.save_model(model, str(path))
-        return
-    if not hasattr(safetensors, "TensorSpec"):
-        pytest.skip("needs numpy or safetensors >= 0.8 to write a save_model file")
-    state = model.state_dict()
-    for names in safetensors.torch._remove_duplicate_names(state).values():
-        for name in names:
-            del state[name]
-    state = {k: v.contiguous() for k, v in state.items()}
-    specs = {k: safetensors.TensorSpec(dtype=str(v.dtype).split(".")[-1], shape=list(v.shape),
-                                       data_ptr=v.data_ptr(), data_len=v.numel() * v.element_size())
-             for k, v in state.items()}
-    safetensors.serialize_file(specs, str(path), metadata={"format": "pt"})
+    """A weights-only file as a model hub has it: one name per tied pair, format "pt"."""
+    safetensors.torch.save_model(model, str(path))
 
 
 def fused_adamw(params):
@@ -409,11 +393,10 @@ def test_header_length_that_looks_like_pickle_is_still_read(tmp_path):
     model = mlp()
     path = tmp_path / "w.safetensors"
     for pad in range(700):
-        f = io.BytesIO()
-        ckpt_mod._write_safetensors(f, dict(model.state_dict()), {"format": "pt", "pad": "x" * pad})
-        if header_len(f.getvalue()) == 0x280:
+        data = safetensors.torch.save(dict(model.state_dict()), {"format": "pt", "pad": "x" * pad})
+        if header_len(data) == 0x280:
             break
-    path.write_bytes(f.getvalue())
+    path.write_bytes(data)
     assert path.read_bytes()[:2] == b"\x80\x02"
     opt = OPTIMIZERS["adam"](model.parameters())
     assert read_checkpoint(path, model=model, optimizer=opt).kind == "weights"
@@ -622,8 +605,8 @@ def _fail_fsync(fd):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def _fail_write(f, tensors, metadata):
-    f.write(b"half a checkpoint")
+def _fail_write(path, tensors, metadata):
+    path.write_bytes(b"half a checkpoint")
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
@@ -643,7 +626,7 @@ def test_failed_save_leaves_no_temp_file_and_keeps_previous(tmp_path, monkeypatc
     if inject == "fsync":
         monkeypatch.setattr(os, "fsync", _fail_fsync)
     else:
-        monkeypatch.setattr(ckpt_mod, "_write_safetensors", _fail_write)
+        monkeypatch.setattr(ckpt_io, "write_safetensors", _fail_write)
     path = previous if onto_existing else checkpoint_path(tmp_path, 2)
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(path, model=model, optimizer=opt, scaler_state=SCALER, step=2,
@@ -661,4 +644,137 @@ def test_failed_save_leaves_no_temp_file_and_keeps_previous(tmp_path, monkeypatc
 def test_raw_bytes_of_bfloat16_without_numpy():
     t = torch.tensor([1.0, -2.0, 3.5], dtype=torch.bfloat16)
     expected = ctypes.string_at(t.data_ptr(), 6)
-    assert bytes(ckpt_mod._raw(t)) == expected == bytes(t.view(torch.uint8).tolist())
+    assert bytes(codec.raw_bytes(t)) == expected == bytes(t.view(torch.uint8).tolist())
+
+
+WRITE_PAST_A_FILE_SIZE_LIMIT = '''
+import resource, signal, sys
+import torch
+from torch import nn
+from amp_tui.training.checkpoint import CheckpointError, save_checkpoint
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG instead
+model = nn.Linear(64, 64)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    save_checkpoint(sys.argv[1], model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    scaler_state=None, step=1, dtype="fp32")
+except CheckpointError as exc:
+    print(exc)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="needs RLIMIT_FSIZE and SIGXFSZ as Linux has them")
+def test_a_write_error_inside_safetensors_reads_as_the_system_error(tmp_path):
+    # The kernel refuses the write (no injection); the message says so like any OSError would.
+    path = tmp_path / "step-0000001.safetensors"
+    done = subprocess.run([sys.executable, "-c", WRITE_PAST_A_FILE_SIZE_LIMIT, str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    message = done.stdout.strip()
+    assert message == f"could not write checkpoint {path}: {os.strerror(errno.EFBIG)}"
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- torch.compile
+# A compiled model's state_dict names its tensors "_orig_mod.…"; checkpoints hold the original
+# module's names, so they move between compiled and eager runs.
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def small_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(4))
+    except Exception as exc:  # noqa: BLE001 - any failure means no compiled tests here
+        pytest.skip(f"torch.compile does not work here ({type(exc).__name__}: {str(exc)[:200]})")
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+@pytest.mark.parametrize("into", ["eager", "compiled"])
+def test_a_compiled_runs_checkpoint_from_before_restores_into_either(into):
+    # Written by amp-tui's own safetensors writer, before checkpoints held portable names, from
+    # torch.compile(small_net(0)) + Adam(lr=0.1) after two steps: its names are "model._orig_mod.…".
+    path = os.path.join(DATA, "compiled-before-portable-names.safetensors")
+    saved = safetensors.torch.load_file(path)
+    assert {k for k in saved if k.startswith("model.")} == {
+        f"model._orig_mod.{n}" for n in small_net().state_dict()}
+    net = small_net(seed=1)
+    model = torch.compile(net) if into == "compiled" else net
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    loaded = read_checkpoint(path, model=model, optimizer=opt)
+    assert (loaded.kind, loaded.step, loaded.dtype) == ("full", 2, "float16")
+    loaded.apply(model, opt)
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, saved[f"model._orig_mod.{name}"]), name
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved["optim.0.exp_avg"])
+
+
+def test_a_compiled_submodules_checkpoint_restores_into_the_eager_model(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 3), nn.Sequential(nn.ReLU(), nn.Linear(3, 2)))
+    model[1] = torch.compile(model[1])           # names "1._orig_mod.1.weight"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, model=model, optimizer=opt, scaler_state=None, step=1, dtype="fp32")
+    eager = nn.Sequential(nn.Linear(4, 3), nn.Sequential(nn.ReLU(), nn.Linear(3, 2)))
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    read_checkpoint(path, model=eager, optimizer=eager_opt).apply(eager, eager_opt)
+    assert torch.equal(eager[1][1].weight, model[1]._orig_mod[1].weight)
+
+
+@pytest.mark.parametrize("direction", ["compiled-to-eager", "eager-to-compiled"])
+def test_a_checkpoint_moves_between_compiled_and_eager_runs(tmp_path, compiler, direction):
+    source_net, target_net = small_net(seed=0), small_net(seed=1)
+    source = torch.compile(source_net) if direction == "compiled-to-eager" else source_net
+    target = torch.compile(target_net) if direction == "eager-to-compiled" else target_net
+    x = torch.randn(5, 4)
+    target(x)                                   # a compiled target has its graph already
+    opt = OPTIMIZERS["adam"](source.parameters())
+    train(source, opt, steps=2)                 # a compiled source trains compiled
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, model=source, optimizer=opt, scaler_state=SCALER, step=2, dtype="fp32")
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert not [k for k in f.keys() if "_orig_mod" in k]
+
+    target_opt = OPTIMIZERS["adam"](target.parameters(), lr=0.5)
+    read_checkpoint(path, model=target, optimizer=target_opt).apply(target, target_opt)
+    assert_same(snapshot(target_net, target_opt)["model"], snapshot(source_net)["model"], "model")
+    assert_same(target_opt.state_dict()["state"], opt.state_dict()["state"], "optimizer state")
+    with torch.no_grad():
+        assert torch.allclose(target(x), source_net(x), atol=1e-6)
+
+
+def test_a_model_whose_own_names_hold_orig_mod_keeps_them(tmp_path):
+    class Odd(nn.Module):  # not compiled: "_orig_mod" is just a submodule's name here
+        def __init__(self):
+            super().__init__()
+            self._orig_mod = nn.Linear(2, 2)
+            self.weight = nn.Parameter(torch.randn(2, 2))   # "_orig_mod.weight" without "_orig_mod"
+
+    model, other = Odd(), Odd()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    path = tmp_path / "odd.safetensors"
+    save_checkpoint(path, model=model, optimizer=opt, scaler_state=None, step=1, dtype="fp32")
+    read_checkpoint(path, model=other, optimizer=other_opt).apply(other, other_opt)
+    assert_same(snapshot(other)["model"], snapshot(model)["model"], "model")
+
+
+def test_a_dtype_safetensors_cannot_store_is_named_and_nothing_is_written(tmp_path):
+    model = mlp()
+    model.register_buffer("phase", torch.zeros(2, dtype=torch.complex128))
+    opt = OPTIMIZERS["adam"](model.parameters())
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(path, model=model, optimizer=opt, scaler_state=None, step=1, dtype="fp32")
+    assert str(info.value) == (f"could not write checkpoint {path}: tensor model.phase has dtype "
+                               "complex128, which safetensors cannot store")
+    assert list(tmp_path.iterdir()) == []

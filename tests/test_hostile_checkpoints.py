@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from amp_tui.training.checkpoint import CheckpointError, read_checkpoint
+from amp_tui.training.checkpoint import CheckpointError, list_checkpoints, read_checkpoint
 
 
 def target():
@@ -73,3 +73,40 @@ def test_duplicate_tensor_names_are_refused(tmp_path):
 def test_non_string_metadata_is_refused(tmp_path):
     entries = {"model.bias": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
     refused(write(tmp_path / "meta.safetensors", header(entries, {"step": 3}), b"\0" * 8), "__metadata__")
+
+
+# What the safetensors library lets through and amp-tui still refuses.
+
+def test_a_tensor_named_twice_with_the_same_entry_is_refused(tmp_path):
+    raw = (b'{"model.bias": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},'
+           b' "model.bias": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}')
+    refused(write(tmp_path / "twice.safetensors", raw, b"\0" * 8), "corrupted", "duplicate key")
+
+
+def test_a_metadata_key_named_twice_is_refused(tmp_path):
+    raw = (b'{"__metadata__": {"format": "pt", "format": "amp-tui-checkpoint"},'
+           b' "model.bias": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}')
+    refused(write(tmp_path / "meta-twice.safetensors", raw, b"\0" * 8), "corrupted", "duplicate key")
+
+
+def test_an_entry_with_unknown_fields_is_refused(tmp_path):
+    entries = {"model.bias": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "scale": 2}}
+    refused(write(tmp_path / "field.safetensors", header(entries), b"\0" * 8), "bad entry")
+
+
+def test_bytes_before_the_header_json_are_refused(tmp_path):
+    entries = {"model.bias": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    refused(write(tmp_path / "space.safetensors", b" " + header(entries), b"\0" * 8),
+            "not a safetensors file")
+
+
+# What the library refuses: said in one line, and such a file is not listed as a checkpoint.
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]},     # 3 floats in 8 bytes
+    {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]},     # no such dtype
+], ids=["wrong-byte-size", "unknown-dtype"])
+def test_entries_the_library_refuses_are_refused_and_not_listed(tmp_path, entry):
+    path = write(tmp_path / "entry.safetensors", header({"model.bias": entry}), b"\0" * 8)
+    refused(path, "safetensors cannot read it")
+    assert list_checkpoints(tmp_path) == []

@@ -56,6 +56,18 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
 
 
-def loads(text: str) -> Any:
-    """Parse strictly: bare NaN/Infinity tokens are refused."""
-    return json.loads(text, parse_constant=_reject_constant)
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of two equal keys; a file that names a key twice is ambiguous.
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def loads(text: str | bytes, *, unique_keys: bool = False) -> Any:
+    """Parse strictly: bare NaN/Infinity tokens are refused, and with `unique_keys` an object that
+    names a key twice."""
+    return json.loads(text, parse_constant=_reject_constant,
+                      object_pairs_hook=_unique_keys if unique_keys else None)
