@@ -1,6 +1,6 @@
 """The guarded mixed-precision step, usable on its own from a user's loop.
 
-Order of one iteration, as the seeds teach it:
+Order of one iteration, as PyTorch's AMP recipe has it, with the guards around it:
 zero_grad(set_to_none=True) -> autocast around loss_fn only -> finite-loss check ->
 scaler.scale(loss).backward() -> scaler.unscale_ -> gradient figures -> optional clipping ->
 scaler.step -> scaler.update -> scheduler only when the update was really applied.
@@ -296,80 +296,112 @@ class GuardedTrainer:
         return check_loss(self._forward_unchecked(batch))
 
     def _step(self, micro_batches, probe: LayerProbe | None, first_loss: torch.Tensor | None) -> StepResult:
-        opt, scaler = self.optimizer, self.scaler
-        used_scale = self._scale_value if scaler is not None else None
+        """One update attempt, in the order of PyTorch's AMP recipe (see the module docstring)."""
+        used_scale = self._scale_value if self.scaler is not None else None
         lr = self._lr_in_use()
         self._zero_grad()
+        losses, bad_batch = self._forward_and_backward(micro_batches, first_loss)
+        mean_loss = sum(losses) / len(losses)
+        n = len(micro_batches)
+        if bad_batch is not None:
+            return self._skip_nonfinite_loss(bad_batch, mean_loss, used_scale, lr, probe, n)
+        self._unscale(used_scale)
+        found_inf = self._measure_gradients(probe, used_scale)
+        grad_norm = (torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+                     if self.max_grad_norm is not None else None)
+        if probe:
+            probe.record_weights()  # before the update: the weights this step's forward used
+        extra = [grad_norm] if grad_norm is not None else []
+        if self.scaler is not None:
+            skipped, figures, host = self._update_with_scaler(probe, used_scale, extra)
+        else:
+            skipped, figures, host = self._update_unscaled(probe, found_inf, extra)
+        if grad_norm is not None:
+            grad_norm = host[-1]
+        if not skipped and self.scheduler is not None:
+            self.scheduler.step()   # only after an update really applied: skipped steps don't count
+        first, diagnosis = self._locate_nonfinite_gradient(micro_batches, used_scale, figures) if skipped \
+            else (None, None)
+        return self._finish(mean_loss, used_scale, lr, skipped=skipped,
+                            nonfinite="gradients" if skipped else None, first_layer=first,
+                            figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis)
+
+    def _forward_and_backward(self, micro_batches, first_loss: torch.Tensor | None):
+        """Autocast forward and scaled backward of each micro-batch, stopping at the first whose
+        loss is not finite (no backward for it: it would only spread the inf/NaN). Returns the
+        losses seen and that batch, or None."""
         n = len(micro_batches)
         losses: list[float] = []
-        bad_batch = None
         for i, batch in enumerate(micro_batches):
             loss = first_loss if i == 0 and first_loss is not None else self._forward(batch)
             value = float(loss.detach().float())  # the one sync the finite-loss check needs
             losses.append(value)
             if not math.isfinite(value):
-                bad_batch = batch
-                break
+                return losses, batch
             scaled = loss / n if n > 1 else loss
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        mean_loss = sum(losses) / len(losses)
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return losses, None
 
-        if bad_batch is not None:
-            # No backward, no update: the guard the seeds ask for. Then find where it went wrong.
-            self._zero_grad()
-            figures = probe.collect()[0] if probe else None
-            diagnosis = self._diagnose([bad_batch], used_scale, backward=False)
-            first = diagnosis.forward_layer if diagnosis else None
-            if first is None and figures is not None:
-                index = figures.first_nonfinite("act")
-                first = self.layer_names[index] if index is not None else None
-            return self._finish(mean_loss, used_scale, lr, skipped=True, nonfinite="loss",
-                                first_layer=first, figures=figures, micro=n, diagnosis=diagnosis)
+    def _skip_nonfinite_loss(self, bad_batch, mean_loss, used_scale, lr, probe, micro: int) -> StepResult:
+        """No backward, no update: then find where the forward went non-finite."""
+        self._zero_grad()
+        figures = probe.collect()[0] if probe else None
+        diagnosis = self._diagnose([bad_batch], used_scale, backward=False)
+        first = diagnosis.forward_layer if diagnosis else None
+        if first is None and figures is not None:
+            index = figures.first_nonfinite("act")
+            first = self.layer_names[index] if index is not None else None
+        return self._finish(mean_loss, used_scale, lr, skipped=True, nonfinite="loss",
+                            first_layer=first, figures=figures, micro=micro, diagnosis=diagnosis)
 
-        if scaler is not None:
-            scaler.unscale_(opt)
+    def _unscale(self, used_scale: float | None) -> None:
+        """Gradients back to their true size before anything reads or clips them."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
             self._unscale_untrained(used_scale)
-        found_inf = None
+
+    def _measure_gradients(self, probe: LayerProbe | None, used_scale: float | None):
+        """The per-layer gradient figures (probed steps), and where nothing else judges them in
+        bf16/fp32 (unprobed steps, parameters no probed module owns), a device-side flag that is
+        1 when a gradient holds inf/NaN."""
         if probe:
             probed = self.step_index // self.probe_every
             probe.record_gradients(used_scale, underflow=probed % self.underflow_every == 0)
-        if scaler is None and (self._unprobed_params or not probe):
+        if self.scaler is None and (self._unprobed_params or not probe):
             params = self._unprobed_params if probe else self._params
-            found_inf = _nonfinite_flag([p.grad for p in params if p.grad is not None], self.device)
-        grad_norm = None
-        if self.max_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
-        if probe:
-            probe.record_weights()  # before the update: the weights this step's forward used
-        if scaler is None:
-            # bf16/fp32: nothing skips for us, so check before stepping (one sync).
-            extra = ([found_inf] if found_inf is not None else []) + ([grad_norm] if grad_norm is not None else [])
-            figures, host = probe.collect(extra) if probe else (None, _to_host(extra))
-            skipped = (found_inf is not None and host.pop(0) > 0) or bool(figures and figures.grads_nonfinite)
-            if not skipped:
-                opt.step()
-        else:
-            scaler.step(opt)  # a fused optimizer is called even on overflow: judge by the scale
-            scaler.update()
-            extra = [scaler._scale] + ([grad_norm] if grad_norm is not None else [])
-            figures, host = probe.collect(extra) if probe else (None, _to_host(extra))
-            new_scale = host[0]
-            skipped = new_scale < used_scale
-            self._scale_value = new_scale
-        if grad_norm is not None:
-            grad_norm = host[-1]
-        if not skipped and self.scheduler is not None:
-            self.scheduler.step()
-        first, diagnosis = None, None
-        if skipped:
-            diagnosis = self._diagnose(micro_batches, used_scale, backward=True)
-            first = diagnosis.backward_layer if diagnosis else None
-            if first is None and figures is not None:
-                index = figures.first_nonfinite("grad")
-                first = self.layer_names[index] if index is not None else None
-        return self._finish(mean_loss, used_scale, lr, skipped=skipped,
-                            nonfinite="gradients" if skipped else None, first_layer=first,
-                            figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis)
+            return _nonfinite_flag([p.grad for p in params if p.grad is not None], self.device)
+        return None
+
+    def _update_with_scaler(self, probe, used_scale: float, extra: list):
+        """fp16: GradScaler steps (or skips) and moves the scale; a fused optimizer is called even
+        on overflow, so the step counts as skipped when the scale dropped, not by whether the
+        optimizer ran. The figures and the new scale come to the host in one transfer."""
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        figures, host = probe.collect([self.scaler._scale, *extra]) if probe \
+            else (None, _to_host([self.scaler._scale, *extra]))
+        new_scale = host.pop(0)
+        self._scale_value = new_scale
+        return new_scale < used_scale, figures, host
+
+    def _update_unscaled(self, probe, found_inf, extra: list):
+        """bf16/fp32: nothing skips for us, so a non-finite gradient is checked before stepping,
+        from the probes' figures or the flag, in the same one transfer."""
+        flags = [found_inf] if found_inf is not None else []
+        figures, host = probe.collect(flags + extra) if probe else (None, _to_host(flags + extra))
+        skipped = (found_inf is not None and host.pop(0) > 0) or bool(figures and figures.grads_nonfinite)
+        if not skipped:
+            self.optimizer.step()
+        return skipped, figures, host
+
+    def _locate_nonfinite_gradient(self, micro_batches, used_scale, figures):
+        """The checked second pass over a skipped step, then the probes' own figures."""
+        diagnosis = self._diagnose(micro_batches, used_scale, backward=True)
+        first = diagnosis.backward_layer if diagnosis else None
+        if first is None and figures is not None:
+            index = figures.first_nonfinite("grad")
+            first = self.layer_names[index] if index is not None else None
+        return first, diagnosis
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -192,7 +192,9 @@ class PrecisionGuard:
         return Alert(reason, message, cause, fix)
 
     def likely_cause(self, result: StepResult) -> tuple[str, str]:
-        """The seeds' facts, applied to what this run shows."""
+        """What usually causes this under AMP, applied to what this run shows: a loss growing in
+        every dtype diverges; an fp16 overflow of a large loss times a large scale; a scale below 1
+        from a model trained in bf16; a layer whose values leave fp16's range."""
         layer = self._last_layer
         diverging = self._divergence(result.dtype)
         if diverging is not None:

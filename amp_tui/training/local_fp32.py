@@ -1,7 +1,8 @@
 """Local fp32: run chosen modules with autocast off and their inputs cast to float32.
 
-This is the seeds' "disable autocast locally around the suspect op", applied by module name
-(fnmatch patterns such as ``blocks.*.attn``) without touching the user's code.
+This is the usual remedy for one op that overflows under autocast (disable autocast locally around
+it), applied by module name (fnmatch patterns such as ``blocks.*.attn``) without touching the
+user's code.
 """
 
 from __future__ import annotations
