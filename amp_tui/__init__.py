@@ -18,7 +18,8 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 __all__ = ["GuardedTrainer", "StepResult", "TrainSetup", "__version__"]
 
-_LAZY = {"GuardedTrainer": "amp_tui.training.engine", "StepResult": "amp_tui.training.engine", "TrainSetup": "amp_tui.training.script"}
+_LAZY = {"GuardedTrainer": "amp_tui.training.engine", "StepResult": "amp_tui.training.engine",
+         "TrainSetup": "amp_tui.training.script"}
 
 
 def __getattr__(name: str):

@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from amp_tui.training.checkpoint import read_checkpoint, save_checkpoint
-
 from bench import common
 from bench.models import MlpSpec, build
 
@@ -89,7 +88,7 @@ def measure(spec: MlpSpec, *, rounds: int = 5, seed: int = 0) -> dict:
     try:
         ours_save()
         torch_save(False)()
-        for name, fn in restores:  # warm-up
+        for _, fn in restores:  # warm-up
             fn()
         for _ in range(rounds):
             rng.shuffle(saves)

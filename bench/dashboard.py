@@ -33,9 +33,8 @@ import torch
 
 from amp_tui.job.feed import BatchFeed
 from amp_tui.job.run import Run, RunConfig
-from amp_tui.training.script import TrainSetup
 from amp_tui.sources.live import LiveSource
-
+from amp_tui.training.script import TrainSetup
 from bench import common
 from bench.models import build
 

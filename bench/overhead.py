@@ -31,11 +31,10 @@ from pathlib import Path
 
 import torch
 
-from amp_tui.training.engine import GuardedTrainer
 from amp_tui.job.feed import BatchFeed
 from amp_tui.job.run import Run, RunConfig
+from amp_tui.training.engine import GuardedTrainer
 from amp_tui.training.script import TrainSetup
-
 from bench import common
 
 ALL = ("bare", "probes/1", "probes/10", "run/1", "run/10", "DebugUnderflowOverflow", "detect_anomaly")

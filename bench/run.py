@@ -185,7 +185,8 @@ def targets(results: dict) -> list[dict]:
             if not key.startswith("DebugUnderflowOverflow"):
                 continue
             lo, hi = ch["overhead_ratio_90ci"]
-            value = f"{fmt(ch['overhead_ratio'], '.1f', 'inf')}x (90% CI {fmt(lo, '.1f', 'inf')}..{fmt(hi, '.1f', 'inf')})"
+            value = (f"{fmt(ch['overhead_ratio'], '.1f', 'inf')}x "
+                     f"(90% CI {fmt(lo, '.1f', 'inf')}..{fmt(hi, '.1f', 'inf')})")
             add(f"DUO overhead / ours ({key.split(' vs ')[1]}), {where}", f">= {CHEAPER_THAN_DUO_MIN:g}x", value,
                 verdict(ch["overhead_ratio"], lo, hi, at_least=CHEAPER_THAN_DUO_MIN),
                 f"step time DUO/ours {ch['time_ratio']:.2f}")

@@ -1,26 +1,23 @@
-import json
-import math
+"""Fixtures every test may ask for: a deterministic seed, a script written to a temporary file, the
+small MLP script, and a headless run going on a background thread with its control socket."""
+
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+
+from amp_tui.cli import build_parser, prepare_run
+from amp_tui.job.control import socket_path
+
+from support import MLP_SCRIPT, SLOW_SCRIPT, wait_for
 
 
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
     yield
-
-
-def strict_lines(path: Path) -> list[dict]:
-    """Every line of a session, parsed with a parser that rejects NaN/Infinity tokens."""
-    def reject(token):
-        raise ValueError(f"non-standard token {token}")
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        out.append(json.loads(line, parse_constant=reject))
-    return out
 
 
 @pytest.fixture
@@ -32,48 +29,26 @@ def write_script(tmp_path):
     return write
 
 
-MLP_SCRIPT = '''
-import torch
-from torch import nn
-
-def setup(ctx=None):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    xs = torch.randn(64, 8)
-    ys = xs.sum(1, keepdim=True)
-    batches = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, 64, 16)]
-    def loss_fn(model, batch):
-        x, y = batch
-        return nn.functional.mse_loss(model(x), y)
-    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches}
-'''
-
-
-# Regression targets ~300x the features: a loss of ~1e5-1e6 whose backward overflows fp16 at
-# init_scale 65536. ACC is replaced by the micro-batch count.
-OVERFLOW_SCRIPT = '''
-import torch
-from torch import nn
-
-def setup(ctx=None):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    xs = torch.randn(64, 8)
-    ys = xs.sum(1, keepdim=True) * 300          # a loss of ~1e5-1e6: overflows backward at 65536
-    batches = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, 64, 16)]
-    def loss_fn(model, batch):
-        x, y = batch
-        return nn.functional.mse_loss(model(x), y)
-    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches, "accumulate": ACC}
-'''
-
-
 @pytest.fixture
 def mlp_script(write_script):
     return write_script(MLP_SCRIPT)
 
 
-def finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+@pytest.fixture
+def live_job(write_script, tmp_path):
+    """A headless run on a background thread, with its control socket: (run, thread)."""
+    script = write_script(SLOW_SCRIPT)
+    args = build_parser().parse_args(["train", str(script), "--run-dir", str(tmp_path / "run"),
+                                      "--init-scale", "256"])
+    run, _ = prepare_run(args, [], [])
+    thread = threading.Thread(target=run.run)
+    thread.start()
+    assert wait_for(lambda: run.step >= 2 and socket_path(run.run_dir).exists(), 60)
+    yield run, thread
+    run.request_stop()
+    thread.join(30)
+
+
+@pytest.fixture
+def live_run(live_job):
+    return live_job[0]

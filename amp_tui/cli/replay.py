@@ -26,9 +26,9 @@ def add_parser(sub) -> None:
 
 def cmd_replay(args) -> int:
     from amp_tui.recording.format import SessionFormatError
+    from amp_tui.recording.index import SessionIndex
     from amp_tui.recording.timeline import timeline_lines
     from amp_tui.sources.replay import ReplaySource
-    from amp_tui.recording.index import SessionIndex
 
     try:
         if args.headless or not interactive():

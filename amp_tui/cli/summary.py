@@ -9,9 +9,9 @@ from rich.text import Text
 def print_after_run(run, console: Console) -> None:
     """What the recording holds, and where the disk refused part of it, what the run did beyond
     that and what was lost."""
-    from amp_tui.recording.report import describe_records, render_summary, summarize
     from amp_tui.recording.format import SessionFormatError
     from amp_tui.recording.reader import read_session
+    from amp_tui.recording.report import describe_records, render_summary, summarize
 
     if run.unwritten:
         console.print(Text(f"amp-tui: error: {run.recording_error}: "

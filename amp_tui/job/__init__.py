@@ -1,1 +1,2 @@
-"""A run around the trainer: the loop, its commands, the session it writes and its control socket. Never Textual or Rich."""
+"""A run around the trainer: the loop, its commands, the session it writes and its control socket.
+Never Textual or Rich."""

@@ -459,7 +459,8 @@ class Run:
             where = f"; first non-finite output: {layer}" if layer else ""
             if diagnosis is not None and diagnosis.input_nonfinite:
                 where += " (its input was already non-finite)"
-            msg = f"non-finite loss ({number(result.loss, 4)}) in {precision.SHORT[result.dtype]}{where}: update skipped"
+            msg = (f"non-finite loss ({number(result.loss, 4)}) in {precision.SHORT[result.dtype]}{where}: "
+                   "update skipped")
         else:
             where = f"; first non-finite gradient: {layer}" if layer else ""
             if result.scale is not None:

@@ -4,9 +4,9 @@
 compact arrays (byte offset, step, loss, scale, time and a few flag bytes per step record: about 45
 bytes a step, not a dict), plus the header, the end record and the event records. The full record
 of a step (its per-layer figures) is read from the file at its offset when the replay shows it.
-A step line is indexed from its leading scalar fields, which `format.step_record` writes first
-in the order `format.STEP_HEAD` declares, without parsing the per-layer arrays; any line that doesn't match that shape goes
-through the strict, full JSON parse (so does a line that may hold a bare NaN/Infinity token, which
+A step line is indexed from its leading scalar fields, which `format.step_record` writes first in
+the order `format.STEP_HEAD` declares, without parsing the per-layer arrays; any line that doesn't
+match that shape goes through the strict, full JSON parse (so does a line that may hold a bare NaN/Infinity token, which
 that parse refuses). Like `read_session`, it is tolerant: damaged lines, lines over
 `MAX_LINE_BYTES` (read past, never held) and record types it doesn't know are counted and
 skipped; a line that doesn't end with a newline yet is left for the next `refresh()` (the writer
@@ -28,7 +28,7 @@ from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import MARKER_EVENTS, STATE_EVENTS
 from amp_tui.core.text import clip_strings, plural
 from amp_tui.recording.format import KNOWN_TYPES, MAX_LINE_BYTES, STEP_HEAD, SessionFormatError
-from amp_tui.recording.reader import (check_header, parse_record, resolve_session_path, too_long_message)
+from amp_tui.recording.reader import check_header, parse_record, resolve_session_path, too_long_message
 
 CHUNK_BYTES = 1 << 20          # the file is read in chunks of this size
 # Characters kept of any string in the header or a record (a layer name, a message, a path): the

@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from amp_tui.job.control import job_alive
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import next_state
+from amp_tui.job.control import job_alive
 from amp_tui.recording.reader import parse_record
 
 TAIL_BYTES = 256 * 1024

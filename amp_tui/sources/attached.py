@@ -12,8 +12,8 @@ import dataclasses
 import threading
 from pathlib import Path
 
-from amp_tui.job import control
 from amp_tui.core.commands import Command, Outcome
+from amp_tui.job import control
 from amp_tui.sources.replay import ReplaySnapshot, ReplaySource, run_checkpoints
 
 FOLLOW_SPEED = ReplaySource.SPEEDS[-1]   # catch up with the job as fast as playback goes

@@ -13,7 +13,7 @@ import threading
 
 from amp_tui.core.jsonsafe import read_float, read_floats
 from amp_tui.core.records import MARKER_EVENTS, Mode, RunState, next_state
-from amp_tui.sources.protocol import (EVENT_LIMIT, HISTORY_POINTS, MARKER_LIMIT, History, LayerView, Snapshot)
+from amp_tui.sources.protocol import EVENT_LIMIT, HISTORY_POINTS, MARKER_LIMIT, History, LayerView, Snapshot
 
 
 class RunBuffer:
@@ -80,7 +80,8 @@ class RunBuffer:
             n = len(self._layers.names)
             self._layers = LayerView(
                 self._layers.names,
-                read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n), read_floats(layers.get("weight"), n),
+                read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n),
+                read_floats(layers.get("weight"), n),
                 step, r.get("dtype"))
         t = r.get("time")
         if isinstance(t, (int, float)):

@@ -26,7 +26,7 @@ from amp_tui.core import jsonsafe
 from amp_tui.core.jsonsafe import read_floats
 from amp_tui.core.records import next_state, state_after
 from amp_tui.recording.index import F_LOSS_NONE, F_SKIPPED, RATE_WINDOW, SessionIndex
-from amp_tui.sources.protocol import (EVENT_LIMIT, HISTORY_POINTS, MARKER_LIMIT, History, LayerView, Playback, Snapshot)
+from amp_tui.sources.protocol import EVENT_LIMIT, HISTORY_POINTS, MARKER_LIMIT, History, LayerView, Playback, Snapshot
 
 if TYPE_CHECKING:
     from amp_tui.core.commands import Command

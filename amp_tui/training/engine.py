@@ -21,7 +21,6 @@ from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.diagnose import Diagnosis, diagnose
 from amp_tui.training.probes import LayerFigures, LayerProbe
 
-
 ACT_UNMEASURED_UNDER_COMPILE = (
     "act not measured under torch.compile: the compiled graph runs without amp-tui's hooks (it was "
     "compiled before they were attached, e.g. by a call in setup()); gradients and weights are "
@@ -442,7 +441,7 @@ class GuardedTrainer:
             return None
         diagnosis = None
         for batch in micro_batches:
-            diagnosis = diagnose(self.eager_model, lambda: self._forward_unchecked(batch, self.eager_model),
+            diagnosis = diagnose(self.eager_model, lambda batch=batch: self._forward_unchecked(batch, self.eager_model),
                                  scale=scale, device=self.device, backward=backward)
             if diagnosis.forward_layer or diagnosis.backward_layer:
                 break

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amp_tui.training.compiled import clean_name
 from amp_tui.core.precision import FP16_TINY
+from amp_tui.training.compiled import clean_name
 
 UNMEASURED = None  # a module that did not run, or a parameter without a gradient
 

@@ -21,16 +21,16 @@ from textual.screen import Screen
 
 from amp_tui.core import precision
 from amp_tui.core.commands import Command, Outcome
+from amp_tui.core.records import ENDED
+from amp_tui.core.text import clip, visible
 from amp_tui.sources.protocol import Snapshot, Source
 from amp_tui.ui.actions import BY_ACTION, KEY_ACTIONS, bindings, key_label
 from amp_tui.ui.dialogs.goto_dialog import GotoDialog
-from amp_tui.ui.screens.dashboard import DashboardScreen
-from amp_tui.ui.screens.help_screen import HelpScreen
-from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
 from amp_tui.ui.dialogs.restore_dialog import RestoreDialog
 from amp_tui.ui.dialogs.scale_dialog import ScaleDialog
-from amp_tui.core.records import ENDED
-from amp_tui.core.text import clip, visible
+from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
+from amp_tui.ui.screens.dashboard import DashboardScreen
+from amp_tui.ui.screens.help_screen import HelpScreen
 from amp_tui.ui.view import SORTS, current_precision, nonfinite_pause
 
 STOP_TIMEOUT_S = 10.0     # how long `q` waits for the current step before forcing the exit

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 
 from amp_tui.core import precision
-from amp_tui.core.records import nonfinite_layer
 from amp_tui.core.jsonsafe import read_float
+from amp_tui.core.records import nonfinite_layer
 from amp_tui.sources.protocol import LayerView, Snapshot
 
 # Headroom thresholds (bits = doublings left before the dtype's largest finite value).

@@ -24,18 +24,23 @@ from textual.containers import Container, Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
+from amp_tui.core.precision import short_name
 from amp_tui.sources.protocol import Snapshot
+from amp_tui.ui.view import (
+    current_precision,
+    layer_rows,
+    newest_notable_event,
+    nonfinite_origin,
+    nonfinite_pause,
+    unmeasured_note,
+)
 from amp_tui.ui.widgets.charts import LossChart, ScaleChart
 from amp_tui.ui.widgets.error_panel import ErrorPanel
 from amp_tui.ui.widgets.event_log import EventLog
 from amp_tui.ui.widgets.layer_table import LayerTable
 from amp_tui.ui.widgets.notice import PauseNotice
 from amp_tui.ui.widgets.status_bar import StatusBar
-from amp_tui.core.precision import short_name
-
 from amp_tui.ui.widgets.too_small import TooSmall, too_small
-from amp_tui.ui.view import (current_precision, layer_rows, newest_notable_event, nonfinite_origin,
-                             nonfinite_pause, unmeasured_note)
 
 
 @dataclass(frozen=True)

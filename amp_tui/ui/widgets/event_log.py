@@ -9,8 +9,8 @@ from rich.text import Text
 from textual import events
 from textual.widgets import RichLog
 
-from amp_tui.sources.protocol import EVENT_LIMIT, Snapshot
 from amp_tui.core.text import clip
+from amp_tui.sources.protocol import EVENT_LIMIT, Snapshot
 from amp_tui.ui.text import literal
 from amp_tui.ui.view import event_label
 

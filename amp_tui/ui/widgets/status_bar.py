@@ -9,10 +9,10 @@ from rich.text import Text
 from textual.strip import Strip
 from textual.widget import Widget
 
-from amp_tui.sources.protocol import Snapshot
-from amp_tui.core.precision import short_name
-from amp_tui.ui.text import literal, loss_text, same_text
 from amp_tui.core.jsonsafe import read_float
+from amp_tui.core.precision import short_name
+from amp_tui.sources.protocol import Snapshot
+from amp_tui.ui.text import literal, loss_text, same_text
 from amp_tui.ui.view import Precision
 
 STATE_STYLES = {

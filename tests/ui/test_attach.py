@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
-from amp_tui.sources.attached import AttachedSource
 from amp_tui.cli import main
 from amp_tui.core.commands import Command
 from amp_tui.job.control import job_alive, send
 from amp_tui.recording.reader import read_session
+from amp_tui.sources.attached import AttachedSource
 from amp_tui.ui.app import create_app
 
-from test_dashboard import run_async, toasts, until
-from test_control import live_job  # noqa: F401 - the fixture
-from test_faults import SLOW_SCRIPT, wait_for
+from support import SLOW_SCRIPT, run_async, toasts, until, wait_for
 
 SIZE = (120, 40)
 

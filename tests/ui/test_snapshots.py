@@ -14,7 +14,9 @@ from pathlib import Path
 
 from amp_tui.training.checkpoint import CheckpointInfo
 from amp_tui.ui.app import create_app
+
 from fixed_source import SYNTHETIC_START, SYNTHETIC_STEP_S, FixedSource, synthetic_records
+from support import REPO
 
 STEPS = 400
 FROZEN_NOW = SYNTHETIC_START + STEPS * SYNTHETIC_STEP_S   # "now" is when the last step ended
@@ -98,4 +100,4 @@ def write_docs_images(folder: Path) -> None:
 
 if __name__ == "__main__":
     write_docs_images(Path(sys.argv[1]) if len(sys.argv) > 1 else
-                      Path(__file__).resolve().parent.parent / "docs" / "images")
+                      REPO / "docs" / "images")

@@ -10,7 +10,7 @@ from amp_tui.cli import main
 from amp_tui.training.engine import GuardedTrainer, StepResult
 from amp_tui.training.guards import GuardConfig, PrecisionGuard
 
-from conftest import strict_lines
+from support import strict_lines
 
 PLANTED = '''
 import torch

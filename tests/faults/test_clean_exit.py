@@ -19,11 +19,11 @@ import pytest
 from rich.console import Console
 
 from amp_tui.cli import build_parser, prepare_run
-from amp_tui.job.control import send
 from amp_tui.cli.headless import HeadlessPrinter
+from amp_tui.job.control import send
 from amp_tui.recording.reader import read_session
 
-from test_faults import wait_for
+from support import wait_for
 
 ALIVE_MARK = "threads alive at exit:"
 

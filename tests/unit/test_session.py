@@ -7,8 +7,10 @@ import pytest
 
 from amp_tui.core import jsonsafe
 from amp_tui.recording.format import SessionFormatError, event_record
-from amp_tui.recording.writer import SessionWriter
 from amp_tui.recording.reader import read_session
+from amp_tui.recording.writer import SessionWriter
+
+from support import FullDisk
 
 
 def test_nonfinite_numbers_are_strings_a_strict_parser_accepts():
@@ -81,33 +83,13 @@ def test_append_after_a_torn_line_starts_clean(tmp_path):
     assert [r["step"] for r in s.steps] == [0, 1] and s.skipped_lines == 1
 
 
-class _FullDisk:
-    """`os` as amp_tui.recording.writer sees it, with a disk that fills up: while `full`, a write takes at
-    most `room` bytes (a partial write, as the kernel does) and the next one raises ENOSPC."""
-
-    def __init__(self):
-        import os
-        self._os, self.full, self.room = os, False, 0
-
-    def __getattr__(self, name):
-        return getattr(self._os, name)
-
-    def write(self, fd, data):
-        import errno
-        if not self.full:
-            return self._os.write(fd, data)
-        if self.room <= 0:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        taken = self._os.write(fd, bytes(data[:self.room]))
-        self.room -= taken
-        return taken
 
 
 def test_a_full_disk_loses_no_record_and_tears_no_line(tmp_path, monkeypatch):
     """The records written while the disk was full reach the file, whole and in order, once it
     takes bytes again; the failed writes raise so the run can pause or stop."""
     import amp_tui.recording.writer as session_module
-    disk = _FullDisk()
+    disk = FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     path = tmp_path / "session.jsonl"
     writer = SessionWriter(path, {"layers": []})
@@ -133,7 +115,7 @@ def test_a_full_disk_loses_no_record_and_tears_no_line(tmp_path, monkeypatch):
 def test_a_refused_end_stays_pending_once_and_abandon_counts_and_cuts_what_was_refused(
         tmp_path, monkeypatch):
     import amp_tui.recording.writer as session_module
-    disk = _FullDisk()
+    disk = FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     path = tmp_path / "session.jsonl"
     writer = SessionWriter(path, {"layers": []}, flush_interval=3600)
@@ -154,7 +136,7 @@ def test_a_refused_end_stays_pending_once_and_abandon_counts_and_cuts_what_was_r
 
 def test_a_refused_end_is_written_whole_once_space_is_freed(tmp_path, monkeypatch):
     import amp_tui.recording.writer as session_module
-    disk = _FullDisk()
+    disk = FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     path = tmp_path / "session.jsonl"
     writer = SessionWriter(path, {"layers": []}, flush_interval=3600)

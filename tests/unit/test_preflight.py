@@ -2,8 +2,6 @@
 so a broken script exits 2 before anything is written and a working one starts exactly as a plain
 loop would."""
 
-import json
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from torch import nn
 from amp_tui.cli import main
 from amp_tui.training.engine import GuardedTrainer
 
-from conftest import strict_lines
+from support import strict_lines
 
 # A module that fails under autocast, as nn.LSTM does on some CPUs ("could not create a primitive
 # descriptor"): what --fp32-modules is for.

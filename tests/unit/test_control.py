@@ -7,35 +7,14 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
-from amp_tui.cli import build_parser, main, prepare_run
+from amp_tui.cli import main
 from amp_tui.job.control import ControlError, check_socket_permissions, send, socket_path
 from amp_tui.recording.reader import read_session
 
-from test_faults import SLOW_SCRIPT, wait_for
-
-
-@pytest.fixture
-def live_job(write_script, tmp_path):
-    """A headless run on a background thread, with its control socket: (run, thread)."""
-    script = write_script(SLOW_SCRIPT)
-    args = build_parser().parse_args(["train", str(script), "--run-dir", str(tmp_path / "run"),
-                                      "--init-scale", "256"])
-    run, _ = prepare_run(args, [], [])
-    thread = threading.Thread(target=run.run)
-    thread.start()
-    assert wait_for(lambda: run.step >= 2 and socket_path(run.run_dir).exists(), 60)
-    yield run, thread
-    run.request_stop()
-    thread.join(30)
-
-
-@pytest.fixture
-def live_run(live_job):
-    return live_job[0]
+from support import SLOW_SCRIPT, wait_for
 
 
 def test_every_command_over_ctl_is_applied_and_recorded(live_run, capsys):
@@ -55,7 +34,7 @@ def test_every_command_over_ctl_is_applied_and_recorded(live_run, capsys):
     assert [e["action"] for e in events] == ["dtype", "scale", "scale", "save", "pause", "step", "resume",
                                              "fp32", "stop"]
     for e in events:
-        assert e["source"].startswith(f"ctl pid=") and e["client"]["uid"] == os.getuid()
+        assert e["source"].startswith("ctl pid=") and e["client"]["uid"] == os.getuid()
     restored = [e for e in read_session(live_run.run_dir).events if e["kind"] == "checkpoint_restored"]
     assert restored and restored[0]["source"].startswith("ctl")
 

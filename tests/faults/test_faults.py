@@ -10,39 +10,10 @@ import time
 import pytest
 
 from amp_tui.cli import build_parser, main, prepare_run
-from amp_tui.recording.writer import SessionWriter
 from amp_tui.recording.reader import read_session
+from amp_tui.recording.writer import SessionWriter
 
-SLOW_SCRIPT = '''
-import time
-import torch
-from torch import nn
-
-def setup():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
-    def loss_fn(m, b):
-        time.sleep(0.05)
-        return nn.functional.mse_loss(m(b[0]), b[1])
-    return {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=1e-3),
-            "loss_fn": loss_fn, "batches": [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(5)]}
-'''
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def step_count(path):
-    try:
-        return sum(1 for line in path.read_text().splitlines() if '"type":"step"' in line)
-    except OSError:
-        return 0
+from support import SLOW_SCRIPT, FullDisk, step_count, wait_for
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
@@ -109,7 +80,6 @@ def test_full_disk_on_the_session_stops_headless_with_an_error(mlp_script, tmp_p
                                       "--checkpoint-every", "2"])
     run, _ = prepare_run(args, [], [])
     real_write = SessionWriter.write
-    calls = {"n": 0}
 
     def failing_write(self, record):
         if record.get("type") == "step" and record["step"] >= 5:
@@ -133,7 +103,6 @@ def test_full_disk_on_a_checkpoint_keeps_the_previous_one(mlp_script, tmp_path, 
                                       "--checkpoint-every", "2"])
     run, _ = prepare_run(args, [], [])
     real_fsync = os.fsync
-    state = {"saves": 0}
 
     def failing_fsync(fd):
         if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".step-0000004"):
@@ -153,10 +122,10 @@ def test_a_run_that_fits_the_disk_until_its_last_record_exits_1_and_says_so(
         mlp_script, tmp_path, monkeypatch, capsys):
     """Every step record reaches the file; the end record, the last one, does not: headless
     names the full disk and the file, counts what was lost, and exits 1 (it exited 0)."""
+
     import amp_tui.recording.writer as session_module
     from amp_tui.cli import run_headless
-    from test_session import _FullDisk
-    disk = _FullDisk()
+    disk = FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     run_dir = tmp_path / "run"
     args = build_parser().parse_args(["train", str(mlp_script), "--steps", "8", "--run-dir",

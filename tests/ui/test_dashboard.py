@@ -9,34 +9,31 @@ paused (`--at 0:pause`) so the 2 CI cores aren't busy training while the UI is b
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
-import time
 
 import pytest
 from textual.widgets import Input, OptionList, Static
-from textual.widgets._toast import Toast
 
 from amp_tui.cli import build_parser, prepare_run
 from amp_tui.core.commands import Outcome
+from amp_tui.core.text import visible
 from amp_tui.recording.reader import read_session
 from amp_tui.sources.protocol import LayerView
-from amp_tui.sources.live import LiveSource
 from amp_tui.ui import view
 from amp_tui.ui.app import AmpTuiApp, create_app
-from amp_tui.ui.widgets.charts import envelope, integer_ticks
-from amp_tui.ui.widgets.error_panel import ErrorPanel
-from fixed_source import SYNTHETIC_START, FixedSource, synthetic_records
-from amp_tui.ui.screens.help_screen import HelpScreen, help_text
-from amp_tui.ui.widgets.layer_table import LayerTable
-from amp_tui.ui.widgets.notice import PauseNotice
 from amp_tui.ui.dialogs.restore_dialog import check_path
 from amp_tui.ui.dialogs.scale_dialog import ScaleDialog, parse_scale
-from amp_tui.core.text import visible
+from amp_tui.ui.screens.help_screen import HelpScreen, help_text
 from amp_tui.ui.text import middle_ellipsis
+from amp_tui.ui.widgets.charts import envelope, integer_ticks
+from amp_tui.ui.widgets.error_panel import ErrorPanel
+from amp_tui.ui.widgets.layer_table import LayerTable
+from amp_tui.ui.widgets.notice import PauseNotice
 from amp_tui.ui.widgets.too_small import TooSmall
 
-SIZE = (120, 40)
+from fixed_source import SYNTHETIC_START, FixedSource, synthetic_records
+from support import HANGING_SCRIPT, SIZE, build_live, run_async, toasts, until
+
 FROZEN = SYNTHETIC_START + 400 * 0.125
 
 HOSTILE = "[bold red]x[/]\x1b[31m"
@@ -94,48 +91,14 @@ def raise_bad_batch():
     raise ValueError("[red]bad batch[/] \\x1b[2J")
 '''
 
-HANGING_SCRIPT = '''
-import time
-import torch
-from torch import nn
-
-steps = {"n": 0}
-
-def setup(ctx=None):
-    model = nn.Linear(4, 1)
-    xs = torch.randn(8, 4)
-    def loss_fn(model, batch):
-        if model.training:           # every call is a step's (the pre-flight check is step 0's forward)
-            steps["n"] += 1
-            if steps["n"] > 2:
-                time.sleep(1.5)      # from step 2 on, every step outlasts the quit timeout
-        return model(batch).pow(2).mean()
-    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=1e-2),
-            "loss_fn": loss_fn, "batches": [xs]}
-'''
 
 
 # ---- helpers ----------------------------------------------------------------------------------
 
-def build_live(script, run_dir, *options: str):
-    args = build_parser().parse_args(["train", str(script), "--run-dir", str(run_dir),
-                                      "--device", "cpu", "--on-nonfinite", "pause", *options])
-    run, _warnings = prepare_run(args, [], ["amp-tui", "train", str(script)])
-    return run, LiveSource(run)
 
 
-async def until(pilot, predicate, what: str, timeout: float = 15.0) -> None:
-    """Poll the UI (letting it run) until `predicate()` holds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await pilot.pause(0.03)
 
 
-def toasts(app) -> str:
-    """The text of the notifications on screen now."""
-    return "\n".join(t.render().plain for t in app.screen.query(Toast))
 
 
 def dashboard_events(run, kind: str = "intervention") -> list[dict]:
@@ -150,12 +113,6 @@ async def invoke(callback):
         await result
 
 
-def run_async(test):
-    """Run an async test body with asyncio (no pytest async plugin needed); fixtures still work."""
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(test(*args, **kwargs))
-    return wrapper
 
 
 @pytest.fixture
@@ -181,7 +138,7 @@ async def test_d_cycles_dtype_fp16_bf16_fp32_fp16(paused_run):
         expected = ["bfloat16", "float32", "float16"]
         for n, dtype in enumerate(expected, 1):
             await pilot.press("d")
-            await until(pilot, lambda: len(dashboard_events(run)) == n, f"dtype event {n}")
+            await until(pilot, lambda n=n: len(dashboard_events(run)) == n, f"dtype event {n}")
             await until(pilot, lambda: "dtype" in toasts(app) and "→" in toasts(app), "the toast")
             assert run.trainer.dtype == dtype
         events = dashboard_events(run)

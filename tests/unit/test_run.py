@@ -1,7 +1,6 @@
 """Runs through the CLI and the Run object: records, interventions, policies, errors."""
 
 import json
-import math
 import threading
 
 import pytest
@@ -10,7 +9,7 @@ from amp_tui.cli import build_parser, main, prepare_run
 from amp_tui.core.commands import Command
 from amp_tui.recording.reader import read_session
 
-from conftest import OVERFLOW_SCRIPT, strict_lines
+from support import OVERFLOW_SCRIPT, strict_lines
 
 
 def run_cli(args, tmp_path, name="run"):
@@ -95,6 +94,7 @@ def test_checkpoint_restore_and_refusals_keep_the_run_going(mlp_script, tmp_path
     # a checkpoint of a differently shaped model
     import torch
     from torch import nn
+
     from amp_tui.training.checkpoint import save_checkpoint
     other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     save_checkpoint(tmp_path / "wrong_shape.safetensors", model=other,

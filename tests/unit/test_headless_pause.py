@@ -9,7 +9,7 @@ import threading
 from amp_tui.cli import main
 from amp_tui.recording.reader import read_session
 
-from test_faults import SLOW_SCRIPT, step_count, wait_for
+from support import SLOW_SCRIPT, step_count, wait_for
 
 
 def read_lines_into(stream, lines: "queue.Queue[str]") -> None:

@@ -20,7 +20,8 @@ import pytest
 from amp_tui.recording.format import SessionFormatError
 from amp_tui.recording.reader import read_session
 
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO
+
 SCRIPT = REPO / "demos" / "healthy.py"
 TMUX = shutil.which("tmux")
 

@@ -8,16 +8,15 @@ with the doc's tables. A new field needs its row in the doc, and a row needs a w
 
 import re
 import threading
-from pathlib import Path
 
 import pytest
 
 from amp_tui.cli import build_parser, main, prepare_run
 from amp_tui.job.control import send
 
-from conftest import strict_lines
+from support import REPO, strict_lines
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "session-format.md"
+DOC = REPO / "docs" / "session-format.md"
 
 # Batch 3 of 4 is scaled far past fp16's range: every 4th step's loss overflows in fp16 (first
 # non-finite output: layer "0"), and never in bf16 or fp32. A scheduler and clipping are set so

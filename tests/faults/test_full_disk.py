@@ -10,8 +10,8 @@ with the reason, where mounting is not permitted (many containers).
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,12 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from amp_tui.training.checkpoint import list_checkpoints
 from amp_tui.recording.reader import read_session
+from amp_tui.training.checkpoint import list_checkpoints
 
-from test_dashboard_faults import restorable
-
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO, restorable
 
 pytestmark = pytest.mark.slow
 
@@ -231,7 +229,7 @@ def test_a_disk_that_fills_before_the_end_record_exits_1_and_counts_what_was_los
 DASHBOARD_ON_A_FILLING_DISK = '''
 import asyncio, json, os, sys
 sys.path.insert(0, sys.argv[3])
-from test_dashboard import build_live, toasts, until
+from support import build_live, toasts, until
 from amp_tui.ui.app import create_app
 folder, out, _, script = sys.argv[1:5]
 run, source = build_live(script, os.path.join(folder, "run"), "--steps", "30", "--init-scale", "256")

@@ -21,19 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from amp_tui.training.checkpoint import read_checkpoint
-from amp_tui.training.script import load_script
 from amp_tui.recording.format import SessionFormatError
 from amp_tui.recording.reader import read_session
 from amp_tui.ui.app import create_app
-from fixed_source import FixedSource, synthetic_records
+from amp_tui.ui.dialogs.scale_dialog import ScaleDialog
 from amp_tui.ui.hangup import INPUT_CLOSED
 from amp_tui.ui.screens.help_screen import HelpScreen
-from amp_tui.ui.dialogs.scale_dialog import ScaleDialog
 
-from test_dashboard import HANGING_SCRIPT, SIZE, build_live, run_async, toasts, until
+from fixed_source import FixedSource, synthetic_records
+from support import HANGING_SCRIPT, REPO, SIZE, FullDisk, build_live, restorable, run_async, toasts, until
 
-REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "demos" / "healthy.py"
 EXIT_BOUND_S = 15.0
 
@@ -47,11 +44,6 @@ def step_records(run_dir: Path) -> int:
         return 0
 
 
-def restorable(path: Path, script: Path):
-    """The checkpoint at `path`, read and checked (digests, shapes) against a fresh setup."""
-    setup = load_script(script, device="cpu", argv=[])
-    return read_checkpoint(path, model=setup.model, optimizer=setup.optimizer,
-                           scheduler=setup.scheduler)
 
 
 def session_members(sid: int) -> list[int]:
@@ -235,9 +227,9 @@ async def test_ctrl_c_leaves_a_replay_or_an_attached_job_as_q_does(mode):
 @run_async
 async def test_a_full_disk_pauses_the_dashboard_and_resuming_writes_what_was_kept(mlp_script, tmp_path,
                                                                                  monkeypatch):
+
     import amp_tui.recording.writer as session_module
-    from test_session import _FullDisk
-    disk = _FullDisk()
+    disk = FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     # No step limit: the run is still going when the refused flush comes, however fast it is.
     run, source = build_live(mlp_script, tmp_path / "run")
@@ -333,9 +325,9 @@ def live_run_filling_the_disk_at_its_end(script, run_dir, monkeypatch, *options:
     """A live run of LAST_RUN_STEPS steps whose disk takes every step record and then fills up:
     the end record, the last one, is refused. Step records are flushed as they come (no flush
     interval), so what is kept back does not depend on how fast the steps run."""
+
     import amp_tui.recording.writer as session_module
-    from test_session import _FullDisk
-    disk = _FullDisk()
+    disk = FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     run, source = build_live(script, run_dir, "--steps", str(LAST_RUN_STEPS), *options)
     run.config.flush_interval = 0.0

@@ -7,12 +7,11 @@ tests gate on the records fed and on the dashboard's own refreshes, never on how
 
 import pytest
 
-from test_dashboard import SIZE, run_async, until
-from test_dashboard_pacing import next_step
-
-from amp_tui.ui.screens import dashboard
 from amp_tui.ui.app import create_app
+from amp_tui.ui.screens import dashboard
+
 from fixed_source import FixedSource, synthetic_records
+from support import SIZE, next_step, run_async, until
 
 ENDLESS = dashboard.Pacing(status_s=1e9, table_s=1e9, charts_s=1e9, chart_budget=1.0)
 FIRST = 50          # steps 0..49 are on screen before the test feeds more
@@ -133,6 +132,7 @@ async def test_a_key_that_moves_a_paused_replay_brings_the_table_to_the_same_ste
         await until(pilot, lambda: bool(drawn.refreshes), "the first refresh")
         for expected in (1, 2, 3):
             await pilot.press("right")
-            await until(pilot, lambda: drawn.first_refresh_with(
-                lambda snap, pending: snap.position == expected) is not None, f"a refresh at {expected}")
-            assert drawn.first_refresh_with(lambda snap, pending: snap.position == expected) == (expected, expected)
+            def at_expected(snap, pending, expected=expected):
+                return snap.position == expected
+            await until(pilot, lambda: drawn.first_refresh_with(at_expected) is not None, f"a refresh at {expected}")
+            assert drawn.first_refresh_with(at_expected) == (expected, expected)

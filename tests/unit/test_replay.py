@@ -6,23 +6,17 @@ import math
 
 import pytest
 
-from amp_tui.recording import index as index_mod
 from amp_tui.cli import main
 from amp_tui.core.commands import parse_action
-from amp_tui.training.engine import StepResult
-from amp_tui.training.probes import LayerFigures
-from amp_tui.sources.replay import ReplaySource
-from amp_tui.recording.index import SessionIndex
-from amp_tui.recording.format import SessionFormatError, compact_figure, event_record, step_record
-from amp_tui.recording.writer import SessionWriter
-from amp_tui.sources.protocol import Snapshot
 from amp_tui.core.text import one_line
-from amp_tui.recording.timeline import (at_arguments, interventions_as_at, interventions_as_commands,
-                              timeline_lines)
+from amp_tui.recording import index as index_mod
+from amp_tui.recording.format import SessionFormatError, compact_figure, event_record, step_record
+from amp_tui.recording.index import SessionIndex
+from amp_tui.recording.timeline import at_arguments, interventions_as_at, interventions_as_commands, timeline_lines
+from amp_tui.sources.protocol import Snapshot
+from amp_tui.sources.replay import ReplaySource
 
-from conftest import OVERFLOW_SCRIPT
-
-LAYERS = ["embed", "block.0", "head"]
+from support import LAYERS, OVERFLOW_SCRIPT, step_result, write_run
 
 
 class Clock:
@@ -33,60 +27,8 @@ class Clock:
         return self.now
 
 
-def result(step, *, skipped_total=0, skipped=False, scale=65536.0, dtype="float16", loss=None,
-           nonfinite=None, probed=True):
-    act = [1.5 + step, 1234.5678 * (step + 1), 0.000123456]
-    if nonfinite == "loss":
-        act[1] = math.inf
-    grad = [1e-4 * (step + 1), math.nan if nonfinite == "gradients" else 3.3e-6, None]
-    figures = LayerFigures(act=act, grad=grad, weight=[0.25, 2.0, 0.0375]) if probed else None
-    return StepResult(step=step, loss=math.nan if nonfinite == "loss" else (loss or 2.0 / (step + 1)),
-                      scale=scale, skipped=skipped, skipped_total=skipped_total,
-                      updates_applied=step + 1 - skipped_total, dtype=dtype, micro_batches=1,
-                      nonfinite=nonfinite, lr=0.01, figures=figures, duration=0.01,
-                      wall_time=1000.0 + step * 0.5)
 
 
-def write_run(path, steps=30, *, end=True, writer=None):
-    """Steps 0-2 overflow (a storm), an intervention before step 10 (dtype bf16), a checkpoint
-    saved before step 20, a non-finite loss at step 25 with a pause, every 4th step unprobed."""
-    w = writer or SessionWriter(path, {"layers": LAYERS, "dtype": "float16", "init_scale": 65536.0,
-                                       "script": "train.py", "steps": steps,
-                                       "device": {"type": "cpu", "backend": "CPU", "name": "Test"}},
-                                flush_interval=0)
-    scale, skipped_total, dtype = 65536.0, 0, "float16"
-    for step in range(steps):
-        if step == 10:
-            w.write(event_record(10, "intervention", "dtype fp16 → bf16", action="dtype",
-                                 value="bfloat16", source="at",
-                                 before={"dtype": "float16", "scale": scale, "init_scale": 65536.0},
-                                 after={"dtype": "bfloat16", "scale": None, "init_scale": 65536.0}))
-            dtype, scale = "bfloat16", None
-        if step == 20:
-            w.write(event_record(20, "checkpoint_saved", "checkpoint checkpoints/step-0000020.safetensors "
-                                 "saved", path="checkpoints/step-0000020.safetensors",
-                                 checkpoint_step=20, source="checkpoint_every"))
-        overflow = step < 3
-        bad = step == 25
-        skipped = overflow or bad
-        skipped_total += skipped
-        w.write(step_record(result(step, skipped_total=skipped_total, skipped=skipped, scale=scale,
-                                   dtype=dtype, probed=step % 4 != 3,
-                                   nonfinite="gradients" if overflow else "loss" if bad else None)))
-        if overflow:
-            w.write(event_record(step, "nonfinite", f"gradients overflowed at scale {scale:g}",
-                                 where="gradients", layer="head", scale=scale, dtype=dtype))
-            scale /= 2
-        if bad:
-            w.write(event_record(step, "nonfinite", "non-finite loss", where="loss", layer="block.0",
-                                 dtype=dtype))
-            w.write(event_record(step + 1, "paused", "paused after a non-finite loss", reason="nonfinite"))
-            w.write(event_record(step + 1, "intervention", "resumed", action="resume", value=None,
-                                 source="key", before={"state": "paused"}, after={"state": "running"}))
-    if end:
-        w.close({"step": steps, "status": "finished", "updates": steps - skipped_total,
-                 "skipped_total": skipped_total, "dtype": dtype, "scale": scale, "exit_status": 0})
-    return w
 
 
 @pytest.fixture
@@ -295,8 +237,8 @@ def test_follow_a_session_that_is_still_written(tmp_path):
     snap = src.snapshot()
     assert snap.position == 4 and snap.total_steps == 5 and snap.state == "replay-following"
     for step in range(5, 8):
-        write(step_record(result(step, scale=1024.0)))
-    line = json.dumps(step_record(result(8, scale=1024.0)), separators=(",", ":"))
+        write(step_record(step_result(step, scale=1024.0)))
+    line = json.dumps(step_record(step_result(8, scale=1024.0)), separators=(",", ":"))
     writer.write(line[:100])                      # a line the writer is in the middle of
     writer.flush()
     clock.now += 0.1
@@ -312,7 +254,7 @@ def test_follow_a_session_that_is_still_written(tmp_path):
     assert snap.total_steps == 9 and snap.position == 8 and snap.last["step"] == 8
     src.seek(2)                                   # looking back: stays there as the file grows
     src.pause()
-    write(step_record(result(9, scale=1024.0)))
+    write(step_record(step_result(9, scale=1024.0)))
     clock.now += 1
     snap = src.snapshot()
     assert snap.total_steps == 10 and snap.position == 2
@@ -412,7 +354,7 @@ def test_compact_figures_are_short_strict_numbers():
     assert json.dumps(compact_figure(0.0)) == "0" and json.dumps(compact_figure(-0.0)) == "-0.0"
     assert [compact_figure(x) for x in (math.nan, math.inf, -math.inf, None)] == \
         ["NaN", "Infinity", "-Infinity", None]
-    record = step_record(result(3))
+    record = step_record(step_result(3))
     assert record["layers"]["act"] == [4.5, 4938, 0.0001235]
     line = json.dumps(record, allow_nan=False, separators=(",", ":"))
     assert '"act":[4.5,4938,0.0001235]' in line

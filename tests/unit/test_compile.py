@@ -14,18 +14,17 @@ import torch
 from torch import nn
 
 from amp_tui.cli import main
+from amp_tui.sources.buffer import RunBuffer
+from amp_tui.sources.replay import ReplaySource
 from amp_tui.training.compiled import clean_name, compiled_module_names, original_module
 from amp_tui.training.diagnose import diagnose
 from amp_tui.training.engine import GuardedTrainer
 from amp_tui.training.local_fp32 import match_modules
 from amp_tui.training.probes import LayerProbe
-from amp_tui.sources.replay import ReplaySource
-from amp_tui.sources.buffer import RunBuffer
 from amp_tui.ui.app import create_app
 from amp_tui.ui.view import ACT_NOT_MEASURED, unmeasured_note
 
-from conftest import strict_lines
-from test_dashboard import SIZE, until
+from support import SIZE, strict_lines, until
 
 # `hot.0` overflows fp16 when PLANT is large; the LayerNorm after it brings values back to ~1.
 # COMPILE wraps the model (or not); WARM_UP calls the compiled model before amp-tui sees it.

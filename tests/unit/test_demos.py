@@ -1,14 +1,9 @@
 """The demos reproduce the failures they describe, and their fixes fix them (acceptance, CPU)."""
 
-from pathlib import Path
-
-import pytest
 
 from amp_tui.cli import main
 
-from conftest import strict_lines
-
-DEMOS = Path(__file__).resolve().parent.parent / "demos"
+from support import DEMOS, strict_lines
 
 
 def run_demo(name, tmp_path, *flags, steps=8):

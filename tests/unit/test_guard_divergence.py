@@ -4,9 +4,9 @@ loss scale, nor fp16's range in a run that has no fp16 in it."""
 import math
 
 from amp_tui.cli import main
+from amp_tui.recording.reader import read_session
 from amp_tui.training.engine import StepResult
 from amp_tui.training.guards import GuardConfig, PrecisionGuard
-from amp_tui.recording.reader import read_session
 
 # SGD with a step far too large for this regression: the loss grows in every dtype.
 DIVERGING_SCRIPT = '''

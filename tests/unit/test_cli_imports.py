@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from amp_tui.cli import main
-from conftest import OVERFLOW_SCRIPT
+
+from support import OVERFLOW_SCRIPT
 
 # Runs the command line as `amp-tui ARGS...` would, then says whether torch was imported.
 PROBE = ("import sys; sys.argv = ['amp-tui', *sys.argv[1:]]; from amp_tui.cli import main; "

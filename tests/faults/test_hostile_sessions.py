@@ -13,19 +13,18 @@ import tracemalloc
 
 import pytest
 
+from amp_tui.cli import main
 from amp_tui.recording import index as index_mod
 from amp_tui.recording import reader as session_mod
-from amp_tui.cli import main
-from amp_tui.recording.index import TEXT_LIMIT, SessionIndex
-from amp_tui.sources.replay import ReplaySource
 from amp_tui.recording.format import MAX_LINE_BYTES, SessionFormatError
-from amp_tui.recording.writer import SessionWriter
+from amp_tui.recording.index import TEXT_LIMIT, SessionIndex
 from amp_tui.recording.reader import read_session
+from amp_tui.recording.writer import SessionWriter
+from amp_tui.sources.replay import ReplaySource
 from amp_tui.ui.app import NOTIFY_LIMIT, create_app
 from amp_tui.ui.widgets.event_log import MESSAGE_LIMIT
 
-from test_dashboard import SIZE, run_async, toasts, until
-from test_replay import write_run
+from support import SIZE, run_async, toasts, until, write_run
 
 HUGE_BYTES = 50_000_000          # one line, three times the limit
 LONG = 3_000_000                 # a layer name and messages megabytes long, under the limit

@@ -9,11 +9,9 @@ import sys
 
 import pytest
 
-from amp_tui.training.checkpoint import list_checkpoints
 from amp_tui.cli import main
 from amp_tui.recording.reader import read_session
-
-
+from amp_tui.training.checkpoint import list_checkpoints
 
 # Kills itself with SIGKILL in the loss_fn call of step DIE_AT (`-- DIE_AT`; the pre-flight's
 # forward is step 0's own), as `kill -9` would: wherever the run was, nothing after it is written.
@@ -119,7 +117,7 @@ def test_a_damaged_newest_checkpoint_is_named_with_its_reason(killed_run, capsys
     assert resume(script, run_dir, "--steps", "1") == 0
     out = capsys.readouterr().out
     for path in (refused, unreadable):
-        line = next((l for l in out.splitlines() if "skipped" in l and path.name in l), None)
+        line = next((text for text in out.splitlines() if "skipped" in text and path.name in text), None)
         assert line is not None and "warning" in line, out
     resumed = [e for e in read_session(run_dir).events if e["kind"] == "resumed"][-1]
     assert resumed["checkpoint_step"] == list_checkpoints(run_dir / "checkpoints")[0].step

@@ -8,24 +8,18 @@ figures are redrawn at most a few times a second however fast steps land; a stat
 stop, error) or a queued command is drawn at the next tick. A replay is not paced.
 """
 
-import copy
-
-from test_dashboard import SIZE, run_async
 
 from amp_tui.ui.app import create_app
 from amp_tui.ui.screens.dashboard import TRAINING_PACE
+
 from fixed_source import FixedSource, synthetic_records
+from support import SIZE, next_step, run_async
 
 
 def status(app) -> str:
     return str(app.dashboard.status_bar.render())
 
 
-def next_step(records: list[dict], step: int) -> dict:
-    last = next(r for r in reversed(records) if r["type"] == "step")
-    record = copy.deepcopy(last)
-    record.update(step=step, time=last["time"] + 0.125 * (step - last["step"]))
-    return record
 
 
 class PaceClock:

@@ -19,17 +19,17 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from amp_tui.training.checkpoint import codec
-from amp_tui.training.checkpoint import io as ckpt_io
 from amp_tui.training.checkpoint import (
     WEIGHTS_NOTICE,
     CheckpointError,
     checkpoint_path,
     cleanup_temporary_files,
+    codec,
     list_checkpoints,
     read_checkpoint,
     save_checkpoint,
 )
+from amp_tui.training.checkpoint import io as ckpt_io
 
 SCALER = {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
           "growth_interval": 2000, "_growth_tracker": 3}

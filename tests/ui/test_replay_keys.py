@@ -7,15 +7,13 @@ import pytest
 from textual.widgets import Input, Static
 
 from amp_tui.cli import main
-from amp_tui.sources.replay import ReplaySource
 from amp_tui.recording.reader import read_session
+from amp_tui.sources.replay import ReplaySource
 from amp_tui.ui.app import create_app
 from amp_tui.ui.dialogs.goto_dialog import GotoDialog, parse_step
 from amp_tui.ui.screens.help_screen import help_text
 
-from conftest import MLP_SCRIPT
-from test_dashboard import run_async, toasts, until
-from test_replay import write_run
+from support import MLP_SCRIPT, run_async, until, write_run
 
 SIZE = (120, 40)
 STEPS = 30

@@ -1,0 +1,259 @@
+"""What the tests share: small training scripts, a live run for the dashboard, waiting on a run's
+own progress (never on how fast this machine is), a disk that fills up, a synthetic recording."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+from textual.widgets._toast import Toast
+
+from amp_tui.cli import build_parser, prepare_run
+from amp_tui.recording.format import event_record, step_record
+from amp_tui.recording.writer import SessionWriter
+from amp_tui.sources.live import LiveSource
+from amp_tui.training.checkpoint import read_checkpoint
+from amp_tui.training.engine import StepResult
+from amp_tui.training.probes import LayerFigures
+from amp_tui.training.script import load_script
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+DEMOS = REPO / "demos"
+
+
+def strict_lines(path: Path) -> list[dict]:
+    """Every line of a session, parsed with a parser that rejects NaN/Infinity tokens."""
+    def reject(token):
+        raise ValueError(f"non-standard token {token}")
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        out.append(json.loads(line, parse_constant=reject))
+    return out
+
+
+MLP_SCRIPT = '''
+import torch
+from torch import nn
+
+def setup(ctx=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = torch.randn(64, 8)
+    ys = xs.sum(1, keepdim=True)
+    batches = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, 64, 16)]
+    def loss_fn(model, batch):
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches}
+'''
+
+
+# Regression targets ~300x the features: a loss of ~1e5-1e6 whose backward overflows fp16 at
+# init_scale 65536. ACC is replaced by the micro-batch count.
+OVERFLOW_SCRIPT = '''
+import torch
+from torch import nn
+
+def setup(ctx=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    xs = torch.randn(64, 8)
+    ys = xs.sum(1, keepdim=True) * 300          # a loss of ~1e5-1e6: overflows backward at 65536
+    batches = [(xs[i:i + 16], ys[i:i + 16]) for i in range(0, 64, 16)]
+    def loss_fn(model, batch):
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches, "accumulate": ACC}
+'''
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+SLOW_SCRIPT = '''
+import time
+import torch
+from torch import nn
+
+def setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    def loss_fn(m, b):
+        time.sleep(0.05)
+        return nn.functional.mse_loss(m(b[0]), b[1])
+    return {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=1e-3),
+            "loss_fn": loss_fn, "batches": [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(5)]}
+'''
+
+
+def wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def step_count(path):
+    try:
+        return sum(1 for line in path.read_text().splitlines() if '"type":"step"' in line)
+    except OSError:
+        return 0
+
+
+SIZE = (120, 40)
+
+
+HANGING_SCRIPT = '''
+import time
+import torch
+from torch import nn
+
+steps = {"n": 0}
+
+def setup(ctx=None):
+    model = nn.Linear(4, 1)
+    xs = torch.randn(8, 4)
+    def loss_fn(model, batch):
+        if model.training:           # every call is a step's (the pre-flight check is step 0's forward)
+            steps["n"] += 1
+            if steps["n"] > 2:
+                time.sleep(1.5)      # from step 2 on, every step outlasts the quit timeout
+        return model(batch).pow(2).mean()
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=1e-2),
+            "loss_fn": loss_fn, "batches": [xs]}
+'''
+
+
+def build_live(script, run_dir, *options: str):
+    args = build_parser().parse_args(["train", str(script), "--run-dir", str(run_dir),
+                                      "--device", "cpu", "--on-nonfinite", "pause", *options])
+    run, _warnings = prepare_run(args, [], ["amp-tui", "train", str(script)])
+    return run, LiveSource(run)
+
+
+async def until(pilot, predicate, what: str, timeout: float = 15.0) -> None:
+    """Poll the UI (letting it run) until `predicate()` holds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await pilot.pause(0.03)
+
+
+def toasts(app) -> str:
+    """The text of the notifications on screen now."""
+    return "\n".join(t.render().plain for t in app.screen.query(Toast))
+
+
+def run_async(test):
+    """Run an async test body with asyncio (no pytest async plugin needed); fixtures still work."""
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+    return wrapper
+
+
+class FullDisk:
+    """`os` as amp_tui.recording.writer sees it, with a disk that fills up: while `full`, a write takes at
+    most `room` bytes (a partial write, as the kernel does) and the next one raises ENOSPC."""
+
+    def __init__(self):
+        import os
+        self._os, self.full, self.room = os, False, 0
+
+    def __getattr__(self, name):
+        return getattr(self._os, name)
+
+    def write(self, fd, data):
+        import errno
+        if not self.full:
+            return self._os.write(fd, data)
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        taken = self._os.write(fd, bytes(data[:self.room]))
+        self.room -= taken
+        return taken
+
+
+def restorable(path: Path, script: Path):
+    """The checkpoint at `path`, read and checked (digests, shapes) against a fresh setup."""
+    setup = load_script(script, device="cpu", argv=[])
+    return read_checkpoint(path, model=setup.model, optimizer=setup.optimizer,
+                           scheduler=setup.scheduler)
+
+
+def next_step(records: list[dict], step: int) -> dict:
+    last = next(r for r in reversed(records) if r["type"] == "step")
+    record = copy.deepcopy(last)
+    record.update(step=step, time=last["time"] + 0.125 * (step - last["step"]))
+    return record
+
+
+LAYERS = ["embed", "block.0", "head"]
+
+
+def step_result(step, *, skipped_total=0, skipped=False, scale=65536.0, dtype="float16", loss=None,
+           nonfinite=None, probed=True):
+    act = [1.5 + step, 1234.5678 * (step + 1), 0.000123456]
+    if nonfinite == "loss":
+        act[1] = math.inf
+    grad = [1e-4 * (step + 1), math.nan if nonfinite == "gradients" else 3.3e-6, None]
+    figures = LayerFigures(act=act, grad=grad, weight=[0.25, 2.0, 0.0375]) if probed else None
+    return StepResult(step=step, loss=math.nan if nonfinite == "loss" else (loss or 2.0 / (step + 1)),
+                      scale=scale, skipped=skipped, skipped_total=skipped_total,
+                      updates_applied=step + 1 - skipped_total, dtype=dtype, micro_batches=1,
+                      nonfinite=nonfinite, lr=0.01, figures=figures, duration=0.01,
+                      wall_time=1000.0 + step * 0.5)
+
+
+def write_run(path, steps=30, *, end=True, writer=None):
+    """Steps 0-2 overflow (a storm), an intervention before step 10 (dtype bf16), a checkpoint
+    saved before step 20, a non-finite loss at step 25 with a pause, every 4th step unprobed."""
+    w = writer or SessionWriter(path, {"layers": LAYERS, "dtype": "float16", "init_scale": 65536.0,
+                                       "script": "train.py", "steps": steps,
+                                       "device": {"type": "cpu", "backend": "CPU", "name": "Test"}},
+                                flush_interval=0)
+    scale, skipped_total, dtype = 65536.0, 0, "float16"
+    for step in range(steps):
+        if step == 10:
+            w.write(event_record(10, "intervention", "dtype fp16 → bf16", action="dtype",
+                                 value="bfloat16", source="at",
+                                 before={"dtype": "float16", "scale": scale, "init_scale": 65536.0},
+                                 after={"dtype": "bfloat16", "scale": None, "init_scale": 65536.0}))
+            dtype, scale = "bfloat16", None
+        if step == 20:
+            w.write(event_record(20, "checkpoint_saved", "checkpoint checkpoints/step-0000020.safetensors "
+                                 "saved", path="checkpoints/step-0000020.safetensors",
+                                 checkpoint_step=20, source="checkpoint_every"))
+        overflow = step < 3
+        bad = step == 25
+        skipped = overflow or bad
+        skipped_total += skipped
+        w.write(step_record(step_result(step, skipped_total=skipped_total, skipped=skipped, scale=scale,
+                                   dtype=dtype, probed=step % 4 != 3,
+                                   nonfinite="gradients" if overflow else "loss" if bad else None)))
+        if overflow:
+            w.write(event_record(step, "nonfinite", f"gradients overflowed at scale {scale:g}",
+                                 where="gradients", layer="head", scale=scale, dtype=dtype))
+            scale /= 2
+        if bad:
+            w.write(event_record(step, "nonfinite", "non-finite loss", where="loss", layer="block.0",
+                                 dtype=dtype))
+            w.write(event_record(step + 1, "paused", "paused after a non-finite loss", reason="nonfinite"))
+            w.write(event_record(step + 1, "intervention", "resumed", action="resume", value=None,
+                                 source="key", before={"state": "paused"}, after={"state": "running"}))
+    if end:
+        w.close({"step": steps, "status": "finished", "updates": steps - skipped_total,
+                 "skipped_total": skipped_total, "dtype": dtype, "scale": scale, "exit_status": 0})
+    return w
