@@ -9,12 +9,7 @@ from a user's own loop and never imports Textual::
         result = trainer.step([batch])
 """
 
-import warnings
-
 __version__ = "0.1.0"
-
-# The CPU build of torch warns at import when NumPy is absent; amp-tui never needs NumPy.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 __all__ = ["GuardedTrainer", "StepResult", "TrainSetup", "__version__"]
 

@@ -20,9 +20,10 @@ def add_parser(sub) -> None:
 def cmd_report(args) -> int:
     from rich.console import Console
 
+    from amp_tui.cli.summary import render_summary
     from amp_tui.recording.format import SessionFormatError
     from amp_tui.recording.reader import read_session
-    from amp_tui.recording.report import render_summary, summarize
+    from amp_tui.recording.report import summarize
 
     try:
         session = read_session(args.run)

@@ -1,9 +1,14 @@
-"""The summary printed after `amp-tui train`, headless or from the dashboard alike."""
+"""The run summary on a terminal: after `amp-tui train` (headless or from the dashboard alike) and
+for `amp-tui report`."""
 
 from __future__ import annotations
 
 from rich.console import Console
+from rich.table import Table
 from rich.text import Text
+
+from amp_tui.core.text import clip
+from amp_tui.recording.report import TEXT_LIMIT, Summary, summary_lines
 
 
 def print_after_run(run, console: Console) -> None:
@@ -11,7 +16,7 @@ def print_after_run(run, console: Console) -> None:
     that and what was lost."""
     from amp_tui.recording.format import SessionFormatError
     from amp_tui.recording.reader import read_session
-    from amp_tui.recording.report import describe_records, render_summary, summarize
+    from amp_tui.recording.report import describe_records, summarize
 
     if run.unwritten:
         console.print(Text(f"amp-tui: error: {run.recording_error}: "
@@ -21,3 +26,14 @@ def print_after_run(run, console: Console) -> None:
         render_summary(summarize(read_session(run.session_path), run.outcome()), console)
     except (SessionFormatError, OSError) as exc:
         console.print(Text(f"amp-tui: no session to summarize: {exc}", style="red"))
+
+
+def render_summary(s: Summary, console: Console) -> None:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in summary_lines(s):
+        table.add_row(key, Text(clip(value, TEXT_LIMIT, count=True)))  # Text(): paths and messages are shown literally
+    console.print(table)
+    for message in s.errors[-3:]:
+        console.print(Text("error: " + clip(message, TEXT_LIMIT, count=True), style="red"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from amp_tui.core.jsonsafe import read_float
-from amp_tui.core.text import clip
 from amp_tui.recording.format import MAX_LINE_BYTES
 from amp_tui.recording.reader import Session
 
@@ -159,17 +158,3 @@ def describe_records(counts: dict[str, int]) -> str:
     if not parts:
         return "no record"
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-
-
-def render_summary(s: Summary, console) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for key, value in summary_lines(s):
-        table.add_row(key, Text(clip(value, TEXT_LIMIT, count=True)))  # Text(): paths and messages are shown literally
-    console.print(table)
-    for message in s.errors[-3:]:
-        console.print(Text("error: " + clip(message, TEXT_LIMIT, count=True), style="red"))
