@@ -27,6 +27,7 @@ def cmd_ls(args) -> int:
     from rich.text import Text
 
     from amp_tui.core.precision import short_name
+    from amp_tui.job.control import job_alive
     from amp_tui.recording.listing import expand_folders, list_runs_in
 
     named = list(args.folders)
@@ -34,7 +35,7 @@ def cmd_ls(args) -> int:
     if named and missing:
         what = "folder or run" if len(missing) == 1 else "folders or runs"
         return error(f"no {what} matching {', '.join(repr(m) for m in missing)}", status=1)
-    rows = list_runs_in(folders)
+    rows = list_runs_in(folders, is_running=job_alive)
     if not rows:
         where = ", ".join(named) if named else f"{DEFAULT_RUNS}/"
         hint = "" if named else " (runs made with --run-dir elsewhere: amp-tui ls DIR)"

@@ -1,18 +1,20 @@
-"""`amp-tui ls`: the runs under some folders, with their state, read cheaply (header + file tail)."""
+"""`amp-tui ls`: the runs under some folders, with their state, read cheaply (header + file tail).
+
+Whether a job still runs in a folder is the caller's question (`is_running`: the control socket
+answers it), so the read side needs nothing of the job."""
 
 from __future__ import annotations
 
 import glob
-import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import next_state
-from amp_tui.job.control import job_alive
-from amp_tui.recording.reader import parse_record
+from amp_tui.recording.reader import parse_record, tail_records
 
-TAIL_BYTES = 256 * 1024
+TAIL_BYTES = 256 * 1024   # enough for the last step record and the events after it
 
 
 @dataclass
@@ -28,37 +30,20 @@ class RunRow:
     modified: float
 
 
-def _tail_records(path: Path) -> list[dict]:
-    with open(path, "rb") as fh:
-        fh.seek(0, os.SEEK_END)
-        size = fh.tell()
-        fh.seek(max(0, size - TAIL_BYTES))
-        data = fh.read()
-    lines = data.split(b"\n")
-    if size > TAIL_BYTES:
-        lines = lines[1:]  # the first line of the tail is probably cut
-    out = []
-    for raw in lines:
-        record = parse_record(raw.decode("utf-8", "replace")) if raw.strip() else None
-        if record is not None:
-            out.append(record)
-    return out
-
-
-def describe_run(run_dir: Path) -> RunRow:
+def describe_run(run_dir: Path, is_running: Callable[[Path], bool]) -> RunRow:
     session = run_dir / "session.jsonl"
     modified = session.stat().st_mtime
     try:
         with open(session, "rb") as fh:
             header = parse_record(fh.readline(1 << 20).decode("utf-8", "replace")) or {}
-        records = _tail_records(session)
+        records = tail_records(session, TAIL_BYTES)
     except OSError:
         return RunRow(run_dir, "unreadable", "?", None, None, None, None, "", modified)
     steps = [r for r in records if r.get("type") == "step"]
     events = [r for r in records if r.get("type") == "event"]
     end = next((r for r in reversed(records) if r.get("type") == "end"), None)
     last = steps[-1] if steps else None
-    if job_alive(run_dir):
+    if is_running(run_dir):
         state = "running"
     elif end is not None:
         state = next_state("running", end)
@@ -76,12 +61,12 @@ def describe_run(run_dir: Path) -> RunRow:
         skipped=(last or {}).get("skipped_total", 0), last_event=last_event, modified=modified)
 
 
-def list_runs(folder: Path) -> list[RunRow]:
+def list_runs(folder: Path, is_running: Callable[[Path], bool]) -> list[RunRow]:
     """Every run directory directly under `folder` (newest first)."""
     folder = Path(folder)
     if (folder / "session.jsonl").is_file():
-        return [describe_run(folder)]
-    rows = [describe_run(d) for d in folder.iterdir() if (d / "session.jsonl").is_file()] \
+        return [describe_run(folder, is_running)]
+    rows = [describe_run(d, is_running) for d in folder.iterdir() if (d / "session.jsonl").is_file()] \
         if folder.is_dir() else []
     return sorted(rows, key=lambda r: r.modified, reverse=True)
 
@@ -105,11 +90,11 @@ def expand_folders(patterns: list[str]) -> tuple[list[Path], list[str]]:
     return found, missing
 
 
-def list_runs_in(folders: list[Path]) -> list[RunRow]:
+def list_runs_in(folders: list[Path], is_running: Callable[[Path], bool]) -> list[RunRow]:
     """The runs of every folder, each run once (a run named twice, or through two patterns),
     newest first."""
     rows: dict[Path, RunRow] = {}
     for folder in folders:
-        for row in list_runs(folder):
+        for row in list_runs(folder, is_running):
             rows.setdefault(row.run_dir.resolve(), row)
     return sorted(rows.values(), key=lambda r: r.modified, reverse=True)

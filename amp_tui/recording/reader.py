@@ -6,6 +6,7 @@ what it needs; `amp-tui ls` reads a file's tail (`tail_records`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -125,3 +126,22 @@ def read_session(target: str | Path) -> Session:
             else:
                 session.records.append(record)
     return session
+
+
+def tail_records(path: Path, size: int) -> list[dict]:
+    """The valid records in the last `size` bytes of a session (the first line there is cut
+    unless the tail is the whole file): what a listing needs without reading the file."""
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        total = fh.tell()
+        fh.seek(max(0, total - size))
+        data = fh.read()
+    lines = data.split(b"\n")
+    if total > size:
+        lines = lines[1:]
+    out = []
+    for raw in lines:
+        record = parse_record(raw.decode("utf-8", "replace")) if raw.strip() else None
+        if record is not None:
+            out.append(record)
+    return out
