@@ -1,20 +1,30 @@
 """amp-tui: see and steer mixed-precision training live in the terminal.
 
-The engine (guarded step, precision policy, probes, checkpoints, commands) is usable as a library
-from a user's own loop and never imports Textual::
+In a training loop of your own, `amp_tui.monitor` records every step and lets the dashboard
+(`amp-tui attach RUN_DIR`) steer it::
 
-    from amp_tui import GuardedTrainer
-    trainer = GuardedTrainer(model, optimizer, loss_fn, device="cpu", dtype="float16")
-    for batch in batches:
-        result = trainer.step([batch])
+    monitor = amp_tui.monitor(model, optimizer, scaler=scaler)
+    for batch in loader:
+        with monitor.step() as step:
+            with monitor.autocast():
+                loss = compute_loss(model, batch)
+            step.loss = loss
+            ...                       # backward, unscale_, clip, scaler.step, scaler.update
+        if monitor.should_stop:
+            break
+    monitor.close()
+
+The guarded step itself (what `amp-tui train` runs) is `amp_tui.GuardedTrainer`. Neither imports
+Textual.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["GuardedTrainer", "StepResult", "TrainSetup", "__version__"]
+__all__ = ["GuardedTrainer", "Monitor", "MonitorError", "StepResult", "TrainSetup", "__version__", "monitor"]
 
 _LAZY = {"GuardedTrainer": "amp_tui.training.engine", "StepResult": "amp_tui.training.engine",
-         "TrainSetup": "amp_tui.training.script"}
+         "TrainSetup": "amp_tui.training.script", "monitor": "amp_tui.job.monitor",
+         "Monitor": "amp_tui.job.monitor", "MonitorError": "amp_tui.job.monitor"}
 
 
 def __getattr__(name: str):

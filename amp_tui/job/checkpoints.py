@@ -1,9 +1,13 @@
 """A run's checkpoints: saving its whole state, restoring it mid-run, and resuming from it.
 
 A full checkpoint holds the weights, the optimizer, the scheduler, the GradScaler and the RNG
-states, the applied and skipped counts, and how many micro-batches were consumed (so a resume
-reads the data in the same order). Each operation records what it did as an event; a save the
-disk refuses is handed to the run's full-disk policy.
+states, the applied and skipped counts, and what the host adds (`amp-tui train`: how many
+micro-batches were consumed, so a resume reads the data in the same order). Each operation
+records what it did as an event; a save the disk refuses is handed to the host's full-disk policy.
+
+The host is a `Run` (`amp-tui train`) or a `Monitor` (the user's own loop): it has a `trainer`
+holding the state (`TrainingState`), a `step`, an `event(...)`, `run_dir` and `session_path`,
+`checkpoint_refused(source, message)` and `saved_extra()`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.numfmt import byte_size
@@ -23,9 +27,31 @@ if TYPE_CHECKING:
     from amp_tui.job.run import Run
 
 
+class TrainingState(Protocol):
+    """What a checkpoint saves and restores, as a trainer (or a monitored loop) holds it."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    dtype: str
+    step_index: int
+    updates_applied: int
+    skipped_total: int
+
+    def scaler_state(self) -> dict | None: ...
+
+    def restore_scaler(self, state: dict | None) -> None: ...
+
+    def checkpoint_extra(self) -> dict: ...
+
+    def describe_precision(self) -> dict: ...
+
+    def discard_started_step(self) -> None: ...
+
+
 class RunCheckpoints:
     def __init__(self, run: Run):
-        self.run = run
+        self.run = run   # the host: a Run or a Monitor
         self.folder = run.run_dir / "checkpoints"
 
     def list(self) -> list[ckpt.CheckpointInfo]:
@@ -40,22 +66,22 @@ class RunCheckpoints:
 
     def save(self, *, source: str) -> ckpt.CheckpointInfo | None:
         run, t = self.run, self.run.trainer
-        path = ckpt.checkpoint_path(self.folder, run.step)
+        path = ckpt.checkpoint_path(self.folder, t.step_index)
         started = time.perf_counter()
         try:
             info = ckpt.save_checkpoint(
                 path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
-                scaler_state=t.scaler_state(), step=run.step, dtype=t.dtype,
-                extra={**t.checkpoint_extra(), "micro_batches_consumed": run.feed.consumed})
+                scaler_state=t.scaler_state(), step=t.step_index, dtype=t.dtype,
+                extra={**t.checkpoint_extra(), **run.saved_extra()})
         except ckpt.CheckpointError as exc:
             run.event("error", str(exc), during="save", source=source)
             if isinstance(exc.__cause__, OSError):  # a full disk, not a bad model state
                 run.checkpoint_refused(source, str(exc))
             return None
         size = os.path.getsize(info.path)
-        run.event("checkpoint_saved", f"checkpoint {self.relative(info.path)} saved at step {run.step} "
+        run.event("checkpoint_saved", f"checkpoint {self.relative(info.path)} saved at step {t.step_index} "
                   f"({byte_size(size)}, {time.perf_counter() - started:.2f}s)",
-                  path=self.relative(info.path), checkpoint_step=run.step, dtype=t.dtype, bytes=size,
+                  path=self.relative(info.path), checkpoint_step=t.step_index, dtype=t.dtype, bytes=size,
                   source=source)
         return info
 
@@ -85,8 +111,8 @@ class RunCheckpoints:
         ck_step = loaded.step
         note = f" ({loaded.notice})" if loaded.notice else ""
         saved = f"saved at step {ck_step}, {loaded.dtype}" if ck_step is not None else "weights only"
-        message = (f"restored {self.relative(path)} ({saved}) before step {run.step}; the step counter "
-                   f"goes on from {run.step}{note}")
+        message = (f"restored {self.relative(path)} ({saved}) before step {t.step_index}; the step counter "
+                   f"goes on from {t.step_index}{note}")
         run.event("checkpoint_restored", message, path=self.relative(path), checkpoint_step=ck_step,
                   checkpoint_dtype=loaded.dtype, checkpoint_kind=loaded.kind, source=command.source,
                   before=before, after=after)

@@ -187,6 +187,11 @@ class Run:
     def checkpoints(self) -> list[ckpt.CheckpointInfo]:
         return self.checkpointing.list()
 
+    def saved_extra(self) -> dict:
+        """What a checkpoint of this run holds beyond the trainer's state: the micro-batches
+        consumed, so a resume reads the data in the same order."""
+        return {"micro_batches_consumed": self.feed.consumed}
+
     def status(self) -> dict:
         """A snapshot for `amp-tui ctl RUN status` (read from another thread: plain values only)."""
         t, r = self.trainer, self.last_result

@@ -1,0 +1,344 @@
+"""amp_tui.monitor in a loop of the user's own: the records equal `amp-tui train`'s for the same
+model and batches, every key applies at a step boundary, checkpoints continue exactly, and misuse
+gets a message that says what to change."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import amp_tui
+from amp_tui.cli import main
+from amp_tui.core.commands import Command
+from amp_tui.job.control import send
+from amp_tui.job.monitor import MonitorError
+from amp_tui.recording.reader import read_session
+
+from support import wait_for
+
+# One file, two ways to train it: setup() for `amp-tui train`, loop() with the monitor. The
+# regression targets are large, so fp16 at init_scale 65536 overflows its first backwards.
+TWIN = '''
+import torch
+from torch import nn
+import amp_tui
+
+STEPS = 12
+
+def build(optimizer_kind):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 1))
+    params = model.parameters()
+    if optimizer_kind == "fused":
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    elif optimizer_kind == "foreach":
+        opt = torch.optim.Adam(params, lr=1e-3, foreach=True)
+    else:
+        opt = torch.optim.SGD(params, lr=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    xs = torch.randn(64, 8)
+    batches = [(xs[i:i + 16], xs[i:i + 16].sum(1, keepdim=True) * 300) for i in range(0, 64, 16)]
+    return model, opt, sched, batches
+
+def loss_fn(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+OPTIMIZER = "sgd"
+
+def setup(ctx=None):
+    model, opt, sched, batches = build(OPTIMIZER)
+    return {"model": model, "optimizer": opt, "scheduler": sched, "batches": batches,
+            "loss_fn": loss_fn, "max_grad_norm": 1.0}
+
+def loop(run_dir, dtype, zero_grad_at="top", steps=STEPS, monitor_kw=None, before_step=None):
+    model, opt, sched, batches = build(OPTIMIZER)
+    # The snippet as written: bf16 keeps a GradScaler, disabled.
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == "fp16")
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, scheduler=sched, run_dir=run_dir,
+                              announce=False, **(monitor_kw or {}))
+    for i in range(steps):
+        batch = batches[i % len(batches)]
+        if before_step is not None:
+            before_step(i, monitor)
+        if zero_grad_at == "top":
+            opt.zero_grad()
+        with monitor.step() as step:
+            with monitor.autocast():
+                loss = loss_fn(model, batch)
+            step.loss = loss
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            if zero_grad_at == "after step":
+                opt.zero_grad()
+        # amp-tui train steps the scheduler only after an applied update
+        if not monitor.last_skipped:
+            sched.step()
+        if monitor.should_stop:
+            break
+    monitor.close()
+    return model, monitor
+'''
+
+
+def load_twin(tmp_path, optimizer="sgd"):
+    path = tmp_path / "twin.py"
+    path.write_text(TWIN.replace('OPTIMIZER = "sgd"', f'OPTIMIZER = "{optimizer}"'), encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(f"twin_{optimizer}_{tmp_path.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return path, module
+
+
+def comparable(record: dict) -> dict:
+    kept = ("step", "loss", "scale", "skipped", "skipped_total", "updates", "dtype", "next_scale", "lr")
+    out = {k: record.get(k) for k in kept}
+    out["layers"] = {k: record["layers"][k] for k in ("act", "grad", "weight")} if "layers" in record else None
+    return out
+
+
+@pytest.mark.parametrize("dtype, optimizer", [("fp16", "sgd"), ("fp16", "foreach"), ("fp16", "fused"),
+                                              ("bf16", "sgd"), ("bf16", "fused")])
+def test_the_snippet_records_what_amp_tui_train_records(tmp_path, dtype, optimizer):
+    script, twin = load_twin(tmp_path, optimizer)
+    assert main(["train", str(script), "--headless", "--dtype", dtype, "--steps", str(twin.STEPS),
+                 "--run-dir", str(tmp_path / "train"), "--device", "cpu"]) == 0
+    twin.loop(tmp_path / "monitor", dtype)
+    trained = read_session(tmp_path / "train")
+    watched = read_session(tmp_path / "monitor")
+    assert len(watched.steps) == len(trained.steps) == twin.STEPS
+    for a, b in zip(trained.steps, watched.steps):
+        assert comparable(a) == comparable(b), (a["step"], comparable(a), comparable(b))
+    if dtype == "fp16":
+        assert watched.steps[-1]["skipped_total"] > 0           # the overflow was seen and skipped
+    assert [e["kind"] for e in watched.events if e["kind"] == "nonfinite"] == \
+        [e["kind"] for e in trained.events if e["kind"] == "nonfinite"]
+    assert watched.end["status"] == "finished" and watched.end["updates"] == trained.end["updates"]
+    assert watched.header["layers"] == trained.header["layers"]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_zero_grad_before_the_step_or_right_after_the_update_gives_the_same_figures(tmp_path, dtype):
+    _, twin = load_twin(tmp_path)
+    twin.loop(tmp_path / "top", dtype, zero_grad_at="top")
+    twin.loop(tmp_path / "after", dtype, zero_grad_at="after step")
+    top, after = read_session(tmp_path / "top").steps, read_session(tmp_path / "after").steps
+    assert [comparable(r) for r in top] == [comparable(r) for r in after]
+    assert all(r["layers"]["grad"][0] is not None for r in top)   # skipped steps measured too
+
+
+def test_a_skipped_step_is_measured_and_names_the_first_non_finite_gradient(tmp_path):
+    _, twin = load_twin(tmp_path)
+    twin.loop(tmp_path / "run", "fp16", steps=3)
+    session = read_session(tmp_path / "run")
+    first = session.steps[0]
+    assert first["skipped"] and first["nonfinite"] == "gradients"
+    assert any(not math.isfinite(float(g)) for g in first["layers"]["grad"])
+    event = [e for e in session.events if e["kind"] == "nonfinite"][0]
+    assert event["step"] == 0 and event["backward_origin"] in session.header["layers"]
+
+
+def test_gradient_accumulation_folds_micro_batches_into_one_step(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False)
+    for i in range(8):
+        with monitor.step() as step:
+            with monitor.autocast():
+                loss = model(torch.randn(2, 4)).pow(2).mean()
+            step.loss = loss
+            (loss / 4).backward()
+            if i % 4 == 3:
+                opt.step()
+                opt.zero_grad()
+    monitor.close()
+    steps = read_session(tmp_path / "run").steps
+    assert [(s["step"], s["micro_batches"], s["updates"]) for s in steps] == [(0, 4, 1), (1, 4, 2)]
+
+
+def run_in_background(twin, run_dir, dtype="fp16", steps=10_000):
+    done = {}
+
+    def target():
+        done["model"], done["monitor"] = twin.loop(run_dir, dtype, steps=steps)
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, done
+
+
+def test_every_key_over_the_socket_applies_at_a_boundary_and_is_recorded(tmp_path):
+    _, twin = load_twin(tmp_path)
+    run_dir = tmp_path / "run"
+    thread, done = run_in_background(twin, run_dir)
+    assert wait_for(lambda: (run_dir / "session.jsonl").exists() and len(read_session(run_dir).steps) >= 2)
+    answers = []
+    for command in ("scale=1024", "scale=half", "dtype=bf16", "save", "restore=latest", "fp32=0",
+                    "pause", "step", "resume", "stop"):
+        answer = send(run_dir, command)
+        answers.append((command, answer["ok"], answer["message"]))
+        if command == "pause":
+            held = len(read_session(run_dir).steps)
+    thread.join(60)
+    assert not thread.is_alive(), "stop ended the loop (monitor.should_stop)"
+    assert all(ok for _, ok, _ in answers), answers
+    session = read_session(run_dir)
+    actions = [e["action"] for e in session.events if e["kind"] == "intervention"]
+    assert actions == ["scale", "scale", "dtype", "save", "fp32", "pause", "step", "resume", "stop"]
+    assert [e["kind"] for e in session.events if e["kind"].startswith("checkpoint")] == \
+        ["checkpoint_saved", "checkpoint_restored"]
+    scales = [e for e in session.events if e.get("action") == "scale"]
+    assert scales[0]["after"]["scale"] == 1024
+    assert scales[1]["after"]["scale"] == scales[1]["before"]["scale"] / 2   # the loop stepped in between
+    after_switch = [s for s in session.steps if s["step"] >= [e for e in session.events
+                                                              if e.get("action") == "dtype"][0]["step"]]
+    assert after_switch and all(s["dtype"] == "bfloat16" for s in after_switch)
+    steps_while_paused = [e["step"] for e in session.events if e.get("action") in ("pause", "resume")]
+    assert steps_while_paused[1] - steps_while_paused[0] == 1        # exactly the one single step
+    assert held <= len(session.steps)
+    assert session.end["status"] == "stopped"
+
+
+def test_a_checkpoint_saved_in_the_monitor_restores_in_the_monitor_and_continues_exactly(tmp_path):
+    """Run A saves at step 5 and goes on to 10; run B, fresh objects, restores that checkpoint and
+    runs steps 5-9 on the same batches: the same weights, bit for bit (dropout's RNG included)."""
+    _, twin = load_twin(tmp_path, "foreach")
+    model_a, _ = twin.loop(tmp_path / "a", "fp16", steps=10, monitor_kw={"checkpoint_every": 5})
+    saved = sorted((tmp_path / "a" / "checkpoints").glob("step-0000005*.safetensors"))
+    assert saved
+    model_b, _ = twin_loop_from(twin, tmp_path / "b", start=5, steps=10, restore=saved[0])
+    for a, b in zip(model_a.state_dict().values(), model_b.state_dict().values()):
+        assert torch.equal(a, b)
+    restored = [e for e in read_session(tmp_path / "b").events if e["kind"] == "checkpoint_restored"]
+    assert restored and restored[0]["checkpoint_step"] == 5
+
+
+def twin_loop_from(twin, run_dir, *, start, steps, restore):
+    """The twin's loop, but feeding batches `start`..`steps`-1 after restoring `restore` first."""
+    model, opt, sched, batches = twin.build("foreach")
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, scheduler=sched, run_dir=run_dir, announce=False)
+    monitor.submit(Command("restore", str(restore), "test"))
+    for i in range(start, steps):
+        batch = batches[i % len(batches)]
+        opt.zero_grad()
+        with monitor.step() as step:
+            with monitor.autocast():
+                loss = twin.loss_fn(model, batch)
+            step.loss = loss
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        if not monitor.last_skipped:
+            sched.step()
+    monitor.close()
+    return model, monitor
+
+
+# ---- misuse -------------------------------------------------------------------------------------
+
+def tiny(tmp_path, **kwargs):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, opt, amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False, **kwargs)
+
+
+def test_a_step_whose_loss_was_never_set_is_a_clear_error(tmp_path):
+    model, opt, monitor = tiny(tmp_path)
+    with pytest.raises(MonitorError, match=r"step\.loss was never set"):
+        with monitor.step():
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+    monitor.close()
+    assert read_session(tmp_path / "run").end is not None
+
+
+def test_a_nested_step_and_a_step_after_close_are_clear_errors(tmp_path):
+    model, opt, monitor = tiny(tmp_path)
+    with pytest.raises(MonitorError, match="inside another monitor.step"):
+        with monitor.step():
+            with monitor.step():
+                pass
+    monitor.close()
+    with pytest.raises(MonitorError, match="after monitor.close"):
+        with monitor.step():
+            pass
+
+
+def test_a_second_monitor_in_the_same_process_is_refused_until_the_first_is_closed(tmp_path):
+    model, opt, first = tiny(tmp_path)
+    with pytest.raises(MonitorError, match="already watches a loop"):
+        amp_tui.monitor(model, opt, run_dir=tmp_path / "second", announce=False)
+    first.close()
+    second = amp_tui.monitor(model, opt, run_dir=tmp_path / "second", announce=False)
+    second.close()
+
+
+def test_closing_leaves_the_users_objects_as_they_were(tmp_path):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=tmp_path / "run", announce=False)
+    assert "unscale_" in vars(scaler)
+    monitor.close()
+    assert "unscale_" not in vars(scaler) and "step" not in vars(scaler)
+    assert not opt._optimizer_step_pre_hooks and not model._forward_hooks
+
+
+def test_d_is_refused_when_the_loop_runs_its_own_autocast(tmp_path):
+    model, opt, monitor = tiny(tmp_path)
+    answer = []
+    for i in range(2):
+        if i == 1:   # after a step whose forward ran under the loop's own autocast
+            command = Command("dtype", "float32", "test")
+            command.on_done = answer.append
+            monitor.submit(command)
+        with monitor.step() as step:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.ones(1, 2)).sum()
+            step.loss = loss
+            loss.backward()
+            opt.step()
+    monitor.close()
+    assert answer and not answer[0].ok and "monitor.autocast()" in answer[0].message
+    assert monitor.dtype == "bfloat16"
+
+
+def test_wrong_arguments_say_what_is_wrong(tmp_path):
+    model = nn.Linear(2, 1)
+    with pytest.raises(MonitorError, match="not a torch.optim.Optimizer"):
+        amp_tui.monitor(model, "adam", run_dir=tmp_path / "a", announce=False)
+    with pytest.raises(MonitorError, match="needs an enabled GradScaler"):
+        amp_tui.monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype="fp16",
+                        run_dir=tmp_path / "b", announce=False)
+    assert "amp_tui" in sys.modules
+
+
+def test_a_monitored_step_costs_one_transfer_to_the_host(tmp_path, monkeypatch):
+    """The loss, the scale, GradScaler's verdict and every per-layer figure come over together:
+    one sync per step of amp-tui's own (the loop's own GradScaler syncs are its business)."""
+    import traceback as tb
+    _, twin = load_twin(tmp_path)
+    ours = []
+    for name in ("tolist", "item", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            caller = tb.extract_stack(limit=2)[0].filename
+            if "amp_tui" in caller and "tests" not in caller:
+                ours.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    twin.loop(tmp_path / "run", "fp16", steps=6, monitor_kw={"probe_every": 2})
+    assert len(ours) == 6, ours
