@@ -19,6 +19,8 @@ class FixedSource:
                  answer: Outcome | None = None, run_dir=None, session_path=None):
         self.mode = mode
         self.can_steer = mode in ("live", "attached")
+        self.detaches = mode == "attached"
+        self.output_path = None
         self.playback = None   # a frozen picture: nothing to play
         self.buffer = RunBuffer(mode)
         for record in records:

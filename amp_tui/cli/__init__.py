@@ -1,6 +1,7 @@
 """The `amp-tui` command line: one module per command, the tree and the dispatch in parser.py.
 
     train.py    train (headless, the dashboard, --detach) and prepare_run
+    run.py      run (a command whose own loop uses amp_tui.monitor)
     report.py   report           replay.py   replay          ls.py      ls
     ctl.py      ctl              attach.py   attach          compare.py compare (amp_tui.compare)
     summary.py  the after-run summary (headless and the dashboard)

@@ -322,8 +322,8 @@ def cmd_detach(args) -> int:
 
     from amp_tui.cli.attach import attach_dashboard
     from amp_tui.cli.parser import split_script_args
+    from amp_tui.core.run_dirs import default_run_dir
     from amp_tui.job.control import job_alive
-    from amp_tui.job.run import default_run_dir
 
     argv = args.command_line[1:]
     ours, script_argv = split_script_args(argv)

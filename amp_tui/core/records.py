@@ -13,7 +13,10 @@ from typing import Any, Literal, TypedDict
 RecordType = Literal["header", "step", "event", "end"]
 RunState = Literal["starting", "running", "paused", "stopped", "finished", "error"]
 EndStatus = Literal["finished", "stopped", "error"]
-Mode = Literal["live", "replay", "attached"]
+# live: a run in this process; attached: a job elsewhere (q detaches); launched: a command
+# `amp-tui run` started (attached to, but q stops it); replay: a recording.
+Mode = Literal["live", "replay", "attached", "launched"]
+STEERED_MODES: frozenset[str] = frozenset({"live", "attached", "launched"})
 EventKind = Literal["intervention", "checkpoint_saved", "checkpoint_restored", "nonfinite", "alert",
                     "error", "paused", "stopping", "resumed"]
 

@@ -58,10 +58,10 @@ from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.numfmt import number
 from amp_tui.core.records import RunState, end_status
+from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.job.checkpoints import RunCheckpoints
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
 from amp_tui.job.recorder import Observers, Recorder
-from amp_tui.job.run import default_run_dir
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.recording.report import describe_records
 from amp_tui.training import checkpoint as ckpt
@@ -150,6 +150,8 @@ class Monitor:
         self.last_skipped = False   # the last update was skipped (a scheduler stepped only after
                                     # applied updates reads this)
         self._scale_value = self.scaler.get_scale() if self.scaler is not None else None
+        self._starting_scale = self._scale_value
+        self._fp16_scale = self._scale_value   # what fp16 takes up again after bf16/fp32
         self._single_steps = 0
         self._stop_requested = threading.Event()
         self._checkpoint_on_stop = False
@@ -298,9 +300,17 @@ class Monitor:
         return dict(self.scaler.state_dict()) if self.scaler is not None else None
 
     def restore_scaler(self, state: dict | None) -> None:
-        if state is not None and self.scaler is not None:
+        """The checkpoint's scaler state into the loop's scaler; away from fp16 its scale is kept
+        for fp16's return (the scaler scales by 1 meanwhile, see _set_dtype)."""
+        if state is None or self.scaler is None:
+            return
+        if self.dtype == "float16":
             self.scaler.load_state_dict(dict(state))
             self._scale_value = float(state["scale"])
+        else:
+            self._fp16_scale = float(state["scale"])
+            self.scaler.load_state_dict({**dict(state), "scale": 1.0})
+            self._scale_value = 1.0
 
     def checkpoint_extra(self) -> dict:
         return {"updates_applied": self.updates_applied, "skipped_total": self.skipped_total}
@@ -310,7 +320,8 @@ class Monitor:
 
     def describe_precision(self) -> dict:
         scale = self._scale()
-        return {"dtype": self.dtype, "scale": scale, "init_scale": scale, "fp16_scale": scale}
+        fp16 = scale if self.dtype == "float16" else self._fp16_scale
+        return {"dtype": self.dtype, "scale": scale, "init_scale": self._starting_scale, "fp16_scale": fp16}
 
     def discard_started_step(self) -> None:
         """Nothing runs ahead in the user's loop."""
@@ -614,20 +625,41 @@ class Monitor:
         reason = unsupported_reason(self.device, new)
         if reason:
             return self._refused(command, f"dtype change refused: {reason}")
+        if self.scaler is not None and new != self.dtype:
+            # The loop's GradScaler stays in the loop. Away from fp16 it scales by 1 (bf16 has
+            # fp32's range; a scale fp16's overflows drove towards 0 must not follow), and it
+            # still skips an update with inf/NaN gradients, so the skip count stays true. Back in
+            # fp16, the scale fp16 had (the starting one if it had fallen below 1).
+            if self.dtype == "float16":
+                self._fp16_scale = self._scale_value
+                self._load_scale(1.0)
+            elif new == "float16":
+                self._load_scale(self._fp16_scale if self._fp16_scale >= 1 else self._starting_scale)
         self.dtype = new
-        return self.intervention(command, before, self.describe_precision(),
-                                 f"dtype {precision.SHORT[before['dtype']]} → {precision.SHORT[new]}")
+        after = self.describe_precision()
+        note = f" (scale {after['scale']:g})" if self.scaler is not None else ""
+        return self.intervention(command, before, after,
+                                 f"dtype {precision.SHORT[before['dtype']]} → {precision.SHORT[new]}{note}")
+
+    def _load_scale(self, scale: float) -> None:
+        """At a boundary (no scaled loss in flight): the loop's scaler scales by `scale` from now."""
+        self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": scale, "_growth_tracker": 0})
+        self._scale_value = scale
 
     def _set_scale(self, command: Command) -> Outcome:
         if self.scaler is None:
             return self._refused(command, "scale change refused: this loop has no (enabled) GradScaler")
         before = self.describe_precision()
-        new = self._scale() / 2.0 if command.value == "half" else float(command.value)
+        in_fp16 = self.dtype == "float16"
+        current = self._scale_value if in_fp16 else self._fp16_scale
+        new = current / 2.0 if command.value == "half" else float(command.value)
         if not (math.isfinite(new) and new > 0):
             return self._refused(command, f"scale change refused: {command.value!r} is not a positive scale")
-        # At a boundary: no scaled loss is in flight, so the new scale applies to the next one.
-        self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": new, "_growth_tracker": 0})
-        self._scale_value = new
+        if not in_fp16:   # as amp-tui train does: the scale fp16 starts from when it is next entered
+            self._fp16_scale = new
+            return self.intervention(command, before, self.describe_precision(),
+                                     f"fp16 loss scale {current:g} → {new:g} (used when fp16 is next entered)")
+        self._load_scale(new)
         return self.intervention(command, before, self.describe_precision(),
                                  f"loss scale {before['scale']:g} → {new:g}")
 

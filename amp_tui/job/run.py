@@ -27,6 +27,7 @@ from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.numfmt import number
 from amp_tui.core.records import RunState, end_status
+from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.job.checkpoints import RunCheckpoints
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
 from amp_tui.job.feed import BatchFeed
@@ -72,16 +73,6 @@ class RunConfig:
     control: bool = False                # serve the control socket (amp-tui ctl / attach)
     resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
     resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)
-
-
-def default_run_dir(script: Path, root: Path = Path("runs")) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = root / f"{stamp}-{script.stem}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
 
 
 class Run:

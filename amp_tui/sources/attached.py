@@ -24,6 +24,7 @@ class AttachedSource:
 
     mode = "attached"
     can_steer = True
+    detaches = True   # q leaves the job running
     playback = None   # it follows the job: no seeking
 
     def __init__(self, run_dir: str | Path, *, refresh_interval: float = 0.25):
@@ -32,6 +33,15 @@ class AttachedSource:
                                    refresh_interval=refresh_interval)
         self.session_path = self.replay.session_path
         self._threads: list[threading.Thread] = []
+
+    @property
+    def output_path(self) -> Path | None:
+        """The job's output where amp-tui kept it: `amp-tui run`'s output.log, `train --detach`'s
+        job.log."""
+        for name in ("output.log", "job.log"):
+            if (self.run_dir / name).is_file():
+                return self.run_dir / name
+        return None
 
     # ---- the Source protocol ----------------------------------------------------------------
     def start(self) -> None:

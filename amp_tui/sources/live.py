@@ -22,7 +22,9 @@ class LiveSource:
 
     mode = "live"
     can_steer = True
+    detaches = False
     playback = None
+    output_path = None   # the run's output is this terminal
 
     def __init__(self, run):
         self.run = run   # a job.run.Run (duck-typed here: sources don't import the job)

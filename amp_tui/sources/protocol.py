@@ -107,9 +107,11 @@ class Source(Protocol):
 
     mode: Mode
     can_steer: bool                 # it takes commands (a live run, an attached job)
+    detaches: bool                  # q leaves the job running (attach); else q stops it
     playback: Playback | None       # a recording's playback controls; None for a run
     run_dir: Path | None            # where the run's files are
     session_path: Path | None
+    output_path: Path | None        # the job's own output (stdout and stderr), if kept
 
     def snapshot(self) -> Snapshot: ...
 

@@ -52,6 +52,8 @@ class ReplaySource:
 
     mode = "replay"
     can_steer = False
+    detaches = False
+    output_path = None
     SPEEDS = tuple(2.0 ** k for k in range(11))      # 1 ... 1024 steps per second
     DEFAULT_SPEED = 16.0
 

@@ -273,7 +273,7 @@ class LayerProbe:
                 if scale:
                     self._under.append(torch.count_nonzero(a < FP16_TINY / scale))
         self._grads_recorded = True
-        self._scaled = scale is not None
+        self._scaled = bool(scale)   # the scaled counts were taken (a scale of 0 counts nothing)
         self._under_index = index if underflow else []
         self._under_numel = [g.numel() for g in grads] if underflow else []
 

@@ -2,8 +2,9 @@
 help screen are all generated from `KEY_ACTIONS`, so they can't disagree.
 
 Which keys work depends on the source's mode: "live" (a run in this process), "attached" (a job
-running elsewhere, steered over its control socket) and "replay" (a recording). A key that
-means something different per mode keeps one binding; its texts per mode live here.
+running elsewhere, steered over its control socket; q detaches), "launched" (a job `amp-tui run`
+started: attached, but q stops it) and "replay" (a recording). A key that means something
+different per mode keeps one binding; its texts per mode live here.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from dataclasses import dataclass
 
 from textual.binding import Binding
 
-STEER = frozenset({"live", "attached"})
+STEER = frozenset({"live", "attached", "launched"})
+JOB = frozenset({"attached", "launched"})     # a job in another process
 REPLAY = frozenset({"replay"})
-ALL = frozenset({"live", "attached", "replay"})
+ALL = frozenset({"live", "attached", "launched", "replay"})
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ _PLAY = ("play", "Play / pause the replay", "Play or pause the recording")
 _QUIT_REPLAY = ("quit", "Quit", "Close the replay")
 _QUIT_ATTACHED = ("detach", "Detach", "Leave the dashboard; the job keeps running (amp-tui attach "
                   "RUN_DIR comes back)")
+_QUIT_LAUNCHED = ("quit", "Quit", "Stop the job at a step boundary, wait for it to exit, and exit")
 
 KEY_ACTIONS: tuple[KeyAction, ...] = (
     KeyAction("amp.cycle_dtype", "d", "cycle_dtype", "dtype", "Cycle the dtype",
@@ -87,7 +90,7 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
               "Show the keys and what the colours mean", key_display="?", modes=ALL, always=True),
     KeyAction("amp.quit", "q", "quit", "quit", "Quit",
               "Stop at a step boundary, flush the session and exit", modes=ALL, always=True,
-              texts=(("replay", _QUIT_REPLAY), ("attached", _QUIT_ATTACHED))),
+              texts=(("replay", _QUIT_REPLAY), ("attached", _QUIT_ATTACHED), ("launched", _QUIT_LAUNCHED))),
     # Textual reads Ctrl+C as a key (no SIGINT reaches the app); here it is q, on every screen,
     # as it is in headless mode: a reflexive Ctrl+C must never leave a run without a way out.
     KeyAction("amp.interrupt", "ctrl+c", "interrupt", "quit", "Quit",
@@ -98,7 +101,10 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
                                    "keeps running")))),
     KeyAction("amp.stop_job", "Q", "stop_job", "stop job", "Stop the job and quit",
               "Stop the job at its next step boundary (it flushes its session), then leave",
-              modes=frozenset({"attached"})),
+              modes=JOB),
+    KeyAction("amp.output", "o", "show_output", "output", "Show the job's output",
+              "The job's own output (its stdout and stderr, kept in the run directory)", modes=JOB,
+              always=True),
 )
 
 BY_ACTION = {a.action.partition("(")[0]: a for a in KEY_ACTIONS}

@@ -21,7 +21,7 @@ from textual.screen import Screen
 
 from amp_tui.core import precision
 from amp_tui.core.commands import Command, Outcome
-from amp_tui.core.records import ENDED
+from amp_tui.core.records import ENDED, STEERED_MODES
 from amp_tui.core.text import clip, visible
 from amp_tui.sources.protocol import Snapshot, Source
 from amp_tui.ui.actions import BY_ACTION, KEY_ACTIONS, bindings, key_label
@@ -31,6 +31,7 @@ from amp_tui.ui.dialogs.scale_dialog import ScaleDialog
 from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
 from amp_tui.ui.screens.dashboard import DashboardScreen
 from amp_tui.ui.screens.help_screen import HelpScreen
+from amp_tui.ui.screens.output_screen import OutputScreen
 from amp_tui.ui.view import SORTS, current_precision, nonfinite_pause
 
 STOP_TIMEOUT_S = 10.0     # how long `q` waits for the current step before forcing the exit
@@ -75,9 +76,10 @@ class AmpTuiApp(App[int]):
         self._error_where: list[tuple[str, str]] = []
         self._stop_job: Command | None = None   # attached: Q sent this; exit once it's done
         self.playback = source.playback   # a recording's controls; None for a run
+        self.keys_mode = source.mode   # which keys exist and what they say
         # BINDINGS are the live keys; this mode's keys (replay's, attached's Q) are added here,
         # one binding per key; a key that does something else in this mode gets its texts.
-        for binding in bindings(source.mode):
+        for binding in bindings(self.keys_mode):
             self._bindings.key_to_bindings[binding.key] = [binding]
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -144,7 +146,7 @@ class AmpTuiApp(App[int]):
         if snap.state != self._last_state:
             if snap.state in ENDED:
                 self._pending.clear()
-            if snap.state == "finished" and snap.mode in ("live", "attached"):
+            if snap.state == "finished" and snap.mode in STEERED_MODES:
                 self.notify("the run finished: q quits", title="finished", markup=False)
             self._last_state = snap.state
             self.refresh_bindings()
@@ -194,9 +196,11 @@ class AmpTuiApp(App[int]):
 
     def available(self, key_action) -> bool | None:
         """True: the key works now; None: shown dimmed (the run ended); False: hidden."""
-        mode = self.source.mode
+        mode = self.keys_mode
         if mode not in key_action.modes:
             return False
+        if key_action.action == "show_output":
+            return self.source.output_path is not None
         if key_action.always:
             return True
         if mode == "replay":
@@ -297,8 +301,12 @@ class AmpTuiApp(App[int]):
     def action_single_step(self) -> None:
         self.send("step")
 
+    def action_show_output(self) -> None:
+        if self.source.output_path is not None:
+            self.push_screen(OutputScreen(self.source.output_path))
+
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.source.mode))
+        self.push_screen(HelpScreen(self.keys_mode))
 
     # ---- replay playback ------------------------------------------------------------------------
     def _playback_done(self) -> None:
@@ -350,10 +358,13 @@ class AmpTuiApp(App[int]):
             self.exit()
             return
         self.stopping = True
-        if self.source.mode == "attached":
+        if self.keys_mode == "attached":
             self.notify(f"detaching: the job keeps running (amp-tui attach "
                         f"{self.source.run_dir} comes back; Q stops it)",
                         title="detach", markup=False)
+        elif self.keys_mode == "launched":
+            self.notify("stopping the job at its next step boundary, then waiting for it to exit… "
+                        "(q again forces the exit)", title="quit", markup=False)
         elif self._give_up_on_quit:
             self.notify("writing the last records once more; quitting without them if the disk "
                         "still refuses them…", title="quit", severity="warning", markup=False)
@@ -415,7 +426,7 @@ class AmpTuiApp(App[int]):
                 yield command
         for a in KEY_ACTIONS:
             if a.shown and self.available(a):
-                _, title, help_line = a.text(self.source.mode)
+                _, title, help_line = a.text(self.keys_mode)
                 yield SystemCommand(f"{title}  [{key_label(a)}]", help_line,
                                     partial(self.run_action, a.action))
         layer = self.dashboard.layer_table.highlighted_layer() if self.dashboard.is_mounted else None

@@ -25,6 +25,7 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from amp_tui.core.precision import short_name
+from amp_tui.core.records import STEERED_MODES
 from amp_tui.sources.protocol import Snapshot
 from amp_tui.ui.view import (
     current_precision,
@@ -146,7 +147,7 @@ class DashboardScreen(Screen):
              where: list[tuple[str, str]], playback: str | None = None) -> bool:
         """Draw `snap`; False when the charts or the table still wait for their turn."""
         prec = current_precision(snap)
-        pace = TRAINING_PACE if snap.mode in ("live", "attached") else REPLAY_PACE
+        pace = TRAINING_PACE if snap.mode in STEERED_MODES else REPLAY_PACE
         tick = self.pace_clock()
         done = True
         origin = nonfinite_origin(snap)

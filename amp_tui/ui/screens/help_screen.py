@@ -10,7 +10,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from amp_tui.ui.actions import KEY_ACTIONS, key_label
+from amp_tui.ui.actions import JOB, KEY_ACTIONS, key_label
 from amp_tui.ui.view import DANGER_BITS, WARN_BITS
 
 READING = (
@@ -57,7 +57,7 @@ class HelpScreen(ModalScreen[None]):
 
 
 NOT_HERE = {"replay": "  (live or attached runs only)", "live": "  (replays only)",
-            "attached": "  (replays only)"}
+            "attached": "  (replays only)", "launched": "  (replays only)"}
 
 
 def help_text(live: bool = True, mode: str | None = None) -> Table:
@@ -68,7 +68,7 @@ def help_text(live: bool = True, mode: str | None = None) -> Table:
     keys.add_column(ratio=1)
     keys.add_row(Text("amp-tui keys", style="bold underline"), "")
     here = [a for a in KEY_ACTIONS if mode in a.modes]
-    elsewhere = [a for a in KEY_ACTIONS if mode not in a.modes and a.modes != frozenset({"attached"})]
+    elsewhere = [a for a in KEY_ACTIONS if mode not in a.modes and a.modes != JOB]
     for action in here:
         keys.add_row(Text(key_label(action)), Text(action.text(mode)[2]))
     for action in elsewhere:

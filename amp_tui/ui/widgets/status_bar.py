@@ -11,6 +11,7 @@ from textual.widget import Widget
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.precision import short_name
+from amp_tui.core.records import STEERED_MODES
 from amp_tui.sources.protocol import Snapshot
 from amp_tui.ui.text import literal, loss_text, same_text
 from amp_tui.ui.view import Precision
@@ -75,7 +76,7 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
     header, last = snap.header, snap.last or {}
     state = snap.run_state if playback is not None else None
     state = state or snap.state
-    if stopping and snap.mode in ("live", "attached") and state in ("running", "paused", "starting"):
+    if stopping and snap.mode in STEERED_MODES and state in ("running", "paused", "starting"):
         state = "stopping"
     text = Text()
     text.append(f" {state.upper()} ", style=STATE_STYLES.get(state, "reverse"))
@@ -90,6 +91,8 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
         text.append_text(literal(f"{device.get('backend', '?')} {device.get('name', '')}".strip()))
     if snap.mode == "attached":
         text.append("  attached (q detaches, Q stops the job)", style="bold magenta")
+    elif snap.mode == "launched":
+        text.append("  amp-tui run (q stops the job, o its output)", style="bold magenta")
     elif snap.mode != "live":
         text.append(f"  {snap.mode} (read-only)", style="bold magenta")
         if playback is not None:
@@ -128,7 +131,7 @@ def _field(text: Text, label: str, value: str, style: str = "bold") -> None:
 
 def _stalled_for(snap: Snapshot, last: dict, now: float) -> float | None:
     t = last.get("time")
-    if snap.mode not in ("live", "attached") or snap.state != "running" or not isinstance(t, (int, float)):
+    if snap.mode not in STEERED_MODES or snap.state != "running" or not isinstance(t, (int, float)):
         return None
     waited = now - t
     return waited if waited >= STALL_AFTER_S else None
