@@ -257,3 +257,42 @@ def write_run(path, steps=30, *, end=True, writer=None):
         w.close({"step": steps, "status": "finished", "updates": steps - skipped_total,
                  "skipped_total": skipped_total, "dtype": dtype, "scale": scale, "exit_status": 0})
     return w
+
+
+# A loop of the user's own, watched by amp_tui.monitor: fp16 with a GradScaler, going on until
+# the monitor says stop (or STEPS steps, or it raises at step CRASH_AT). It prints a line per
+# 20 steps, which `amp-tui run` keeps in output.log.
+OWN_LOOP_SCRIPT = '''
+import os, sys, time
+import torch
+from torch import nn
+import amp_tui
+
+STEPS = int(os.environ.get("STEPS", "100000"))
+CRASH_AT = int(os.environ.get("CRASH_AT", "-1"))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu", init_scale=256)
+xs = torch.randn(64, 8)
+batches = [(xs[i:i + 16], xs[i:i + 16].sum(1, keepdim=True)) for i in range(0, 64, 16)]
+monitor = amp_tui.monitor(model, optimizer, scaler=scaler)
+for i in range(STEPS):
+    x, y = batches[i % len(batches)]
+    optimizer.zero_grad()
+    with monitor.step() as step:
+        if i == CRASH_AT:
+            raise RuntimeError(f"bad batch {i}")
+        with monitor.autocast():
+            loss = nn.functional.mse_loss(model(x), y)
+        step.loss = loss
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    if i % 20 == 0:
+        print(f"own loop: step {i}, loss {loss.item():.4f}", flush=True)
+    time.sleep(0.02)
+    if monitor.should_stop:
+        break
+monitor.close()
+'''
