@@ -9,6 +9,7 @@ import sys
 
 from amp_tui.recording.format import SessionFormatError
 from amp_tui.recording.reader import read_session
+
 from support import OWN_LOOP_SCRIPT
 from test_tmux_e2e import Terminal, pytestmark, wait_for  # noqa: F401 - skip if no tmux
 

@@ -10,6 +10,7 @@ import sys
 
 from amp_tui.cli import main
 from amp_tui.recording.reader import read_session
+
 from support import OWN_LOOP_SCRIPT, step_count, wait_for
 
 
