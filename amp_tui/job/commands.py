@@ -24,6 +24,8 @@ class CommandQueue:
         self.wakeup.set()
 
     def drain(self) -> list[Command]:
+        if self._queue.empty():   # the common case, at every step boundary
+            return []
         out = []
         while True:
             try:

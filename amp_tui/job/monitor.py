@@ -75,6 +75,7 @@ from amp_tui.training.probes import LayerProbe
 
 RUN_DIR_VARIABLE = "AMP_TUI_RUN_DIR"   # set by `amp-tui run`: where the monitor records
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+PUBLISH_INTERVAL = 0.1   # seconds: the most a measured step waits to be recorded (see _publish)
 
 _current: Monitor | None = None        # one monitor per process: it owns the control socket
 _current_lock = threading.Lock()
@@ -82,6 +83,20 @@ _current_lock = threading.Lock()
 
 class MonitorError(RuntimeError):
     """The monitor was used in a way it can't follow; the message says what to change."""
+
+
+class _Attempt:
+    """What one update attempt saw, from its first hook to the step's end."""
+
+    __slots__ = ("gradients", "scaled", "found_inf", "stepped", "scale", "lr")
+
+    def __init__(self, scale: float | None, lr: float | None):
+        self.gradients = False   # the gradients were measured (or there was nothing to measure)
+        self.scaled = False      # ... while they still carried the loss scale
+        self.found_inf: torch.Tensor | None = None   # GradScaler's verdict, on the device
+        self.stepped = False     # optimizer.step() ran
+        self.scale = scale       # the loss scale this attempt's backward used
+        self.lr = lr
 
 
 class MonitoredStep:
@@ -118,6 +133,7 @@ class Monitor:
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.scheduler = scheduler
         self.device = _device_of(model)
+        self._bf16_ok = unsupported_reason(self.device, "bfloat16") is None
         self.dtype = self._starting_dtype(dtype)
         self.probe_every = max(1, int(probe_every))
         self.underflow_every = max(1, int(underflow_every))
@@ -160,8 +176,10 @@ class Monitor:
         self._open_step: MonitoredStep | None = None
         self._released = False   # the last boundary let the loop go on (resumed, or not paused)
         self._pending_losses: list[torch.Tensor] = []   # micro-steps folded into the next update
+        self._unpublished: list[StepResult] = []        # measured, not yet recorded (_publish)
+        self._published_at = time.monotonic()
         self._step_started: float | None = None
-        self._attempt: dict | None = None                # what the current update attempt saw
+        self._attempt: _Attempt | None = None            # what the current update attempt saw
         self._autocast_used = False                      # monitor.autocast() entered this step
         self._autocast_used_last = None                  # ... in the last update (None: none yet)
         self._disk_said = False
@@ -249,6 +267,7 @@ class Monitor:
         for command in self.commands.drain():   # asked for after the last step: never applied
             if command.on_done is not None:
                 command.on_done(Outcome(False, "the loop ended before applying it"))
+        self._publish()
         end = {"step": self.step_index, "status": end_status(self.state), "updates": self.updates_applied,
                "skipped_total": self.skipped_total, "dtype": self.dtype, "scale": self._scale(),
                "time": round(time.time(), 3), "exit_status": self.exit_status}
@@ -332,6 +351,7 @@ class Monitor:
         return self.recorder.observers
 
     def event(self, kind: str, message: str, *, step: int | None = None, **fields: Any) -> dict:
+        self._publish()   # the steps before it first, in the order they happened
         record = event_record(self.step_index if step is None else step, kind, message, **fields)
         self.recorder.emit(record)
         return record
@@ -419,7 +439,7 @@ class Monitor:
             if self.scaler is not None:
                 # GradScaler's own decision, for this optimizer, whatever the kind of optimizer.
                 found = self.scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
-                self._attempt["found_inf"] = sum(v.to(self.device) for v in found.values()) if found else None
+                self._attempt.found_inf = _found_inf(found, self.device)
             return result
         return step
 
@@ -431,28 +451,28 @@ class Monitor:
             # unscale_ call to mark the place before its clipping).
             self._attempt_starts()
             self._gradients_seen(scaled=False)
-        elif self._attempt is not None and not self._attempt["gradients"]:
+        elif self._attempt is not None and not self._attempt.gradients:
             # A fused optimizer stepped by GradScaler without unscale_: its gradients still carry
             # the scale, which the optimizer's kernel takes off itself.
             self._gradients_seen(scaled=True)
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._attempt is not None:
-            self._attempt["stepped"] = True
+            self._attempt.stepped = True
 
     def _attempt_starts(self) -> None:
         if self._attempt is None:
             lr = self.optimizer.param_groups[0].get("lr")
-            self._attempt = {"gradients": False, "scaled": False, "found_inf": None, "stepped": False,
-                             "scale": self._scale_value,
-                             "lr": float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None}
+            self._attempt = _Attempt(self._scale_value,
+                                     float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None)
 
     def _gradients_seen(self, *, scaled: bool) -> None:
         """The gradients of this update, as the optimizer will use them; and the weights before it."""
         self._attempt_starts()
-        if self._attempt["gradients"]:
+        attempt = self._attempt
+        if attempt.gradients:
             return
-        self._attempt["gradients"], self._attempt["scaled"] = True, scaled
+        attempt.gradients, attempt.scaled = True, scaled
         if self.probe.active:
             probed = self.step_index // self.probe_every
             self.probe.record_gradients(self._scale_value if self.scaler is not None else None,
@@ -471,34 +491,35 @@ class Monitor:
             kind = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
                 else f"a {type(loss).__name__}"
             raise MonitorError(f"step.loss is {kind}: set it to the scalar loss tensor")
-        self._pending_losses.append(loss.detach().reshape(()).float())
+        self._pending_losses.append(loss.detach())
         if self._attempt is None:
             return   # no update in this block (accumulating): it belongs to the next one
         self._record_update()
         self._after_update()
 
     def _record_update(self) -> None:
-        attempt, losses = self._attempt, self._pending_losses
-        probed = self.probe.active
+        attempt, losses, scaler = self._attempt, self._pending_losses, self.scaler
         extra = [*losses]
-        if self.scaler is not None:
-            extra.append(self.scaler._scale if self.scaler._scale is not None
+        if scaler is not None:
+            extra.append(scaler._scale if scaler._scale is not None
                          else torch.tensor(self._scale_value, device=self.device))
-            if attempt["found_inf"] is not None:
-                extra.append(attempt["found_inf"])
+            if attempt.found_inf is not None:
+                extra.append(attempt.found_inf)
         # The one transfer of the step: the losses, the scale and GradScaler's verdict, and the
         # per-layer figures when probed.
-        with torch.no_grad():
-            figures, host = self.probe.collect(extra) if probed else (None, _to_host(extra))
+        if self.probe.active:
+            with torch.no_grad():
+                figures, host = self.probe.collect(extra)
+        else:
+            figures, host = None, _to_host(extra)
         n = len(losses)
-        loss_values, rest = host[:n], host[n:]
-        mean_loss = sum(loss_values) / n
-        used_scale = attempt["scale"] if self.scaler is not None else None
+        mean_loss = host[0] if n == 1 else sum(host[:n]) / n
+        used_scale = attempt.scale if scaler is not None else None
         skipped = False
-        if self.scaler is not None:
-            self._scale_value = rest[0]
-            skipped = len(rest) > 1 and rest[1] > 0
-        if figures is not None and attempt["scaled"] and used_scale:
+        if scaler is not None:
+            self._scale_value = host[n]
+            skipped = len(host) > n + 1 and host[n + 1] > 0
+        if figures is not None and attempt.scaled and used_scale:
             figures.grad = [None if g is None else g / used_scale for g in figures.grad]
         nonfinite = None
         if not math.isfinite(mean_loss):
@@ -508,7 +529,7 @@ class Monitor:
         self.last_skipped = skipped
         if skipped:
             self.skipped_total += 1
-        elif attempt["stepped"]:
+        elif attempt.stepped:
             self.updates_applied += 1
         first = None
         if nonfinite is not None and figures is not None:
@@ -517,16 +538,28 @@ class Monitor:
         result = StepResult(
             step=self.step_index, loss=mean_loss, scale=used_scale, skipped=skipped,
             skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
-            micro_batches=n, nonfinite=nonfinite, first_nonfinite_layer=first, lr=attempt["lr"],
+            micro_batches=n, nonfinite=nonfinite, first_nonfinite_layer=first, lr=attempt.lr,
             figures=figures, next_scale=self._scale(), duration=time.perf_counter() - self._step_started)
         self.last_loss = mean_loss
-        self.recorder.emit(step_record(result), flush=self.state == "paused")
-        if nonfinite is not None:
-            self._nonfinite_event(result, first)
-        decisions = self.guard.observe(result, self._scale(), unsupported_reason(self.device, "bfloat16") is None)
-        for alert in decisions.alerts:
-            self.event("alert", f"{alert.message}. Likely cause: {alert.cause}. Fix: {alert.fix}",
-                       step=result.step, reason=alert.reason, cause=alert.cause, fix=alert.fix)
+        self._unpublished.append(result)
+        if nonfinite is not None or time.monotonic() - self._published_at >= PUBLISH_INTERVAL:
+            self._publish()
+
+    def _publish(self) -> None:
+        """Record the steps measured since the last call, with what they raise. Done a few
+        steps at a time: formatting a run of records together costs a fraction of doing it
+        between every two steps, when the training step has left the caches cold."""
+        results, self._unpublished = self._unpublished, []
+        self._published_at = time.monotonic()
+        flush = self.state == "paused"
+        for result in results:
+            self.recorder.emit(step_record(result), flush=flush)
+            if result.nonfinite is not None:
+                self._nonfinite_event(result, result.first_nonfinite_layer)
+            decisions = self.guard.observe(result, result.next_scale, self._bf16_ok)
+            for alert in decisions.alerts:
+                self.event("alert", f"{alert.message}. Likely cause: {alert.cause}. Fix: {alert.fix}",
+                           step=result.step, reason=alert.reason, cause=alert.cause, fix=alert.fix)
 
     def _nonfinite_event(self, result: StepResult, layer: str | None) -> None:
         self.nonfinite_events += 1
@@ -540,7 +573,7 @@ class Monitor:
             where = f"; first non-finite gradient: {layer}" if layer else ""
             if result.skipped:
                 message = (f"gradients overflowed at scale {result.scale:g}{where}: update skipped, "
-                           f"scale now {self._scale():g}")
+                           f"scale now {result.next_scale:g}")
             else:
                 message = (f"non-finite gradients in {short}{where}: the loop applied the update "
                            "(no GradScaler to skip it)")
@@ -589,6 +622,7 @@ class Monitor:
                 self._stopping()
             if not hold or self.state != "paused" or self._single_steps or self.should_stop:
                 break
+            self._publish()   # held: what was measured is on file before the wait
             self.commands.wait(0.25)
         if hold:
             if self._single_steps:
@@ -778,7 +812,20 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[float]:
-    return torch.stack([t.reshape(()).double() for t in tensors]).tolist() if tensors else []
+    """One-element tensors (a loss in any float dtype, float32 scale and found-inf) as floats, in
+    one transfer: cat promotes them to the widest dtype among them, which holds each exactly."""
+    if len(tensors) == 1:
+        return [tensors[0].item()]
+    return torch.cat([t.reshape(1) for t in tensors]).tolist()
+
+
+def _found_inf(per_device: dict, device: torch.device) -> torch.Tensor | None:
+    """GradScaler's found-inf for one optimizer, on `device` and summed over the devices it
+    came from (one, mostly)."""
+    values = [v.to(device) for v in per_device.values()]
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else sum(values)
 
 
 def _claim(m: Monitor) -> None:
