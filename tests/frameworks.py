@@ -1,0 +1,121 @@
+"""Tiny models and trainers for the framework integrations (built from configs, no downloads):
+a 2-block GPT-2 for the Hugging Face Trainer, an MLP LightningModule, and helpers that drive
+them. Each is small enough that fp16 on the CPU stays quick."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from amp_tui.core.commands import Command
+
+SEQ, VOCAB = 16, 128
+
+
+# ---- Hugging Face ---------------------------------------------------------------------------------
+
+def tiny_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Random token sequences, the labels the inputs (a language model's loss)."""
+
+    def __init__(self, n: int = 64, seed: int = 1):
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def hf_trainer(tmp_path, *, steps: int = 6, precision: str = "bf16", accumulate: int = 1, cpu_fp16_scaler=None,
+               model=None, data=None, **arguments):
+    """A Trainer on the CPU. `cpu_fp16_scaler`: an init_scale; the run then gets what Accelerate
+    gives fp16 on a GPU (autocast and a GradScaler), which on the CPU it gives no run."""
+    from transformers import Trainer, TrainingArguments
+    flags = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[precision]
+    args = TrainingArguments(output_dir=str(tmp_path / "hf-out"), max_steps=steps, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=accumulate, use_cpu=True, report_to=[], save_strategy="no",
+                             logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, **flags, **arguments)
+    trainer = Trainer(model=model if model is not None else tiny_gpt2(), args=args,
+                      train_dataset=data if data is not None else TokenData())
+    if cpu_fp16_scaler is not None:
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=cpu_fp16_scaler)
+        trainer.accelerator.native_amp = True   # prepare() wraps the forward in fp16 autocast
+    return trainer
+
+
+def hf_callback_class():
+    from transformers import TrainerCallback
+    return TrainerCallback
+
+
+def at_steps(plan: dict[int, str], monitor_of):
+    """A TrainerCallback that submits plan[global_step] (`save`, `restore=latest`, `dtype=fp32`...)
+    to the monitor at the end of that optimizer step (applied at the next boundary)."""
+    from amp_tui.core.commands import parse_action
+
+    class Scheduled(hf_callback_class()):
+        def on_step_end(self, args, state, control, **kwargs):
+            text = plan.get(state.global_step)
+            if text:
+                monitor_of().submit(parse_action(text, "api"))
+    return Scheduled()
+
+
+# ---- Lightning ------------------------------------------------------------------------------------
+
+def lightning_module_class(package: str = "lightning"):
+    import importlib
+    pl = importlib.import_module("lightning.pytorch" if package == "lightning" else "pytorch_lightning")
+
+    class TinyModule(pl.LightningModule):
+        """An MLP on a regression whose targets reach ~300x the inputs: at fp16's init_scale
+        65536 its first backwards overflow (a skipped step), in bf16 and fp32 they don't."""
+
+        def __init__(self, gain: float = 1.0, optimizer: str = "adamw"):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+            self.gain, self.optimizer_kind = gain, optimizer
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self(x), y * self.gain)
+
+        def configure_optimizers(self):
+            opt = (torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True) if self.optimizer_kind == "fused"
+                   else torch.optim.AdamW(self.parameters(), lr=1e-3))
+            schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+    return TinyModule
+
+
+def regression_loader(n: int = 64, batch: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    return torch.utils.data.DataLoader(data, batch_size=batch)
+
+
+def pl_trainer(callbacks, *, package: str = "lightning", steps: int = 6, **kwargs):
+    import importlib
+    pl = importlib.import_module("lightning.pytorch" if package == "lightning" else "pytorch_lightning")
+    settings = {"max_steps": steps, "accelerator": "cpu", "devices": 1, "logger": False,
+                "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+                **kwargs}
+    return pl.Trainer(callbacks=list(callbacks), **settings)
+
+
+def command(text: str) -> Command:
+    from amp_tui.core.commands import parse_action
+    return parse_action(text, "api")
