@@ -18,7 +18,7 @@ def tiny_gpt2(seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
 
@@ -40,6 +40,8 @@ def hf_trainer(tmp_path, *, steps: int = 6, precision: str = "bf16", accumulate:
     """A Trainer on the CPU. `cpu_fp16_scaler`: an init_scale; the run then gets what Accelerate
     gives fp16 on a GPU (autocast and a GradScaler), which on the CPU it gives no run."""
     from transformers import Trainer, TrainingArguments
+    if cpu_fp16_scaler is not None:
+        precision = "fp16"
     flags = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[precision]
     args = TrainingArguments(output_dir=str(tmp_path / "hf-out"), max_steps=steps, per_device_train_batch_size=4,
                              gradient_accumulation_steps=accumulate, use_cpu=True, report_to=[], save_strategy="no",

@@ -47,7 +47,8 @@ def test_begin_and_end_step_record_what_a_with_block_records(tmp_path):
                 opt.step()
                 monitor.end_step(loss)
         monitor.close()
-        runs[way] = [{k: s[k] for k in ("step", "loss", "updates", "layers")} for s in read_session(tmp_path / way).steps]
+        steps = read_session(tmp_path / way).steps
+        runs[way] = [{k: s[k] for k in ("step", "loss", "updates", "layers")} for s in steps]
     assert runs["hooks"] == runs["with"] and len(runs["with"]) == 8
 
 
