@@ -31,8 +31,9 @@ import sys
 from amp_tui.integrations.common import options, require, warn
 from amp_tui.job.monitor import Monitor
 
-require("transformers", package="transformers", extra="transformers", needed_by="amp_tui.integrations.transformers")
+# accelerate first: transformers imports it, and the line must name what is missing.
 require("accelerate", package="accelerate", extra="transformers", needed_by="the Hugging Face Trainer")
+require("transformers", package="transformers", extra="transformers", needed_by="amp_tui.integrations.transformers")
 
 import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
@@ -139,6 +140,7 @@ class AmpTuiCallback(TrainerCallback):
                 return train(*args, **kwargs)
             except BaseException as exc:
                 if self.monitor is not None and not isinstance(exc, KeyboardInterrupt):
+                    self._in_step = False
                     self.monitor.fail_step(exc)
                 raise
             finally:
