@@ -121,3 +121,93 @@ def pl_trainer(callbacks, *, package: str = "lightning", steps: int = 6, **kwarg
 def command(text: str) -> Command:
     from amp_tui.core.commands import parse_action
     return parse_action(text, "api")
+
+
+# ---- scripts for `amp-tui run -- ...`: each trains until the dashboard stops it (or STEPS steps),
+# with no other amp-tui line than its callback (the monitor, for Accelerate's own loop).
+
+HF_SCRIPT = '''
+import os
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from amp_tui.integrations.transformers import AmpTuiCallback
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(1))
+    def __len__(self):
+        return len(self.ids)
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=16,
+                                   bos_token_id=0, eos_token_id=0))
+args = TrainingArguments(output_dir="hf-out", max_steps=int(os.environ.get("STEPS", "100000")),
+                         per_device_train_batch_size=4, bf16=True, use_cpu=True, logging_steps=20,
+                         save_strategy="no", report_to=[], disable_tqdm=True)
+trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+trainer.add_callback(AmpTuiCallback(trainer))
+trainer.train()
+print("hf script: trained", trainer.state.global_step, "steps", flush=True)
+'''
+
+ACCELERATE_SCRIPT = '''
+import os
+import torch
+from torch import nn
+from accelerate import Accelerator
+import amp_tui
+
+accelerator = Accelerator(gradient_accumulation_steps=2)   # its precision from `accelerate launch`
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x = torch.randn(64, 8)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+monitor = amp_tui.monitor(model, optimizer, scaler=accelerator.scaler)
+steps = int(os.environ.get("STEPS", "100000"))
+for epoch in range(steps):
+    for xb, yb in loader:
+        with accelerator.accumulate(model):
+            with monitor.step() as step:
+                loss = nn.functional.mse_loss(model(xb), yb)
+                step.loss = loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+        if monitor.should_stop or monitor.step_index >= steps:
+            break
+    if monitor.should_stop or monitor.step_index >= steps:
+        break
+monitor.close()
+print("accelerate script:", accelerator.mixed_precision, monitor.step_index, "steps", flush=True)
+'''
+
+LIGHTNING_SCRIPT = '''
+import os
+import lightning as L
+import torch
+from torch import nn
+from amp_tui.integrations.lightning import AmpTuiCallback
+
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+torch.manual_seed(0)
+x = torch.randn(64, 8)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+trainer = L.Trainer(max_steps=int(os.environ.get("STEPS", "100000")), accelerator="cpu", devices=1,
+                    precision="bf16-mixed", logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, callbacks=[AmpTuiCallback()])
+trainer.fit(Regression(), loader)
+print("lightning script: trained", trainer.global_step, "steps", flush=True)
+'''
