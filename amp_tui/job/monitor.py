@@ -315,7 +315,7 @@ class Monitor:
         autocast Accelerate's prepare() wrapped it in, if any), so that `d` switches what the
         forward runs in; undone on close()."""
         if self._forward_autocast is None:
-            self._forward_autocast = ForwardAutocast(module, self.autocast)
+            self._forward_autocast = ForwardAutocast(module, self.autocast, lambda: self.dtype != "float32")
 
     def close(self) -> None:
         """End the recording (the end record says how the loop ended) and leave the user's objects
