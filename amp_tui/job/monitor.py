@@ -812,10 +812,12 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[float]:
-    """One-element tensors (a loss in any float dtype, float32 scale and found-inf) as floats, in
-    one transfer: cat promotes them to the widest dtype among them, which holds each exactly."""
-    if len(tensors) == 1:
-        return [tensors[0].item()]
+    """One-element tensors (a loss in any float dtype, float32 scale and found-inf) as floats.
+    On an accelerator in one transfer (cat promotes them to the widest dtype among them, which
+    holds each exactly); on the CPU, where reading a value is no transfer, one by one, cheaper
+    than building the cat."""
+    if len(tensors) == 1 or tensors[0].device.type == "cpu":
+        return [t.item() for t in tensors]
     return torch.cat([t.reshape(1) for t in tensors]).tolist()
 
 
