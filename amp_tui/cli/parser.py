@@ -11,10 +11,10 @@ import argparse
 import sys
 
 from amp_tui import __version__
-from amp_tui.cli import attach, compare, ctl, export, ls, replay, report, train
+from amp_tui.cli import attach, compare, ctl, export, ls, plot, replay, report, train
 
 # In the order `amp-tui --help` lists them.
-COMMANDS = (train, report, replay, export, compare, ctl, attach, ls)
+COMMANDS = (train, report, replay, export, plot, compare, ctl, attach, ls)
 
 
 def build_parser() -> argparse.ArgumentParser:
