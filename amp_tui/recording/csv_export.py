@@ -10,6 +10,7 @@ The columns are in `STEP_COLUMNS` and `LAYER_COLUMNS` (docs/export.md says what 
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import os
 import re
@@ -38,12 +39,11 @@ BUFFER_BYTES = 1 << 20
 
 def number_text(value) -> str:
     """A recorded number as CSV text: `nan`/`inf`/`-inf` for the non-finite ones, empty when
-    there is none (null, missing, or not a number)."""
-    if isinstance(value, bool) or value is None:
-        return ""
-    if isinstance(value, (int, float)):
+    there is none (null, missing, or not a number: a bool is not one)."""
+    kind = type(value)
+    if kind is float or kind is int:
         return str(value)
-    if isinstance(value, str):
+    if kind is str:
         return _TOKENS.get(value, "")
     return ""
 
@@ -95,6 +95,7 @@ def column_texts(values, n: int) -> list[str]:
     return out + [""] * (n - len(out))
 
 
+@functools.lru_cache(maxsize=4096)
 def quoted(text: str) -> str:
     """`text` as one CSV field (quoted when it holds a comma, a quote or a line break)."""
     buf = io.StringIO()

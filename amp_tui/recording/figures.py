@@ -70,8 +70,22 @@ class StepFigures:
         return getattr(self, name)
 
 
+_recent: tuple = (None, 0, None)   # (record, n, its figures): an export's writers share one step
+
+
 def layer_figures(record: dict, n: int) -> StepFigures | None:
-    """The per-layer figures of a step record and their headroom; None on an unprobed step."""
+    """The per-layer figures of a step record and their headroom; None on an unprobed step.
+    The same record asked again (the next writer of an export) gets the same figures."""
+    global _recent
+    last, last_n, figures = _recent
+    if last is record and last_n == n:
+        return figures
+    figures = _layer_figures(record, n)
+    _recent = (record, n, figures)
+    return figures
+
+
+def _layer_figures(record: dict, n: int) -> StepFigures | None:
     layers = record.get("layers")
     if not isinstance(layers, dict) or n <= 0:
         return None
