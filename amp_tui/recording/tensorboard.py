@@ -176,7 +176,8 @@ class TensorBoardWriter:
         self._file: EventFile | None = None
         self._names: list[str] = []
         self._tags: list[str] = []
-        self._templates: dict[tuple, FixedSummary] = {}   # by the step's tags (see _step)
+        self._templates: dict[tuple, FixedSummary] = {}   # by the step's tags (see _encode)
+        self._fixed = True               # FixedSummary passed its checks (else protobuf builds each event)
         self._table: np.ndarray | None = None
         self._flushed = time.monotonic()
         self.records = 0                 # records written
@@ -282,19 +283,38 @@ class TensorBoardWriter:
         # The usual step (every figure measured) is one event of one Summary made once for its
         # tags; a step with unmeasured figures gets its layers' event apart.
         whole = figures is not None and all(figures.get(name).missing is None for name in FIGURES)
-        key = (tuple(tags), whole)
-        template = self._templates.get(key)
-        if template is None:
-            template = self._templates[key] = FixedSummary(tags + (self._tags if whole else []), self._summary_pb2)
         numbers = np.array(values)
         if whole:
+            tags += self._tags
             numbers = np.concatenate((numbers, self._layer_values(figures)))
-        data = self._event_pb2.Event(wall_time=wall, step=step).SerializeToString() + template.event_tail(numbers)
-        if not template.checked:
-            template.check(data, numbers, self._event_pb2)
-        self._file.write_bytes(data)
+        self._file.write_bytes(self._encode(tags, numbers, step, wall))
         if figures is not None and not whole:
             self._layers(figures, step, wall)
+
+    def _encode(self, tags: list[str], numbers: np.ndarray, step: int, wall: float) -> bytes:
+        """An Event of simple values: filled in the bytes of a FixedSummary made once for these
+        tags, or built with protobuf when a FixedSummary fails its check."""
+        head = self._event_pb2.Event(wall_time=wall, step=step)
+        key = tuple(tags)
+        template = self._templates.get(key) if self._fixed else None
+        if template is None and self._fixed:
+            try:
+                template = self._templates[key] = FixedSummary(tags, self._summary_pb2)
+            except ValueError:
+                self._fixed = False
+        if template is not None:
+            data = head.SerializeToString() + template.event_tail(numbers)
+            if template.checked:
+                return data
+            try:
+                template.check(data, numbers, self._event_pb2)
+                return data
+            except ValueError:
+                self._fixed = False
+        add = head.summary.value.add
+        for tag, value in zip(tags, numbers.tolist()):
+            add(tag=tag, simple_value=value)
+        return head.SerializeToString()
 
     def _layer_values(self, figures) -> np.ndarray:
         """The layers' values in the order of their tags (a row per layer, LAYER_TAGS order)."""

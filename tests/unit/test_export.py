@@ -302,3 +302,19 @@ def test_headroom_of_the_exporters_is_the_dashboards(tmp_path):
         want = expected_headroom(header, record)
         for g, w in zip(got.tolist(), want):
             assert (w is None and math.isnan(g)) or g == w or g == pytest.approx(w), record["step"]
+
+
+def test_events_built_by_protobuf_when_the_fixed_summary_fails_its_check_are_the_same(demo_run, tmp_path,
+                                                                                      monkeypatch):
+    from amp_tui.recording.tensorboard import FixedSummary
+    export(demo_run, tensorboard=tmp_path / "fixed")
+
+    def fails(self, *args):
+        raise ValueError("an event made from a FixedSummary does not read back as written")
+    monkeypatch.setattr(FixedSummary, "check", fails)
+    export(demo_run, tensorboard=tmp_path / "protobuf")
+    fixed, built = accumulator(tmp_path / "fixed"), accumulator(tmp_path / "protobuf")
+    assert fixed.Tags()["scalars"] == built.Tags()["scalars"]
+    for tag in fixed.Tags()["scalars"]:
+        a, b = (np.array([(e.step, e.wall_time, e.value) for e in acc.Scalars(tag)]) for acc in (fixed, built))
+        assert np.array_equal(a, b, equal_nan=True), tag
