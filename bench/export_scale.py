@@ -10,8 +10,9 @@ The recording is bench/replay_scale.py's (reused when present). Each export runs
 interpreter, as `amp-tui export` / `amp-tui plot` would: its wall and CPU seconds (index, reading,
 writing: everything after the imports), its peak resident memory (the process's whole
 footprint: Python, numpy, matplotlib or the protocol buffers included), the size written, and
-whether torch was imported (it must not be). Targets: <= 15 s and <= 500 MB for each; the plot
-<= 10 s. The live writer: `TensorBoardObserver` fed the recording's records one at a time, as a
+whether torch was imported (it must not be). Targets: <= 15 s and <= 500 MB for each export,
+<= 10 s for the plot; the three exports at once (one pass, shared reading) are reported with the
+memory target only. The live writer: `TensorBoardObserver` fed the recording's records one at a time, as a
 run's recorder hands them over on the training thread: microseconds per step record.
 """
 
@@ -139,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         target = PLOT_TARGET_S if job == "plot" else EXPORT_TARGET_S
         print(f"{JOBS[job]:<32} {f['wall_s']:6.2f} s (CPU {f['cpu_s']:.2f} s)  peak {f['peak_rss_mb']:6.1f} MB  "
               f"wrote {f['written_mb']:,.1f} MB  {'torch imported' if f['torch'] else 'no torch'}")
-        checks += [(f"{job} <= {target:g} s", f["wall_s"] <= target),
-                   (f"{job} <= {MEMORY_TARGET_MB:g} MB", f["peak_rss_mb"] <= MEMORY_TARGET_MB),
+        if job != "all":     # the three outputs at once: reported, with no target of its own
+            checks.append((f"{job} <= {target:g} s", f["wall_s"] <= target))
+        checks += [(f"{job} <= {MEMORY_TARGET_MB:g} MB", f["peak_rss_mb"] <= MEMORY_TARGET_MB),
                    (f"{job} without torch", not f["torch"])]
     if "observer" in wanted:
         f = run_child("observer", path)
