@@ -4,7 +4,7 @@ what the live TensorBoard writer costs the training thread per step.
 
     python bench/export_scale.py            # 100,000 steps x 50 layers (written once, ~1-2 min)
     python bench/export_scale.py --quick    # 20,000 steps
-    python bench/export_scale.py --steps 300000 --layers 80 --dir /tmp/big
+    python bench/export_scale.py --steps 300000 --layers 80 --dir DIR
 
 The recording is bench/replay_scale.py's (reused when present). Each export runs in a fresh
 interpreter, as `amp-tui export` / `amp-tui plot` would: its wall and CPU seconds (index, reading,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from amp_tui.core.precision import short_name
 from amp_tui.recording.extras import require
 from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.plot_data import COLUMNS, MAX_LAYERS, PlotData, plot_data
@@ -111,6 +112,11 @@ def draw(data: PlotData):
     return fig
 
 
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper right", fontsize=8, framealpha=0.85)
+
+
 def _empty(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="#666666")
 
@@ -157,7 +163,7 @@ def _loss_panel(ax, data: PlotData) -> None:
     if len(data.nonfinite_loss_x):
         ax.plot(data.nonfinite_loss_x + 0.5, np.full(len(data.nonfinite_loss_x), 0.95), "v", transform=edge,
                 color=NONFINITE, markersize=4, linestyle="none", label="non-finite loss")
-    ax.legend(loc="upper right", fontsize=8, framealpha=0.85)
+    _legend(ax)
 
 
 def _scale_panel(ax, data: PlotData) -> None:
@@ -173,7 +179,6 @@ def _scale_panel(ax, data: PlotData) -> None:
     for first, end, dtype in data.dtype_spans:
         ax.axvspan(first, end, color=DTYPE_SHADES.get(dtype, "#bcbd22"), alpha=0.08, linewidth=0)
         if (end - first) / span > 0.06:
-            from amp_tui.core.precision import short_name
             ax.text(first + 0.01 * span, 0.04, short_name(dtype), transform=edge, fontsize=8, color="#555555")
     if np.isfinite(data.scale_log2.high).any():
         _line(ax, data.scale_log2, "#ff7f0e", "loss scale", steps=True)
@@ -189,7 +194,7 @@ def _scale_panel(ax, data: PlotData) -> None:
     if len(labelled) < len(lines):
         ax.text(1.0, 1.02, f"{len(lines) - len(labelled)} more intervention lines not labelled",
                 transform=ax.transAxes, ha="right", fontsize=7, color="#555555")
-    ax.legend(loc="upper right", fontsize=8, framealpha=0.85)
+    _legend(ax)
 
 
 def _marker_lines(data: PlotData) -> list[tuple[int, str]]:

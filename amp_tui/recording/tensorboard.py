@@ -198,6 +198,10 @@ class TensorBoardWriter:
     def write(self, record: dict, line: bytes | None = None) -> None:
         """Write one record (`line`, the step's line in a recording, is not needed here)."""
         kind = record.get("type")
+        if kind == "end":
+            self.close()
+            self.records += 1
+            return
         self._open()
         if kind == "step":
             self._step(record)
@@ -209,8 +213,6 @@ class TensorBoardWriter:
         elif kind == "header":
             self._header(record)
             self.flush()
-        elif kind == "end":
-            self.close()
         self.records += 1
 
     def flush(self) -> None:
