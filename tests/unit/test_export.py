@@ -138,6 +138,52 @@ def test_train_tensorboard_writes_live_what_export_writes(tmp_path):
     assert live.Tags()["tensors"] == exported.Tags()["tensors"]
 
 
+def test_the_monitors_tensorboard_dir_writes_live_what_export_writes(tmp_path):
+    import torch
+    from torch import nn
+
+    import amp_tui
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=tmp_path / "run", announce=False,
+                              tensorboard_dir=tmp_path / "live")
+    for _ in range(6):
+        with monitor.step() as step:
+            with monitor.autocast():
+                loss = model(torch.randn(8, 4)).pow(2).mean() * 1e4
+            step.loss = loss
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+    monitor.close()
+    export(tmp_path / "run", tensorboard=tmp_path / "exported")
+    live, exported = accumulator(tmp_path / "live"), accumulator(tmp_path / "exported")
+    assert live.Tags()["scalars"] == exported.Tags()["scalars"]
+    for tag in live.Tags()["scalars"]:
+        a, b = (np.array([(e.step, e.value) for e in acc.Scalars(tag)]) for acc in (live, exported))
+        assert np.array_equal(a, b, equal_nan=True), tag
+    assert sorted(scalars(live, "train/loss")) == list(range(6))
+
+
+def test_the_monitors_tensorboard_dir_without_its_package_names_the_extra(tmp_path, monkeypatch):
+    import torch
+    from torch import nn
+
+    import amp_tui
+    from amp_tui.job.monitor import MonitorError
+    monkeypatch.setitem(sys.modules, "google_crc32c", None)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(MonitorError, match=r"tensorboard_dir=.*pip install 'amp-tui\[tensorboard\]'"):
+        amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False, tensorboard_dir=tmp_path / "tb")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "tb").exists()
+    # nothing of it is left holding the process: a monitor without it starts
+    amp_tui.monitor(model, opt, run_dir=tmp_path / "run2", announce=False).close()
+
+
 def test_train_tensorboard_without_its_package_fails_before_the_run(tmp_path, monkeypatch, capsys):
     for name in [m for m in sys.modules if m == "tensorboard" or m.startswith("tensorboard.")]:
         monkeypatch.setitem(sys.modules, name, None)
