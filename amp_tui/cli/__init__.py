@@ -3,6 +3,7 @@
     train.py    train (headless, the dashboard, --detach) and prepare_run
     run.py      run (a command whose own loop uses amp_tui.monitor)
     report.py   report           replay.py   replay          ls.py      ls
+    export.py   export           plot.py     plot
     ctl.py      ctl              attach.py   attach          compare.py compare (amp_tui.compare)
     summary.py  the after-run summary (headless and the dashboard)
     headless.py the headless status line and events

@@ -11,10 +11,10 @@ import argparse
 import sys
 
 from amp_tui import __version__
-from amp_tui.cli import attach, compare, ctl, ls, replay, report, run, train
+from amp_tui.cli import attach, compare, ctl, export, ls, plot, replay, report, run, train
 
 # In the order `amp-tui --help` lists them.
-COMMANDS = (train, run, report, replay, compare, ctl, attach, ls)
+COMMANDS = (train, run, report, replay, export, plot, compare, ctl, attach, ls)
 
 
 def build_parser() -> argparse.ArgumentParser:

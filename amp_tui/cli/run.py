@@ -104,8 +104,9 @@ def _start(command: list[str], env: dict, log_path: Path, *, tee: bool) -> subpr
 
 def _passing_stops_on(process: subprocess.Popen):
     """SIGHUP/SIGTERM (and headless, Ctrl+C) to amp-tui: a stop at the command's next step
-    boundary (its monitor takes SIGTERM so); a second Ctrl+C interrupts it (KeyboardInterrupt).
-    The previous handlers come back after."""
+    boundary (its monitor takes SIGHUP and SIGTERM so, and records which one came; Ctrl+C is passed
+    on as SIGTERM); a second Ctrl+C interrupts it (KeyboardInterrupt). The previous handlers come
+    back after."""
     interrupts = 0
 
     def on_signal(signum, _frame):
@@ -117,7 +118,7 @@ def _passing_stops_on(process: subprocess.Popen):
             if interrupts > 1:
                 process.send_signal(signal.SIGINT)
                 return
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
     previous = {}
     for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, on_signal)
@@ -151,10 +152,10 @@ def _dashboard(process: subprocess.Popen, command: list[str], run_dir: Path, *, 
 
     def stop_and_leave(signum, _frame):
         # The terminal went away, or someone asked amp-tui to end: the command stops at its next
-        # step boundary (and checkpoints, as its monitor does on SIGTERM); the dashboard leaves
+        # step boundary (and checkpoints, as its monitor does on either signal); the dashboard leaves
         # (asked from a thread: a signal handler must not touch the app's event loop).
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(signum)
         threading.Thread(target=app.call_from_thread, args=(app.exit,), daemon=True).start()
     previous = {sig: signal.signal(sig, stop_and_leave) for sig in (signal.SIGHUP, signal.SIGTERM)}
     try:

@@ -55,6 +55,9 @@ def add_parser(sub) -> None:
                             "scale=half, save, restore=latest|PATH, pause (repeatable)")
     train.add_argument("--refresh-rate", type=argtypes.positive, default=20.0, metavar="HZ",
                        help="dashboard refreshes per second at most (default 20)")
+    train.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                       help="also write TensorBoard event files into DIR as the run goes "
+                            "(pip install 'amp-tui[tensorboard]')")
     train.add_argument("--fp32-modules", action="append", default=[], metavar="PATTERN",
                        help="run modules whose name matches PATTERN (fnmatch, e.g. 'blocks.*.attn') "
                             "with autocast off and float32 inputs (repeatable)")
@@ -85,6 +88,10 @@ def cmd_train(args) -> int:
     from amp_tui.training.engine import PrecisionRefused
     from amp_tui.training.script import ScriptError
 
+    if args.tensorboard is not None:
+        problem = tensorboard_problem(args.tensorboard)
+        if problem:
+            return error(problem)
     if args.detach:
         return cmd_detach(args)
     dashboard = use_dashboard(args)
@@ -93,9 +100,35 @@ def cmd_train(args) -> int:
                                     on_nonfinite_default="pause" if dashboard else "skip")
     except (ScriptError, DeviceError, CommandError, PrecisionRefused) as exc:
         return error(str(exc))
+    if args.tensorboard is not None:
+        from amp_tui.recording.tensorboard import TensorBoardObserver
+        try:
+            run.observers.append(TensorBoardObserver(args.tensorboard))
+        except OSError as exc:
+            return error(f"--tensorboard {args.tensorboard}: {exc.strerror or exc}")
     if dashboard:
         return run_dashboard(run, warnings, refresh_rate=args.refresh_rate)
     return run_headless(run, warnings)
+
+
+def tensorboard_problem(logdir: Path) -> str | None:
+    """Why `--tensorboard DIR` can't work (its package is missing, DIR can't be written), before
+    anything starts; None when it can."""
+    import os
+
+    from amp_tui.recording.extras import MissingExtra
+    from amp_tui.recording.tensorboard import check_available
+    try:
+        check_available()
+    except MissingExtra as exc:
+        return str(exc)
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--tensorboard {logdir}: {exc.strerror or exc}"
+    if not os.access(logdir, os.W_OK | os.X_OK):
+        return f"--tensorboard {logdir}: the directory is not writable"
+    return None
 
 
 def use_dashboard(args) -> bool:

@@ -110,22 +110,25 @@ class MonitoredStep:
 def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
             dtype: str | None = None, run_dir: str | Path | None = None, probe_every: int = 1,
             underflow_every: int = 10, checkpoint_every: int | None = None, control: bool = True,
-            announce: bool = True) -> Monitor:
+            announce: bool = True, tensorboard_dir: str | Path | None = None) -> Monitor:
     """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
 
     `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default fp16
     when an enabled GradScaler is given, else bf16 where the device has it (fp32 otherwise).
     `run_dir`: where the session goes (default: $AMP_TUI_RUN_DIR, set by `amp-tui run`, or
-    runs/<time>-<script>). `announce`: print one line saying how to attach."""
+    runs/<time>-<script>). `announce`: print one line saying how to attach. `tensorboard_dir`:
+    also write the recording there as TensorBoard event files, live (pip install
+    'amp-tui[tensorboard]')."""
     return Monitor(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, run_dir=run_dir,
                    probe_every=probe_every, underflow_every=underflow_every,
-                   checkpoint_every=checkpoint_every, control=control, announce=announce)
+                   checkpoint_every=checkpoint_every, control=control, announce=announce,
+                   tensorboard_dir=tensorboard_dir)
 
 
 class Monitor:
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
                  probe_every=1, underflow_every=10, checkpoint_every=None, control=True, announce=True,
-                 framework: str | None = None):
+                 tensorboard_dir=None, framework: str | None = None):
         _check_objects(model, optimizer, scaler, scheduler)
         # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the
         # steps from its hooks, and the dtype it starts with is the framework's choice, recorded
@@ -196,6 +199,8 @@ class Monitor:
         self._handles: list = []
         self._patched: list[str] = []
         self._previous_signals: dict = {}
+        if tensorboard_dir is not None:   # before anything is made: a missing package leaves nothing
+            self.recorder.observers.append(_tensorboard_observer(Path(tensorboard_dir)))
         _claim(self)
         try:
             self._attach_hooks()
@@ -881,6 +886,17 @@ def _check_objects(model, optimizer, scaler, scheduler) -> None:
         raise MonitorError(f"scheduler= is a {type(scheduler).__name__} with no step() method")
 
 
+def _tensorboard_observer(logdir: Path):
+    from amp_tui.recording.extras import MissingExtra
+    from amp_tui.recording.tensorboard import TensorBoardObserver
+    try:
+        return TensorBoardObserver(logdir)
+    except MissingExtra as exc:
+        raise MonitorError(f"tensorboard_dir={str(logdir)!r}: {exc}") from None
+    except OSError as exc:
+        raise MonitorError(f"tensorboard_dir={str(logdir)!r}: {exc.strerror or exc}") from None
+
+
 def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside a wrapper that steps it (Accelerate's AcceleratedOptimizer keeps
     it as `.optimizer`): the one whose step hooks fire and which GradScaler is handed."""
@@ -901,10 +917,12 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[float]:
-    """One-element tensors (a loss in any float dtype, float32 scale and found-inf) as floats, in
-    one transfer: cat promotes them to the widest dtype among them, which holds each exactly."""
-    if len(tensors) == 1:
-        return [tensors[0].item()]
+    """One-element tensors (a loss in any float dtype, float32 scale and found-inf) as floats.
+    On an accelerator in one transfer (cat promotes them to the widest dtype among them, which
+    holds each exactly); on the CPU, where reading a value is no transfer, one by one, cheaper
+    than building the cat."""
+    if len(tensors) == 1 or tensors[0].device.type == "cpu":
+        return [t.item() for t in tensors]
     return torch.cat([t.reshape(1) for t in tensors]).tolist()
 
 

@@ -9,7 +9,9 @@ timer (at most `refresh_rate` times a second), and only when the snapshot's vers
 
 from __future__ import annotations
 
+import asyncio
 import math
+import signal
 import threading
 import time
 from functools import partial
@@ -63,6 +65,7 @@ class AmpTuiApp(App[int]):
         # a replay has twelve keys: the compact footer fits them in 120 columns
         self.dashboard = DashboardScreen(compact_footer=source.mode == "replay", pace_clock=pace_clock)
         self.forced_exit = False        # the run did not stop in time; run_dashboard must not wait
+        self._interrupted = False       # SIGINT came before the app's loop ran
         self.stopping = False
         # The last stop was held (the disk refuses the run's last records): q again gives them up.
         self._give_up_on_quit = False
@@ -83,6 +86,28 @@ class AmpTuiApp(App[int]):
             self._bindings.key_to_bindings[binding.key] = [binding]
 
     # ---- lifecycle ----------------------------------------------------------------------------
+    def run(self, *args, **kwargs):
+        """SIGINT sent to the process (`kill -INT`; the terminal's own Ctrl+C is a key) is what
+        Ctrl+C does. Left to asyncio it would cancel the app's task wherever it stands, and a
+        shutdown cancelled halfway could leave the process hanging."""
+        if threading.current_thread() is not threading.main_thread():
+            return super().run(*args, **kwargs)
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _on_sigint(self, _signum, _frame) -> None:
+        # A signal handler runs on the main thread between two bytecodes, maybe inside the event
+        # loop's own code: only hand the key's action to the loop, waking it.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._interrupted = True   # before the loop runs: on_mount acts on it
+            return
+        loop.call_soon_threadsafe(self.call_later, self.action_interrupt)
+
     def get_default_screen(self) -> Screen:
         return self.dashboard
 
@@ -92,6 +117,8 @@ class AmpTuiApp(App[int]):
                         timeout=12, markup=False)
         self.source.start()
         self.call_after_refresh(self.refresh_view)   # the first frame, once the screen is composed
+        if self._interrupted:
+            self.call_later(self.action_interrupt)
         self.set_interval(1.0 / self.refresh_rate, self.refresh_view, name="refresh")
 
     def on_terminal_gone(self, message: TerminalGone) -> None:

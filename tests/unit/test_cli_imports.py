@@ -1,6 +1,6 @@
-"""The command line's imports: the read side (report, replay --headless, ls) runs in a fresh
-interpreter without ever importing torch, and compare, whose module does import it, is
-registered with a parser that imports no torch either."""
+"""The command line's imports: the read side (report, replay --headless, ls, export, plot) runs
+in a fresh interpreter without ever importing torch, and compare, whose module does import it,
+is registered with a parser that imports no torch either."""
 
 import subprocess
 import sys
@@ -40,9 +40,12 @@ def run_probe(*argv: str, cwd) -> subprocess.CompletedProcess:
     (["report", "{run}", "--json"], '"steps"'),
     (["replay", "{run}", "--headless"], "skipped updates"),
     (["ls", "{runs}"], "overflowing"),
+    (["export", "{run}", "--tensorboard", "{tmp}/tb", "--csv", "{tmp}/steps.csv", "--layers-csv",
+      "{tmp}/layers.csv"], "exported 4 steps"),
+    (["plot", "{run}", "-o", "{tmp}/run.png"], "4 steps"),
 ])
-def test_a_read_side_command_runs_without_importing_torch(recorded_run, command, shows):
-    argv = [a.format(run=recorded_run, runs=recorded_run.parent) for a in command]
+def test_a_read_side_command_runs_without_importing_torch(recorded_run, tmp_path, command, shows):
+    argv = [a.format(run=recorded_run, runs=recorded_run.parent, tmp=tmp_path) for a in command]
     done = run_probe(*argv, cwd=recorded_run.parent)
     assert done.returncode == 0, done.stderr
     out = done.stdout.splitlines()

@@ -208,6 +208,51 @@ def test_every_key_over_the_socket_applies_at_a_boundary_and_is_recorded(tmp_pat
     assert session.end["status"] == "stopped"
 
 
+def test_steps_recorded_a_few_at_a_time_keep_their_order_and_reach_the_file_when_held(tmp_path, monkeypatch):
+    """Measured steps wait to be recorded (here: until something else is), yet every event comes
+    after the steps before it, a pause puts them on file before holding the loop (so an attached
+    dashboard sees where it stopped), and close() records the rest."""
+    import amp_tui.job.monitor as monitor_module
+    monkeypatch.setattr(monitor_module, "PUBLISH_INTERVAL", 1e9)
+    _, twin = load_twin(tmp_path)
+    run_dir = tmp_path / "run"
+    seen_when_held = []
+
+    def before_step(i, monitor):
+        if i == 3:
+            monitor.submit(Command("save", None, "test"))
+        if i == 6:
+            monitor.submit(Command("pause", None, "test"))
+            threading.Thread(target=lambda: seen_when_held.append(_steps_on_file_when_held(monitor)),
+                             daemon=True).start()
+    twin.loop(run_dir, "bf16", steps=9, before_step=before_step)   # no overflow: nothing published early
+    session = read_session(run_dir)
+    assert [s["step"] for s in session.steps] == list(range(9))
+    lines = [r for r in _records(run_dir) if r["type"] in ("step", "event")]
+    for i, record in enumerate(lines):
+        if record["type"] == "event" and record["kind"] in ("intervention", "checkpoint_saved"):
+            before = [r["step"] for r in lines[:i] if r["type"] == "step"]
+            assert before == list(range(record["step"])), (record["kind"], before)
+    assert seen_when_held == [list(range(7))]
+
+
+def _steps_on_file_when_held(monitor) -> list[int]:
+    """Once the loop is held, single-step it: the step it runs is on file while the loop is held
+    again (the single step's own event came before that step), then let it go on."""
+    try:
+        assert wait_for(lambda: monitor.state == "paused", timeout=60)
+        monitor.submit(Command("step", None, "test"))
+        assert wait_for(lambda: len(read_session(monitor.run_dir).steps) >= 7, timeout=60)
+        return [s["step"] for s in read_session(monitor.run_dir).steps]
+    finally:
+        monitor.submit(Command("resume", None, "test"))
+
+
+def _records(run_dir) -> list[dict]:
+    import json
+    return [json.loads(line) for line in (run_dir / "session.jsonl").read_text().splitlines()]
+
+
 def test_a_checkpoint_saved_in_the_monitor_restores_in_the_monitor_and_continues_exactly(tmp_path):
     """Run A saves at step 5 and goes on to 10; run B, fresh objects, restores that checkpoint and
     runs steps 5-9 on the same batches: the same weights, bit for bit (dropout's RNG included)."""
@@ -327,18 +372,30 @@ def test_wrong_arguments_say_what_is_wrong(tmp_path):
 
 def test_a_monitored_step_costs_one_transfer_to_the_host(tmp_path, monkeypatch):
     """The loss, the scale, GradScaler's verdict and every per-layer figure come over together:
-    one sync per step of amp-tui's own (the loop's own GradScaler syncs are its business)."""
+    one sync per step of amp-tui's own (the loop's own GradScaler syncs are its business). An
+    unprobed step's few scalars come through `_to_host`, one transfer on an accelerator (on the
+    CPU it reads them one by one, which moves nothing)."""
     import traceback as tb
+
+    import amp_tui.job.monitor as monitor_module
     _, twin = load_twin(tmp_path)
     ours = []
     for name in ("tolist", "item", "__float__"):
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, _name=name, **kwargs):
-            caller = tb.extract_stack(limit=2)[0].filename
-            if "amp_tui" in caller and "tests" not in caller:
+            *callers, _ = tb.extract_stack(limit=3)   # (a comprehension is a frame of its own)
+            caller = callers[-1]
+            inside_to_host = any(frame.name == "_to_host" for frame in callers)
+            if "amp_tui" in caller.filename and "tests" not in caller.filename and not inside_to_host:
                 ours.append(_name)
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, counted)
+    to_host = monitor_module._to_host
+
+    def counted_to_host(tensors):
+        ours.append("_to_host")
+        return to_host(tensors)
+    monkeypatch.setattr(monitor_module, "_to_host", counted_to_host)
     twin.loop(tmp_path / "run", "fp16", steps=6, monitor_kw={"probe_every": 2})
-    assert len(ours) == 6, ours
+    assert sorted(ours) == ["_to_host"] * 3 + ["tolist"] * 3, ours

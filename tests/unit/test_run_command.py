@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from amp_tui.cli import main
 from amp_tui.recording.reader import read_session
 
@@ -76,7 +78,8 @@ def test_a_command_killed_with_kill_9_reads_back_and_lists_as_crashed(write_scri
     assert "incomplete" in capsys.readouterr().out
 
 
-def test_sigterm_to_amp_tui_run_reaches_the_loop_as_a_stop_with_a_checkpoint(write_script, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_to_amp_tui_run_reaches_the_loop_as_a_stop_with_a_checkpoint(write_script, tmp_path, sig):
     script = write_script(OWN_LOOP_SCRIPT, "loop.py")
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "amp_tui", "run", "--headless", "--run-dir", str(run_dir),
@@ -84,7 +87,7 @@ def test_sigterm_to_amp_tui_run_reaches_the_loop_as_a_stop_with_a_checkpoint(wri
                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         assert wait_for(lambda: step_count(run_dir / "session.jsonl") >= 3), "the loop never got going"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -92,9 +95,9 @@ def test_sigterm_to_amp_tui_run_reaches_the_loop_as_a_stop_with_a_checkpoint(wri
     assert proc.returncode == 0, err
     session = read_session(run_dir)
     assert session.end["status"] == "stopped"
-    assert [e["reason"] for e in session.events if e["kind"] == "stopping"] == ["SIGTERM"]
+    assert [e["reason"] for e in session.events if e["kind"] == "stopping"] == [sig.name]
     saved = [e for e in session.events if e["kind"] == "checkpoint_saved"]
-    assert saved and saved[0]["source"] == "SIGTERM"
+    assert saved and saved[0]["source"] == sig.name
 
 
 def test_no_command_is_a_usage_error(capsys):

@@ -1,0 +1,44 @@
+"""`amp-tui export RUN`: a recording as TensorBoard event files and CSV (read side: no torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from amp_tui.cli.terminal import error
+
+
+def add_parser(sub) -> None:
+    export = sub.add_parser("export", help="write a recorded (or running) run as TensorBoard event files or CSV",
+                            description="Write RUN's recording as TensorBoard event files and/or CSV "
+                                        "files, in one pass over it.")
+    export.add_argument("run", type=Path, metavar="RUN_DIR|SESSION")
+    export.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                        help="TensorBoard event files into DIR (needs pip install 'amp-tui[tensorboard]')")
+    export.add_argument("--csv", type=Path, default=None, metavar="FILE",
+                        help="one row per step: loss, scale, skips, dtype, lr, grad norm, least headroom")
+    export.add_argument("--layers-csv", type=Path, default=None, metavar="FILE",
+                        help="one row per step and layer: max |act|, |grad|, |weight|, headroom bits")
+    export.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from amp_tui.recording.export import export
+    from amp_tui.recording.extras import MissingExtra
+    from amp_tui.recording.format import SessionFormatError
+
+    if args.tensorboard is None and args.csv is None and args.layers_csv is None:
+        return error("export: say what to write: --tensorboard DIR, --csv FILE and/or --layers-csv FILE")
+    try:
+        result = export(args.run, tensorboard=args.tensorboard, csv=args.csv, layers_csv=args.layers_csv)
+    except (SessionFormatError, MissingExtra, ValueError) as exc:
+        return error(str(exc))
+    except OSError as exc:
+        return error(f"export: {exc.filename or args.run}: {exc.strerror or exc}", 1)
+    names = {"tensorboard": "TensorBoard", "csv": "steps CSV", "layers_csv": "layers CSV"}
+    for key, path in result.written.items():
+        print(f"{names[key]:<12} {path}")
+    print(f"exported {result.steps:,} steps and {result.events:,} events"
+          + ("" if result.ended else "; no end record: the run is still going, or was killed"))
+    if result.skipped:
+        print(f"note: {result.skipped}")
+    return 0

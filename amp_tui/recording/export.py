@@ -1,0 +1,75 @@
+"""`amp-tui export`: a recording to TensorBoard event files and CSV files, in one pass.
+
+The recording is read through the replay's index (amp_tui.recording.stream), so what the index
+skips (a torn last line, damaged lines) is skipped here too and counted in the result, and a run
+still being written is exported up to its last complete record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from amp_tui.recording.index import SessionIndex
+from amp_tui.recording.stream import entries
+
+
+@dataclass
+class ExportResult:
+    steps: int                           # step records in the recording
+    events: int
+    ended: bool                          # it has an end record (else: still running, or killed)
+    skipped: str | None                  # what the reader skipped, in words (None: nothing)
+    written: dict[str, Path] = field(default_factory=dict)   # what was written where
+
+
+def export(target, *, tensorboard: str | Path | None = None, csv: str | Path | None = None,
+           layers_csv: str | Path | None = None) -> ExportResult:
+    """Write the recording at `target` (a run directory or a session file) to the outputs given.
+    Raises SessionFormatError for a file that is not a session, MissingExtra when TensorBoard
+    is asked for without its package, ValueError for outputs that would overwrite the session or
+    each other, OSError when an output can't be written (a CSV file is then not left half
+    written)."""
+    from amp_tui.recording.csv_export import LayersCsv, StepsCsv
+
+    with SessionIndex(target) as index:
+        _refuse_overwriting(index.path, csv, layers_csv)
+        result = ExportResult(index.frames, index.event_count, index.end is not None,
+                              index.skipped_summary())
+        sinks = []
+        try:
+            if tensorboard is not None:
+                from amp_tui.recording.tensorboard import TensorBoardWriter
+                writer = TensorBoardWriter(tensorboard)
+                sinks.append(writer)
+                result.written["tensorboard"] = writer.path
+            if csv is not None:
+                sinks.append(StepsCsv(csv))
+                result.written["csv"] = Path(csv)
+            if layers_csv is not None:
+                sinks.append(LayersCsv(layers_csv))
+                result.written["layers_csv"] = Path(layers_csv)
+            for record, line in entries(index):
+                for sink in sinks:
+                    sink.write(record, line)
+        except BaseException:
+            for sink in sinks:
+                sink.discard()
+            raise
+        for sink in sinks:
+            sink.finish()
+    return result
+
+
+def _refuse_overwriting(session: Path, *outputs) -> None:
+    """An output that is the session itself, or two outputs that are one file, would lose data."""
+    seen: list[Path] = []
+    for out in outputs:
+        if out is None:
+            continue
+        out = Path(out)
+        if out.exists() and out.samefile(session):
+            raise ValueError(f"{out} is the session being exported: choose another output file")
+        if any(out.resolve() == other.resolve() for other in seen):
+            raise ValueError(f"{out} is given twice: --csv and --layers-csv need a file each")
+        seen.append(out)

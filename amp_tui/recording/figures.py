@@ -1,0 +1,136 @@
+"""A step record's per-layer figures as arrays, and their headroom bits, for the exporters.
+
+A record holds one list per figure (`layers.act`, `layers.grad`, `layers.weight`), each a JSON
+number, "NaN"/"Infinity"/"-Infinity", or null (not measured). `layer_figures` turns them into
+float arrays with a mask of what was not measured, so that NaN (a non-finite value, which *is*
+the non-finite flag) and null stay apart. The headroom is the dashboard's (amp_tui.ui.view
+`layer_rows`): log2(largest finite value of the dtype in force / max |figure|), the least of
+act, grad times the loss scale (the backward pass holds gradients scaled) and weight; -inf where
+a figure is non-finite, +inf where all are zero, NaN where nothing was measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from amp_tui.core.jsonsafe import read_float
+from amp_tui.core.precision import MAX_FINITE
+
+FIGURES = ("act", "grad", "weight")
+_NUMBERS = {float, int}
+_LOG2_MAX = {dtype: math.log2(value) for dtype, value in MAX_FINITE.items()}
+
+
+@dataclass
+class Figure:
+    """One per-layer figure of one step: `values` (float64, NaN where not measured or NaN) and
+    `missing` (True where not measured; None when every layer was)."""
+
+    values: np.ndarray
+    missing: np.ndarray | None
+
+    def measured(self, i: int) -> bool:
+        return self.missing is None or not self.missing[i]
+
+
+def figure(values, n: int) -> Figure:
+    """A recorded per-layer list as `n` floats (cut or padded with "not measured")."""
+    if isinstance(values, list) and len(values) == n and set(map(type, values)) <= _NUMBERS:
+        try:
+            return Figure(np.array(values, dtype=np.float64), None)   # the common case: all numbers
+        except OverflowError:
+            pass    # an integer too large for a float: read value by value below
+    if not isinstance(values, list):
+        return Figure(np.full(n, np.nan), np.ones(n, dtype=bool))
+    floats = [_read(v) for v in values[:n]]
+    floats += [None] * (n - len(floats))
+    missing = np.fromiter((v is None for v in floats), dtype=bool, count=n)
+    return Figure(np.array([np.nan if v is None else v for v in floats], dtype=np.float64),
+                  missing if missing.any() else None)
+
+
+def _read(value) -> float | None:
+    try:
+        return read_float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+@dataclass
+class StepFigures:
+    act: Figure
+    grad: Figure
+    weight: Figure
+    headroom: np.ndarray          # bits per layer (see the module docstring)
+
+    def get(self, name: str) -> Figure:
+        return getattr(self, name)
+
+
+_recent: tuple = (None, 0, None)   # (record, n, its figures): an export's writers share one step
+
+
+def layer_figures(record: dict, n: int) -> StepFigures | None:
+    """The per-layer figures of a step record and their headroom; None on an unprobed step.
+    The same record asked again (the next writer of an export) gets the same figures."""
+    global _recent
+    last, last_n, figures = _recent
+    if last is record and last_n == n:
+        return figures
+    figures = _layer_figures(record, n)
+    _recent = (record, n, figures)
+    return figures
+
+
+def _layer_figures(record: dict, n: int) -> StepFigures | None:
+    layers = record.get("layers")
+    if not isinstance(layers, dict) or n <= 0:
+        return None
+    scale = read_float(record.get("scale"))
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        scale = None
+    lists = [layers.get(name) for name in FIGURES]
+    if all(isinstance(v, list) and len(v) == n for v in lists) \
+            and set(map(type, lists[0] + lists[1] + lists[2])) <= _NUMBERS:
+        try:
+            table = np.array(lists, dtype=np.float64)     # the common case: every figure a number
+        except OverflowError:
+            table = None    # an integer too large for a float: read value by value below
+        if table is not None:
+            act, grad, weight = (Figure(row, None) for row in table)
+            return StepFigures(act, grad, weight, _bits(table, record.get("dtype"), scale))
+    act, grad, weight = (figure(v, n) for v in lists)
+    return StepFigures(act, grad, weight, headroom_bits(act, grad, weight, record.get("dtype"), scale))
+
+
+def _bits(table: np.ndarray, dtype, scale: float | None) -> np.ndarray:
+    """headroom_bits for three rows of measured figures (act, grad, weight): the least headroom
+    is that of the largest magnitude, a NaN counting as the largest."""
+    log2_max = _LOG2_MAX.get(dtype, _LOG2_MAX["float32"])
+    magnitude = np.abs(table)
+    if scale is not None:
+        magnitude[1] *= scale
+    nan = np.isnan(magnitude)
+    if nan.any():
+        magnitude[nan] = np.inf               # every figure was measured: NaN is a non-finite value
+    with np.errstate(divide="ignore"):
+        return log2_max - np.log2(magnitude.max(axis=0))
+
+
+def headroom_bits(act: Figure, grad: Figure, weight: Figure, dtype, scale: float | None) -> np.ndarray:
+    """Per layer, the bits left before the dtype's largest finite value (module docstring);
+    `scale` is the loss scale in use (None without a scaler)."""
+    log2_max = _LOG2_MAX.get(dtype, _LOG2_MAX["float32"])
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        g = grad.values * scale if scale is not None else grad.values
+        bits = None
+        for fig, values in ((act, act.values), (grad, g), (weight, weight.values)):
+            h = log2_max - np.log2(np.abs(values))       # 0 -> +inf, inf -> -inf, NaN stays NaN
+            nan = np.isnan(values)
+            if nan.any():
+                h[nan if fig.missing is None else nan & ~fig.missing] = -np.inf   # a NaN value
+            bits = h if bits is None else np.fmin(bits, h)               # fmin skips NaN (unmeasured)
+    return bits
