@@ -12,7 +12,7 @@ from amp_tui.job.monitor import Monitor
 # amp_tui.monitor's options that a callback passes on; the model, the optimizer, the scaler and
 # the scheduler are the framework's.
 DEFAULTS = {"run_dir": None, "probe_every": 1, "underflow_every": 10, "checkpoint_every": None,
-            "control": True, "announce": True}
+            "control": True, "announce": True, "tensorboard_dir": None}
 
 
 def require(module: str, *, package: str, extra: str, needed_by: str) -> ModuleType:

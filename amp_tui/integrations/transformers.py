@@ -46,10 +46,10 @@ class AmpTuiCallback(TrainerCallback):
 
     Options as amp_tui.monitor's: `run_dir` (default $AMP_TUI_RUN_DIR, set by `amp-tui run`, or
     runs/<time>-<script>), `probe_every`, `underflow_every`, `checkpoint_every`, `control`,
-    `announce`. The dtype is the Trainer's (fp16=/bf16= in TrainingArguments)."""
+    `announce`, `tensorboard_dir`. The dtype is the Trainer's (fp16=/bf16= in TrainingArguments)."""
 
     def __init__(self, trainer: Trainer | None = None, *, run_dir=None, probe_every=1, underflow_every=10,
-                 checkpoint_every=None, control=True, announce=True, dtype=None):
+                 checkpoint_every=None, control=True, announce=True, tensorboard_dir=None, dtype=None):
         if trainer is None:
             raise TypeError("AmpTuiCallback(trainer): pass the Trainer it watches, "
                             "trainer.add_callback(AmpTuiCallback(trainer)); a TrainerCallback is not handed "
@@ -60,7 +60,8 @@ class AmpTuiCallback(TrainerCallback):
         self.trainer = trainer
         self.options = options(dtype, FRAMEWORK, "TrainingArguments(bf16=True) or (fp16=True)", {
             "run_dir": run_dir, "probe_every": probe_every, "underflow_every": underflow_every,
-            "checkpoint_every": checkpoint_every, "control": control, "announce": announce})
+            "checkpoint_every": checkpoint_every, "control": control, "announce": announce,
+            "tensorboard_dir": tensorboard_dir})
         self.monitor: Monitor | None = None
         self._loss = None
         self._in_step = False
