@@ -36,16 +36,18 @@ class TokenData(torch.utils.data.Dataset):
 
 
 def hf_trainer(tmp_path, *, steps: int = 6, precision: str = "bf16", accumulate: int = 1, cpu_fp16_scaler=None,
-               model=None, data=None, **arguments):
-    """A Trainer on the CPU. `cpu_fp16_scaler`: an init_scale; the run then gets what Accelerate
-    gives fp16 on a GPU (autocast and a GradScaler), which on the CPU it gives no run."""
+               model=None, data=None, device: str = "cpu", **arguments):
+    """A Trainer on the CPU (`device="cuda"`: on the GPU). `cpu_fp16_scaler`: an init_scale; the
+    run then gets what Accelerate gives fp16 on a GPU (autocast and a GradScaler), which on the
+    CPU it gives no run."""
     from transformers import Trainer, TrainingArguments
     if cpu_fp16_scaler is not None:
         precision = "fp16"
     flags = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[precision]
     args = TrainingArguments(output_dir=str(tmp_path / "hf-out"), max_steps=steps, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=accumulate, use_cpu=True, report_to=[], save_strategy="no",
-                             logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, **flags, **arguments)
+                             gradient_accumulation_steps=accumulate, use_cpu=device == "cpu", report_to=[],
+                             save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+                             **flags, **arguments)
     trainer = Trainer(model=model if model is not None else tiny_gpt2(), args=args,
                       train_dataset=data if data is not None else TokenData())
     if cpu_fp16_scaler is not None:
