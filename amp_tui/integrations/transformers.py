@@ -12,9 +12,11 @@ Where the Trainer's hooks fall in one optimizer step, and what the callback does
     on_step_begin           the step boundary: queued commands apply, a pause holds (begin_step)
       training_step         wrapped: its loss, as computed (before the logs' NaN filter)
     on_substep_end          between micro-batches of gradient accumulation: folded into the step
-      clip_grad_norm_       Accelerate's unscale_: the GradScaler hook reads the gradients here
-    on_pre_optimizer_step   without a GradScaler the gradients are read here (transformers >= 4.45;
-                            before, the optimizer's step pre-hook reads them at the same point)
+      clip_grad_norm_       the gradients are read as it starts, before the clipping (with a
+                            GradScaler at Accelerate's unscale_ inside it, where they are unscaled)
+    on_pre_optimizer_step   a Trainer that clips nowhere: the gradients are read here
+                            (transformers >= 4.45; before, the optimizer's step pre-hook reads
+                            them at the same point)
       optimizer.step()      GradScaler's found-inf: the skipped flag (right for fused AdamW)
     on_step_end             the step recorded, then the boundary again; a stop sets
                             control.should_training_stop, so the Trainer ends its loop itself
@@ -66,6 +68,7 @@ class AmpTuiCallback(TrainerCallback):
         self._loss = None
         self._in_step = False
         self._own_training_step = None
+        self._own_clip = None
         self._watch_train()
 
     # ---- the Trainer's hooks ---------------------------------------------------------------------
@@ -85,6 +88,7 @@ class AmpTuiCallback(TrainerCallback):
                                scheduler=lr_scheduler or trainer.lr_scheduler, dtype=dtype, framework=FRAMEWORK,
                                **self.options)
         self._watch_training_step()
+        self._watch_clipping()
         if engine is not None:
             self.monitor.refuse("scale", f"scale change refused: {engine} owns the loss scale (its engine scales "
                                 "inside its own optimizer step, with no torch GradScaler amp-tui can set)")
@@ -163,6 +167,19 @@ class AmpTuiCallback(TrainerCallback):
             return loss
         trainer.training_step = watched_training_step
 
+    def _watch_clipping(self) -> None:
+        """The Trainer clips (Accelerate's clip_grad_norm_) before on_pre_optimizer_step; the
+        figures are the gradients the backward made, so they are read as the clipping starts."""
+        accelerator = self.trainer.accelerator
+        self._own_clip = vars(accelerator).get("clip_grad_norm_")
+        clip = accelerator.clip_grad_norm_
+
+        def watched_clip_grad_norm_(*args, **kwargs):
+            if self.monitor is not None:
+                self.monitor.gradients_ready()
+            return clip(*args, **kwargs)
+        accelerator.clip_grad_norm_ = watched_clip_grad_norm_
+
     def _begin(self) -> None:
         if self._in_step:
             self._end()
@@ -183,6 +200,10 @@ class AmpTuiCallback(TrainerCallback):
             self.trainer.training_step = self._own_training_step
         else:
             vars(self.trainer).pop("training_step", None)
+        if self._own_clip is not None:
+            self.trainer.accelerator.clip_grad_norm_ = self._own_clip
+        else:
+            vars(self.trainer.accelerator).pop("clip_grad_norm_", None)
         if self._in_step:
             self._in_step = False
             monitor.end_step(None)   # a step the Trainer left unfinished is not recorded

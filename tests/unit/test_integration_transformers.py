@@ -61,6 +61,16 @@ def test_every_optimizer_step_the_trainer_runs_is_recorded_with_its_loss(tmp_pat
     assert "training_step" not in vars(trainer)
 
 
+def test_the_gradients_recorded_are_the_backwards_not_what_the_trainers_clipping_left(tmp_path):
+    """The Trainer clips (max_grad_norm) before on_pre_optimizer_step: after a clip to a total
+    norm of 1e-4 no gradient element is above 1e-4, and the figures must not be those."""
+    trainer, _ = watched(tmp_path, steps=3, max_grad_norm=1e-4)
+    trainer.train()
+    session = read_session(tmp_path / "run")
+    assert all(max(g for g in s["layers"]["grad"] if g is not None) > 1e-3 for s in session.steps)
+    assert "clip_grad_norm_" not in vars(trainer.accelerator)     # Accelerate's own again
+
+
 def test_a_nan_planted_in_one_layer_is_named_as_the_origin_and_recorded_unfiltered(tmp_path):
     trainer, _ = watched(tmp_path, steps=4)
     layer = trainer.model.transformer.h[1].mlp.c_fc
