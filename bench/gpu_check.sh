@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One prepared check for a CUDA or ROCm machine (device "cuda"), about 3-4 minutes, at most 5:
+# One prepared check for a CUDA or ROCm machine (device "cuda"), about 4-5 minutes:
 #
 #   1. the environment: GPU, driver, torch build, bf16 support            (env.txt)
-#   2. every demo in demos/ for 30 steps, headless, on cuda, in fp16 and in bf16 (two at a time)
-#                                                                          (demo-*.log, runs/)
+#   2. every demo in demos/ that follows the script contract (a setup() for amp-tui train) for 30
+#      steps, headless, on cuda, in fp16 and in bf16 (two at a time)     (demo-*.log, runs/)
 #   3. the test suite's CUDA-marked tests: pytest -m cuda                  (pytest-cuda.log)
+#      They include tests/unit/test_integration_cuda.py: the Hugging Face Trainer with fp16=True
+#      and Lightning with precision="16-mixed", which get a GradScaler only on a GPU (on the CPU
+#      the test suite hands them one by hand); run on their own too     (frameworks-fp16.log)
 #   4. the overhead benchmark on a GPT-2-small-sized model (12 blocks, d_model 768, vocab 50257,
 #      seq 512, batch 8) in fp16 and bf16: python bench/run.py --gpu       (overhead.txt, *-gpu.json)
 #
@@ -16,8 +19,9 @@
 #   PYTHON=/path/to/venv/bin/python OUT=/tmp/gpu bash bench/gpu_check.sh
 #
 # The Python used: $PYTHON, else ./.venv/bin/python, else python3, the first that imports torch.
-# It needs torch with CUDA/ROCm, rich and textual (and pytest for part 3; transformers, optional,
-# adds the DebugUnderflowOverflow contender). amp_tui is imported from this checkout (PYTHONPATH),
+# It needs torch with CUDA/ROCm, rich and textual (and pytest for part 3; transformers, accelerate
+# and lightning for the framework tests, pip install -e '.[test]'; transformers also adds the
+# DebugUnderflowOverflow contender). amp_tui is imported from this checkout (PYTHONPATH),
 # so nothing needs installing if those are present.
 #
 # GPU_CHECK_DEVICE=cpu runs the same parts on the CPU (the overhead part on bench/run.py --quick's
@@ -100,7 +104,8 @@ print("cuda available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
     print("bf16 supported", torch.cuda.is_bf16_supported())
-for name in ("rich", "textual", "textual_plotext", "safetensors", "pytest", "transformers"):
+for name in ("rich", "textual", "textual_plotext", "safetensors", "pytest", "transformers", "accelerate",
+             "lightning"):
     try:
         m = importlib.import_module(name)
         print(name, getattr(m, "__version__", "present"))
@@ -124,6 +129,8 @@ names=()
 for demo in "$ROOT"/demos/*.py; do
     [ -f "$demo" ] || continue
     stem="$(basename "$demo" .py)"
+    # own_loop.py, hf_trainer.py, lightning_module.py run under amp-tui run, not amp-tui train
+    grep -q "^def setup(" "$demo" || continue
     for dtype in fp16 bf16; do
         part "demo-$stem-$dtype" 60 "$PY" -m amp_tui train "$demo" --headless --device "$DEVICE" \
             --dtype "$dtype" --steps 30 --run-dir "$OUT/runs/$stem-$dtype" &
@@ -142,7 +149,7 @@ if "$PY" -c "import pytest" >/dev/null 2>&1; then
     verdict pytest-cuda
     if grep -q -E "errors? (during|while) collect|ERROR collecting|no tests ran" "$OUT/pytest-cuda.log"; then
         # A test module that can't be imported here (a missing plugin) must not hide the CUDA tests.
-        files=$(grep -l -E "mark\.cuda|pytest\.mark\.cuda" "$ROOT"/tests/test_*.py 2>/dev/null | tr '\n' ' ')
+        files=$(grep -l -E "mark\.cuda|pytest\.mark\.cuda" "$ROOT"/tests/*/test_*.py 2>/dev/null | tr '\n' ' ')
         if [ -n "$files" ]; then
             say "      (collection trouble: the CUDA-marked files alone follow)"
             # shellcheck disable=SC2086
@@ -152,6 +159,18 @@ if "$PY" -c "import pytest" >/dev/null 2>&1; then
     fi
 else
     say "FAIL  pytest-cuda: pytest is not installed for $PY"
+    FAILED=1
+fi
+
+# ---- 3b. the frameworks' own fp16 (their GradScaler exists only on a GPU) -------------------------
+if [ "$DEVICE" = "cpu" ]; then
+    say "skip  frameworks-fp16: the CPU gives the frameworks no fp16 GradScaler"
+elif "$PY" -c "import pytest, transformers, accelerate, lightning" >/dev/null 2>&1; then
+    part frameworks-fp16 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" \
+        "$ROOT/tests/unit/test_integration_cuda.py"
+    verdict frameworks-fp16
+else
+    say "FAIL  frameworks-fp16: transformers, accelerate or lightning is missing for $PY (pip install -e '.[test]')"
     FAILED=1
 fi
 

@@ -65,10 +65,11 @@ from amp_tui.job.recorder import Observers, Recorder
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.recording.report import describe_records
 from amp_tui.training import checkpoint as ckpt
-from amp_tui.training.autocast import autocast, unsupported_reason
+from amp_tui.training.autocast import autocast, torch_dtype, unsupported_reason
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.devices import describe_device
 from amp_tui.training.engine import PrecisionRefused, StepResult
+from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
 from amp_tui.training.guards import GuardConfig, PrecisionGuard
 from amp_tui.training.local_fp32 import LocalFp32, ModuleMatchError, match_modules
 from amp_tui.training.probes import LayerProbe
@@ -127,10 +128,14 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
 class Monitor:
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
                  probe_every=1, underflow_every=10, checkpoint_every=None, control=True, announce=True,
-                 tensorboard_dir=None):
+                 tensorboard_dir=None, framework: str | None = None):
         _check_objects(model, optimizer, scaler, scheduler)
+        # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the
+        # steps from its hooks, and the dtype it starts with is the framework's choice, recorded
+        # as it is (fp16 without a GradScaler included, which the callback warns about).
+        self.framework = framework
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = _inner_optimizer(optimizer)
         # The scaler the loop calls (maybe disabled: bf16 and fp32 loops often keep one with
         # enabled=False), and the one that scales (None: no loss scaling in this loop).
         self.loop_scaler = scaler
@@ -178,6 +183,8 @@ class Monitor:
         self._stop_reason: str | None = None
         self.should_stop = False
         self._open_step: MonitoredStep | None = None
+        self._open_block: AbstractContextManager | None = None   # begin_step()'s, until end_step()
+        self._forward_autocast: ForwardAutocast | None = None
         self._released = False   # the last boundary let the loop go on (resumed, or not paused)
         self._pending_losses: list[torch.Tensor] = []   # micro-steps folded into the next update
         self._unpublished: list[StepResult] = []        # measured, not yet recorded (_publish)
@@ -197,6 +204,10 @@ class Monitor:
         _claim(self)
         try:
             self._attach_hooks()
+            if wrapped_in_autocast(model) is not None:
+                # Accelerate's prepare() fixed the forward's autocast: put it under ours, so that
+                # the dtype in force is what runs (and `d` switches it).
+                self.autocast_forward(wrapped_in_autocast(model))
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.checkpointing.folder.mkdir(parents=True, exist_ok=True)
             ckpt.cleanup_temporary_files(self.checkpointing.folder)
@@ -251,10 +262,65 @@ class Monitor:
         self._open_step = None
         self._end_of_block(step)
 
-    def autocast(self) -> AbstractContextManager:
-        """`torch.autocast` in the dtype in force now (fp32: off); `d` in the dashboard switches it."""
+    def autocast(self, *, cache_enabled: bool | None = None) -> AbstractContextManager:
+        """`torch.autocast` in the dtype in force now (fp32: off); `d` in the dashboard switches it.
+        `cache_enabled`: torch.autocast's (None: torch's default)."""
         self._autocast_used = True
-        return autocast(self.device.type, self.dtype)
+        if cache_enabled is None:
+            return autocast(self.device.type, self.dtype)
+        return torch.autocast(self.device.type, dtype=torch_dtype(self.dtype),
+                              enabled=precision.uses_autocast(self.dtype), cache_enabled=cache_enabled)
+
+    # ---- for a framework's callback (amp_tui.integrations) -------------------------------------
+    def begin_step(self) -> MonitoredStep:
+        """`with monitor.step()` split in two, for a framework whose hooks start and end a step:
+        queued commands apply here (a pause holds here). End it with `end_step(loss)`, or
+        `fail_step(exc)` when it raised."""
+        block = self._step()
+        step = block.__enter__()
+        self._open_block = block
+        return step
+
+    def end_step(self, loss: Any) -> None:
+        """The end of the step `begin_step()` opened, whose loss tensor is `loss`. None: the
+        framework ran no loss in it (nothing is recorded, micro-batches folded so far included)."""
+        block, self._open_block = self._open_block, None
+        if block is None:
+            raise MonitorError("end_step() without begin_step(): open the step first")
+        if loss is None:
+            block.__exit__(GeneratorExit, GeneratorExit(), None)   # let go without a record
+            return
+        self._open_step.loss = loss
+        block.__exit__(None, None, None)
+
+    def fail_step(self, exc: BaseException) -> None:
+        """The framework's step (or its loop between steps) raised `exc`: recorded with its
+        traceback, the run ends in error; the caller re-raises it."""
+        block, self._open_block = self._open_block, None
+        if block is not None:
+            block.__exit__(type(exc), exc, exc.__traceback__)
+        elif self.state != "error":
+            self._failed(exc)
+
+    def gradients_ready(self) -> None:
+        """The framework's hook between the backward and the update (Lightning's
+        on_before_optimizer_step): without a GradScaler, the gradients are read here. An optimizer
+        stepped with a closure only has them once the closure ran inside its step(), after the
+        step's pre-hook. With a GradScaler they are read at its unscale_ (or step) already."""
+        if self._open_step is not None and self.scaler is None:
+            self._gradients_seen(scaled=False)
+
+    def refuse(self, action: str, reason: str) -> None:
+        """Turn a command off in this loop: from now on it is refused with `reason` (say what owns
+        what it would change, e.g. an engine that owns the loss scale)."""
+        self._handlers[action] = lambda command: self._refused(command, reason)
+
+    def autocast_forward(self, module: torch.nn.Module) -> None:
+        """Run `module`'s forward under `monitor.autocast()` from now on (in place of the fixed
+        autocast Accelerate's prepare() wrapped it in, if any), so that `d` switches what the
+        forward runs in; undone on close()."""
+        if self._forward_autocast is None:
+            self._forward_autocast = ForwardAutocast(module, self.autocast, lambda: self.dtype != "float32")
 
     def close(self) -> None:
         """End the recording (the end record says how the loop ended) and leave the user's objects
@@ -421,6 +487,9 @@ class Monitor:
                 self._patched.append(name)
 
     def _detach_hooks(self) -> None:
+        if self._forward_autocast is not None:
+            self._forward_autocast.undo()
+            self._forward_autocast = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -454,9 +523,11 @@ class Monitor:
             return
         if self.scaler is None:
             # Without loss scaling, the gradients as the optimizer gets them (a loop with no
-            # unscale_ call to mark the place before its clipping).
+            # unscale_ call to mark the place before its clipping). A closure computes them
+            # inside step(): they are read after it (gradients_ready, or the post-hook).
             self._attempt_starts()
-            self._gradients_seen(scaled=False)
+            if not _closure_given(args, kwargs):
+                self._gradients_seen(scaled=False)
         elif self._attempt is not None and not self._attempt.gradients:
             # A fused optimizer stepped by GradScaler without unscale_: its gradients still carry
             # the scale, which the optimizer's kernel takes off itself.
@@ -465,6 +536,8 @@ class Monitor:
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._attempt is not None:
             self._attempt.stepped = True
+            if not self._attempt.gradients and self.scaler is None and self._open_step is not None:
+                self._gradients_seen(scaled=False)   # a closure's, with nobody to say when before
 
     def _attempt_starts(self) -> None:
         if self._attempt is None:
@@ -660,8 +733,10 @@ class Monitor:
                                  "monitor.autocast() (its own torch.autocast fixes the dtype); wrap the "
                                  "forward in `with monitor.autocast():` so the dashboard can switch it")
         if new == "float16" and self.scaler is None:
+            fix = (f"start {self.framework} in fp16 for one" if self.framework
+                   else "pass scaler= to amp_tui.monitor")
             return self._refused(command, "dtype change refused: fp16 needs a GradScaler and this loop has "
-                                 "none (its gradients would underflow); pass scaler= to amp_tui.monitor")
+                                 f"none (its gradients would underflow); {fix}")
         reason = unsupported_reason(self.device, new)
         if reason:
             return self._refused(command, f"dtype change refused: {reason}")
@@ -761,7 +836,7 @@ class Monitor:
     def _starting_dtype(self, dtype: str | None) -> str:
         if dtype is not None:
             chosen = precision.canonical(dtype)
-            if chosen == "float16" and self.scaler is None:
+            if chosen == "float16" and self.scaler is None and self.framework is None:
                 raise MonitorError("dtype='fp16' needs an enabled GradScaler: pass scaler=torch.amp.GradScaler(...)")
         elif self.scaler is not None:
             chosen = "float16"
@@ -820,6 +895,19 @@ def _tensorboard_observer(logdir: Path):
         raise MonitorError(f"tensorboard_dir={str(logdir)!r}: {exc}") from None
     except OSError as exc:
         raise MonitorError(f"tensorboard_dir={str(logdir)!r}: {exc.strerror or exc}") from None
+
+
+def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a wrapper that steps it (Accelerate's AcceleratedOptimizer keeps
+    it as `.optimizer`): the one whose step hooks fire and which GradScaler is handed."""
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer):
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
+    return optimizer
+
+
+def _closure_given(args: tuple, kwargs: dict) -> bool:
+    return (bool(args) and args[0] is not None) or kwargs.get("closure") is not None
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
