@@ -77,6 +77,8 @@ class RunCheckpoints:
         if run.ranks:
             states = run.ranks.gather_rng()
             if not run.ranks.is_main:
+                run.event("checkpoint_saved", f"rank 0 writes the checkpoint of step {t.step_index}, "
+                          "with this rank's RNG state in it", source=source)
                 return None
             extra.update(run.ranks.checkpoint_extra(states))
         path = ckpt.checkpoint_path(self.folder, t.step_index)
