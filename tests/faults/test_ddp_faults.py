@@ -8,6 +8,7 @@ progress (steps recorded, the pid rank 1 printed).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from amp_tui.recording.reader import read_session
 from support import (
     DDP_SCRIPT,
     RANK_TIMEOUT_S,
+    REPO,
     rank_command,
     rank_end,
     rank_events,
@@ -29,6 +31,13 @@ from support import (
 )
 
 pytestmark = pytest.mark.slow
+
+
+def documented_rank_fields() -> set[tuple[str, str]]:
+    """(record, field) of every row of session-format.md's "Several ranks" table."""
+    text = (REPO / "docs" / "session-format.md").read_text(encoding="utf-8")
+    body = text.split("\n## Several ranks\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| ([a-z `]+?) \| `(\w+)` \|", body, flags=re.M))
 
 
 def start(script, run_dir, *flags, script_args=()):
@@ -62,6 +71,16 @@ def test_a_nan_in_rank_1s_inputs_only_is_skipped_by_both_ranks_without_a_hang(wr
     assert [s for s, kind, _ in rank_events(run_dir) if kind == "nonfinite"] == [2]
     end = session.end
     assert end["skipped_total"] == 1
+    # What several ranks add to the session, under the names session-format.md gives them.
+    one_rank = subprocess.run([sys.executable, "-m", "amp_tui", "train", str(script), "--headless", "--dtype", "bf16",
+                               "--steps", "4", "--run-dir", str(tmp_path / "one"), "--", "--nan", "0:2"],
+                              capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path)
+    assert one_rank.returncode == 0, one_rank.stderr
+    alone = read_session(tmp_path / "one")
+    added = {("header", k) for k in set(session.header) - set(alone.header)}
+    added |= {("step", k) for k in set(bad) - set(alone.steps[2])}
+    added |= {("event `nonfinite`", k) for k in set(event) - set(alone.events[0])}
+    assert alone.events[0]["kind"] == "nonfinite" and added == documented_rank_fields()
     assert rank_end(run_dir) == {"state": "finished", "step": 4, "updates": 3, "skipped": 1, "dtype": "bf16",
                                  "scale": None}
 
