@@ -303,6 +303,7 @@ monitor.close()
 # A script for `amp-tui train --nproc 2`: each rank its own data (the same with --same-data, so
 # the ranks' losses must match to the bit while they are in step), NaN planted in one rank's
 # inputs (--nan RANK:BATCH), a pause per loss_fn call (--sleep S: a run to signal while it goes),
+# the model in a DistributedDataParallel of the script's own (--wrap),
 # and at exit a digest of this rank's parameters in DIR/rank<N>.txt (--params DIR).
 DDP_SCRIPT = '''
 import argparse, atexit, hashlib, time
@@ -316,9 +317,12 @@ def setup(ctx):
     p.add_argument("--nan", default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--params", default=None)
+    p.add_argument("--wrap", action="store_true")
     a = p.parse_args(ctx.argv)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    if a.wrap:   # the script's own DistributedDataParallel (amp-tui has set up the process group)
+        model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0 if a.same_data else 1 + ctx.rank)
     xs = torch.randn(64, 8, generator=g)
@@ -384,18 +388,18 @@ dist.destroy_process_group()
 RANK_TIMEOUT_S = 240   # an upper bound for one multi-process job: a hang fails the test, not CI
 
 
-def rank_command(script, run_dir, *flags: str, nproc: int = 2, script_args=()) -> list[str]:
+def rank_command(script, run_dir, *flags: str, nproc: int = 2, script_args=(), with_run_dir=True) -> list[str]:
     import sys
     command = [sys.executable, "-m", "amp_tui", "train", str(script), "--nproc", str(nproc), "--headless",
-               "--run-dir", str(run_dir), *flags]
+               *(["--run-dir", str(run_dir)] if with_run_dir else []), *flags]
     return command + (["--", *script_args] if script_args else [])
 
 
-def train_ranks(script, run_dir, *flags: str, script_args=(), nproc: int = 2):
+def train_ranks(script, run_dir, *flags: str, script_args=(), nproc: int = 2, with_run_dir=True):
     """`amp-tui train SCRIPT --nproc 2 --headless` to its end (bounded by RANK_TIMEOUT_S)."""
     import subprocess
-    return subprocess.run(rank_command(script, run_dir, *flags, nproc=nproc, script_args=script_args),
-                          capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=Path(script).parent)
+    command = rank_command(script, run_dir, *flags, nproc=nproc, script_args=script_args, with_run_dir=with_run_dir)
+    return subprocess.run(command, capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=Path(script).parent)
 
 
 def rank_lines(run_dir, rank: int = 1) -> list[str]:

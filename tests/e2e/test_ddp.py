@@ -164,17 +164,22 @@ def test_ctl_and_attach_steer_rank_0_of_a_2_process_job(write_script, tmp_path):
 
 
 def test_torchrun_runs_amp_tui_train_as_its_ranks(write_script, tmp_path):
+    """The script wraps its model in DDP itself here: amp-tui doesn't wrap it again."""
     script = write_script(DDP_SCRIPT)
-    run_dir = tmp_path / "run"
+    run_dir, params = tmp_path / "run", tmp_path / "params"
+    params.mkdir()
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "amp_tui", "train", str(script), "--headless", "--steps", "3",
-                           "--run-dir", str(run_dir)],
+                           "--run-dir", str(run_dir), "--", "--wrap", "--params", str(params)],
                           capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout + done.stderr
     session = read_session(run_dir)
     assert session.header["world_size"] == 2 and len(session.steps) == 3
     assert session.end["status"] == "finished" and rank_end(run_dir)["step"] == 3
+    assert session.header["layers"] == ["0", "2"]   # the script's module's names, not module.0
+    d0, d1 = digests(params)
+    assert d0 == d1
 
 
 def test_amp_tui_run_follows_a_torchrun_loop_with_a_monitor(write_script, tmp_path):

@@ -7,6 +7,7 @@ progress (steps recorded, the pid rank 1 printed).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import sys
 import pytest
 
 from amp_tui.recording.reader import read_session
+from amp_tui.training.checkpoint.io import read_header
 
 from support import (
     DDP_SCRIPT,
@@ -68,6 +70,7 @@ def test_a_nan_in_rank_1s_inputs_only_is_skipped_by_both_ranks_without_a_hang(wr
     bad = session.steps[2]
     assert bad["skipped"] and bad["nonfinite"] == "loss"
     assert isinstance(bad["rank_loss"][0], float) and bad["rank_loss"][1] == "NaN"   # rank 1's alone
+    assert bad["layers"]["act"][0] == "NaN"   # each layer's maximum over the ranks: rank 1's NaN
     assert [s for s, kind, _ in rank_events(run_dir) if kind == "nonfinite"] == [2]
     end = session.end
     assert end["skipped_total"] == 1
@@ -104,6 +107,17 @@ def test_sigterm_to_one_worker_stops_both_at_the_same_step_with_a_checkpoint(wri
     [saved] = [e for e in session.events if e["kind"] == "checkpoint_saved"]
     assert (run_dir / saved["path"]).exists() and saved["checkpoint_step"] == session.end["step"]
     assert rank_end(run_dir)["state"] == "stopped" and rank_end(run_dir)["step"] == session.end["step"]
+    head, _ = read_header(run_dir / saved["path"])   # rank 0's file, with every rank's RNG state
+    extra = json.loads(head.metadata["extra"])
+    assert extra["world_size"] == 2 and len(extra["rank_rng"]) == 2
+    # The same world size resumes from it, on both ranks.
+    stopped_at = session.end["step"]
+    again = train_ranks(script, run_dir, "--steps", "2", "--resume", str(run_dir), with_run_dir=False)
+    assert again.returncode == 0, again.stdout + again.stderr
+    session = read_session(run_dir)
+    [resumed] = [e for e in session.events if e["kind"] == "resumed"]
+    assert resumed["checkpoint_step"] == stopped_at and session.end["step"] == stopped_at + 2
+    assert rank_end(run_dir)["state"] == "finished" and rank_end(run_dir)["step"] == stopped_at + 2
 
 
 def test_kill_9_of_one_worker_ends_the_other_with_the_session_kept(write_script, tmp_path):
