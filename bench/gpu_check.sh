@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared check for a CUDA or ROCm machine (device "cuda"), about 4-5 minutes:
+# One prepared check for a CUDA or ROCm machine (device "cuda"), about 5 minutes (each part has
+# its own time limit):
 #
 #   1. the environment: GPU, driver, torch build, bf16 support            (env.txt)
 #   2. every demo in demos/ that follows the script contract (a setup() for amp-tui train) for 30
@@ -10,6 +11,8 @@
 #      the test suite hands them one by hand); run on their own too     (frameworks-fp16.log)
 #   4. the overhead benchmark on a GPT-2-small-sized model (12 blocks, d_model 768, vocab 50257,
 #      seq 512, batch 8) in fp16 and bf16: python bench/run.py --gpu       (overhead.txt, *-gpu.json)
+#   5. with 2 GPUs or more: amp-tui's coordination of 2 ranks over plain DDP, NCCL, one rank per
+#      GPU: python bench/ddp_overhead.py --backend nccl --quick             (ddp-nccl.log, *-ddp-nccl.json)
 #
 # Results go to $OUT if set, else bench/results/gpu-<date>/; summary.txt lists each part's exit
 # status and time. Every part has its own time limit and a failing part doesn't stop the others;
@@ -183,6 +186,20 @@ fi
 verdict overhead
 # the table is at the end of the log; keep it on its own too
 sed -n '/^amp-tui benchmarks/,$p' "$OUT/overhead.log" > "$OUT/overhead.txt"
+
+# ---- 5. several ranks: amp-tui's coordination over plain DDP, one rank per GPU with NCCL --------
+if [ "$DEVICE" = "cpu" ]; then
+    part ddp 150 "$PY" "$ROOT/bench/ddp_overhead.py" --backend gloo --nproc 2 --quick --out "$OUT"
+    verdict ddp
+else
+    GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+    if [ "${GPUS:-0}" -ge 2 ]; then
+        part ddp-nccl 90 "$PY" "$ROOT/bench/ddp_overhead.py" --backend nccl --nproc 2 --quick --out "$OUT"
+        verdict ddp-nccl
+    else
+        say "skip  ddp-nccl: ${GPUS:-0} GPU(s), it needs 2 or more"
+    fi
+fi
 
 say "total $(( $(date +%s) - START ))s; results in $OUT"
 exit "$FAILED"

@@ -296,3 +296,147 @@ for i in range(STEPS):
         break
 monitor.close()
 '''
+
+
+# ---- several ranks (torch.distributed, gloo on the CPU) --------------------------------------------
+
+# A script for `amp-tui train --nproc 2`: each rank its own data (the same with --same-data, so
+# the ranks' losses must match to the bit while they are in step), NaN planted in one rank's
+# inputs (--nan RANK:BATCH), a pause per loss_fn call (--sleep S: a run to signal while it goes),
+# the model in a DistributedDataParallel of the script's own (--wrap),
+# and at exit a digest of this rank's parameters in DIR/rank<N>.txt (--params DIR).
+DDP_SCRIPT = '''
+import argparse, atexit, hashlib, time
+from pathlib import Path
+import torch
+from torch import nn
+
+def setup(ctx):
+    p = argparse.ArgumentParser()
+    p.add_argument("--same-data", action="store_true")
+    p.add_argument("--nan", default=None)
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--params", default=None)
+    p.add_argument("--wrap", action="store_true")
+    a = p.parse_args(ctx.argv)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    if a.wrap:   # the script's own DistributedDataParallel (amp-tui has set up the process group)
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0 if a.same_data else 1 + ctx.rank)
+    xs = torch.randn(64, 8, generator=g)
+    ys = xs.sum(1, keepdim=True)
+    batches = [(xs[i:i + 16].clone(), ys[i:i + 16]) for i in range(0, 64, 16)]
+    if a.nan:
+        rank, batch = (int(v) for v in a.nan.split(":"))
+        if rank == ctx.rank:
+            batches[batch][0][0, 0] = float("nan")
+    if a.params:
+        def digest():
+            h = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.parameters()))
+            Path(a.params, f"rank{ctx.rank}.txt").write_text(h.hexdigest())
+        atexit.register(digest)
+    def loss_fn(model, batch):
+        if a.sleep:
+            time.sleep(a.sleep)
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches}
+'''
+
+# A loop of the user's own under torchrun: DDP, a GradScaler, amp_tui.monitor. At the end each
+# rank prints the step it stopped at and every change of autocast dtype it saw.
+OWN_DDP_LOOP_SCRIPT = '''
+import os, time
+import torch
+import torch.distributed as dist
+from torch import nn
+import amp_tui
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu", init_scale=256)
+xs = torch.randn(64, 8, generator=torch.Generator().manual_seed(rank))
+batches = [(xs[i:i + 16], xs[i:i + 16].sum(1, keepdim=True)) for i in range(0, 64, 16)]
+monitor = amp_tui.monitor(model, optimizer, scaler=scaler)
+seen = []
+for i in range(int(os.environ.get("STEPS", "100000"))):
+    x, y = batches[i % len(batches)]
+    optimizer.zero_grad()
+    with monitor.step() as step:
+        with monitor.autocast():
+            dtype = str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else "fp32"
+            if not seen or seen[-1][1] != dtype:
+                seen.append((i, dtype))
+            loss = nn.functional.mse_loss(model(x), y)
+        step.loss = loss
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    time.sleep(0.02)
+    if monitor.should_stop:
+        break
+monitor.close()
+print(f"rank {rank} stopped at {i}; dtypes {seen}", flush=True)
+dist.destroy_process_group()
+'''
+
+RANK_TIMEOUT_S = 240   # an upper bound for one multi-process job: a hang fails the test, not CI
+
+
+def rank_command(script, run_dir, *flags: str, nproc: int = 2, script_args=(), with_run_dir=True) -> list[str]:
+    import sys
+    command = [sys.executable, "-m", "amp_tui", "train", str(script), "--nproc", str(nproc), "--headless",
+               *(["--run-dir", str(run_dir)] if with_run_dir else []), *flags]
+    return command + (["--", *script_args] if script_args else [])
+
+
+def train_ranks(script, run_dir, *flags: str, script_args=(), nproc: int = 2, with_run_dir=True):
+    """`amp-tui train SCRIPT --nproc 2 --headless` to its end (bounded by RANK_TIMEOUT_S)."""
+    import subprocess
+    command = rank_command(script, run_dir, *flags, nproc=nproc, script_args=script_args, with_run_dir=with_run_dir)
+    return subprocess.run(command, capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=Path(script).parent)
+
+
+def rank_lines(run_dir, rank: int = 1) -> list[str]:
+    try:
+        return (Path(run_dir) / f"rank{rank}.log").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+
+
+def rank_end(run_dir, rank: int = 1) -> dict | None:
+    """The last line a rank other than 0 prints: where it ended, with its counts."""
+    import re
+    pattern = re.compile(r"rank \d+/\d+: (\w+) before step (\d+): (\d+) updates, (\d+) skipped, (\w+), scale (\S+)")
+    for line in reversed(rank_lines(run_dir, rank)):
+        m = pattern.search(line)
+        if m:
+            state, step, updates, skipped, dtype, scale = m.groups()
+            return {"state": state, "step": int(step), "updates": int(updates), "skipped": int(skipped),
+                    "dtype": dtype, "scale": None if scale == "none" else float(scale)}
+    return None
+
+
+def rank_pid(run_dir, rank: int = 1) -> int | None:
+    import re
+    for line in rank_lines(run_dir, rank):
+        m = re.search(r"\(pid (\d+),", line)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def rank_events(run_dir, rank: int = 1) -> list[tuple[int, str, str]]:
+    """(step, kind, message) of every event a rank other than 0 printed."""
+    import re
+    out = []
+    for line in rank_lines(run_dir, rank):
+        m = re.match(r"rank \d+/\d+: step (\d+): (\w+): (.*)", line)
+        if m:
+            out.append((int(m.group(1)), m.group(2), m.group(3)))
+    return out

@@ -44,7 +44,8 @@ def cmd_ls(args) -> int:
     # One folder: its runs' names are enough. Several: the path tells them apart.
     several = len(folders) > 1
     cells = [[Text(str(r.run_dir) if several else r.run_dir.name),
-              Text(r.state, style=STATE_STYLES.get(r.state, "")), Text(r.script),
+              Text(r.state, style=STATE_STYLES.get(r.state, "")),
+              Text(r.script + (f" ({r.world_size} ranks)" if r.world_size > 1 else "")),
               Text(str(r.steps)), Text(short_name(r.dtype)), Text(str(r.skipped))] for r in rows]
     # Piped output has no width to fit: keep whole rows for grep and friends.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)

@@ -61,6 +61,17 @@ def add_parser(sub) -> None:
     train.add_argument("--fp32-modules", action="append", default=[], metavar="PATTERN",
                        help="run modules whose name matches PATTERN (fnmatch, e.g. 'blocks.*.attn') "
                             "with autocast off and float32 inputs (repeatable)")
+    ranks = train.add_argument_group("several processes (torch.distributed, DistributedDataParallel)")
+    ranks.add_argument("--nproc", type=argtypes.positive_int, default=None, metavar="N",
+                       help="run N ranks on this machine through torch.distributed.run (gloo on the "
+                            "CPU, nccl on cuda:LOCAL_RANK); rank 0 records, the dashboard attaches to it")
+    ranks.add_argument("--nnodes", type=argtypes.positive_int, default=None, metavar="N",
+                       help="machines in the job (with --rdzv-endpoint; run the same command on each)")
+    ranks.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="where the machines of a --nnodes job meet (torchrun's c10d rendezvous)")
+    ranks.add_argument("--dist-timeout", type=argtypes.positive, default=None, metavar="S",
+                       help="how long a rank waits for the others in a collective before the job stops "
+                            "with an error (default 300)")
     guards = train.add_argument_group("scale guards and the fallback ladder")
     guards.add_argument("--min-scale", type=argtypes.positive, default=None, metavar="X",
                         help="never let the loss scale fall below X")
@@ -83,6 +94,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_train(args) -> int:
+    from amp_tui.cli import distributed
     from amp_tui.core.commands import CommandError
     from amp_tui.training.devices import DeviceError
     from amp_tui.training.engine import PrecisionRefused
@@ -92,23 +104,36 @@ def cmd_train(args) -> int:
         problem = tensorboard_problem(args.tensorboard)
         if problem:
             return error(problem)
+    if distributed.is_rank():          # one process of a torchrun job (amp-tui train --nproc or torchrun)
+        return distributed.train_rank(args)
     if args.detach:
         return cmd_detach(args)
+    if args.nproc is not None or args.nnodes is not None or args.rdzv_endpoint is not None:
+        return distributed.launch(args, dashboard=use_dashboard(args))
     dashboard = use_dashboard(args)
     try:
         run, warnings = prepare_run(args, args.script_argv, args.command_line,
                                     on_nonfinite_default="pause" if dashboard else "skip")
     except (ScriptError, DeviceError, CommandError, PrecisionRefused) as exc:
         return error(str(exc))
-    if args.tensorboard is not None:
-        from amp_tui.recording.tensorboard import TensorBoardObserver
-        try:
-            run.observers.append(TensorBoardObserver(args.tensorboard))
-        except OSError as exc:
-            return error(f"--tensorboard {args.tensorboard}: {exc.strerror or exc}")
+    problem = attach_tensorboard(run, args.tensorboard)
+    if problem:
+        return error(problem)
     if dashboard:
         return run_dashboard(run, warnings, refresh_rate=args.refresh_rate)
     return run_headless(run, warnings)
+
+
+def attach_tensorboard(run, logdir: Path | None) -> str | None:
+    """Write the run's recording live to `--tensorboard DIR` too; what went wrong, if anything."""
+    if logdir is None:
+        return None
+    from amp_tui.recording.tensorboard import TensorBoardObserver
+    try:
+        run.observers.append(TensorBoardObserver(logdir))
+    except OSError as exc:
+        return f"--tensorboard {logdir}: {exc.strerror or exc}"
+    return None
 
 
 def tensorboard_problem(logdir: Path) -> str | None:
@@ -139,14 +164,30 @@ def use_dashboard(args) -> bool:
 # ---- building the run ---------------------------------------------------------------------------
 
 def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: list[str],
-                on_nonfinite_default: str = "skip"):
-    """Load and check the script, then build the Run (no file is written yet).
+                on_nonfinite_default: str = "skip", ranks=None):
+    """Load and check the script, then build the Run (no file is written yet). With `ranks` (one
+    rank of several), a check that fails on any rank fails on every rank, before the first
+    collective that would wait for it.
 
     Raises ScriptError / DeviceError / CommandError / PrecisionRefused with a message for the user.
     """
+    from amp_tui.cli.distributed import agreed
+
+    with agreed(ranks):
+        config, setup, device, feed = _configure(args, script_argv, command_line, on_nonfinite_default, ranks)
+    from amp_tui.job.run import Run
+    run = Run(config, setup, device, feed, ranks=ranks)
+    # After every precision policy is in place (--dtype, --fp32-modules, --at 0:...): the check
+    # is the first step's own forward.
+    with agreed(ranks):
+        run.preflight()
+    return run, setup.warnings
+
+
+def _configure(args, script_argv: list[str], command_line: list[str], on_nonfinite_default: str, ranks):
     from amp_tui.core.commands import parse_at
     from amp_tui.job.feed import BatchFeed
-    from amp_tui.job.run import Run, RunConfig
+    from amp_tui.job.run import RunConfig
     from amp_tui.training.autocast import unsupported_reason
     from amp_tui.training.checkpoint import list_checkpoints
     from amp_tui.training.devices import resolve_device
@@ -162,7 +203,7 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
             at += interventions_as_commands(args.repeat_interventions)
         except (SessionFormatError, OSError) as exc:
             raise ScriptError(f"--repeat-interventions: {exc}") from None
-    device = resolve_device(args.device)
+    device = ranks.device if ranks else resolve_device(args.device)
     run_dir = args.run_dir
     if args.resume is not None:
         if run_dir is not None and run_dir.resolve() != args.resume.resolve():
@@ -181,7 +222,8 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
     if reason:
         from amp_tui.training.engine import PrecisionRefused
         raise PrecisionRefused(reason)
-    setup = load_script(args.script, device=str(device), argv=script_argv, dtype=dtype)
+    where = {"rank": ranks.rank, "local_rank": ranks.local_rank, "world_size": ranks.world_size} if ranks else {}
+    setup = load_script(args.script, device=str(device), argv=script_argv, dtype=dtype, **where)
     resume_from, resume_skipped = None, []
     if args.resume is not None:
         resume_from, resume_skipped = _newest_valid_checkpoint(candidates, setup, run_dir)
@@ -205,12 +247,8 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
         at=at, command_line=command_line,
         guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from,
         resume_skipped=[(str(path.relative_to(run_dir)), reason) for path, reason in resume_skipped],
-        control=True)
-    run = Run(config, setup, device, feed)
-    # After every precision policy is in place (--dtype, --fp32-modules, --at 0:...): the check
-    # is the first step's own forward.
-    run.preflight()
-    return run, setup.warnings
+        control=not ranks or ranks.is_main)
+    return config, setup, device, feed
 
 
 def _newest_valid_checkpoint(candidates, setup, run_dir: Path) -> tuple[Path, list[tuple[Path, str]]]:

@@ -7,7 +7,12 @@ records what it did as an event; a save the disk refuses is handed to the host's
 
 The host is a `Run` (`amp-tui train`) or a `Monitor` (the user's own loop): it has a `trainer`
 holding the state (`TrainingState`), a `step`, an `event(...)`, `run_dir` and `session_path`,
-`checkpoint_refused(source, message)` and `saved_extra()`.
+`checkpoint_refused(source, message)`, `saved_extra()` and `ranks` (None for one process).
+
+With several ranks the replicas are identical, so rank 0 alone writes the file, with every
+rank's RNG state in it; a restore or a resume loads it on every rank at the same step (DDP
+broadcasts parameters only when it wraps the model), each rank taking its own RNG state back, or
+on none: which file, and whether every rank could read it, are agreed first.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.numfmt import byte_size
 from amp_tui.core.text import plural
+from amp_tui.job.distributed import restore_rng, rng_problem, saved_world_size
 from amp_tui.recording.reader import read_session
 from amp_tui.training import checkpoint as ckpt
 
@@ -65,14 +71,22 @@ class RunCheckpoints:
             return str(path)
 
     def save(self, *, source: str) -> ckpt.CheckpointInfo | None:
+        """Write a full checkpoint (rank 0; the other ranks hand over their RNG state and get None)."""
         run, t = self.run, self.run.trainer
+        extra = {**t.checkpoint_extra(), **run.saved_extra()}
+        if run.ranks:
+            states = run.ranks.gather_rng()
+            if not run.ranks.is_main:
+                run.event("checkpoint_saved", f"rank 0 writes the checkpoint of step {t.step_index}, "
+                          "with this rank's RNG state in it", source=source)
+                return None
+            extra.update(run.ranks.checkpoint_extra(states))
         path = ckpt.checkpoint_path(self.folder, t.step_index)
         started = time.perf_counter()
         try:
             info = ckpt.save_checkpoint(
                 path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
-                scaler_state=t.scaler_state(), step=t.step_index, dtype=t.dtype,
-                extra={**t.checkpoint_extra(), **run.saved_extra()})
+                scaler_state=t.scaler_state(), step=t.step_index, dtype=t.dtype, extra=extra)
         except ckpt.CheckpointError as exc:
             run.event("error", str(exc), during="save", source=source)
             if isinstance(exc.__cause__, OSError):  # a full disk, not a bad model state
@@ -85,26 +99,40 @@ class RunCheckpoints:
                   source=source)
         return info
 
-    def restore(self, command: Command) -> Outcome:
-        run, t = self.run, self.run.trainer
+    def _target(self, command: Command) -> Path | None:
+        """The file a restore command names (None: `latest`, and there is no checkpoint yet)."""
         target = str(command.value or "latest")
         if target == "latest":
             found = self.list()
-            if not found:
-                run.event("error", "restore refused: this run has no checkpoint yet", during="restore",
-                          source=command.source)
-                return Outcome(False, "no checkpoint yet")
-            path = found[0].path
-        else:
-            path = Path(target).expanduser()
-            if not path.is_absolute() and not path.exists() and (run.run_dir / path).exists():
-                path = run.run_dir / path
+            return found[0].path if found else None
+        path = Path(target).expanduser()
+        if not path.is_absolute() and not path.exists() and (self.run.run_dir / path).exists():
+            path = self.run.run_dir / path
+        return path
+
+    def restore(self, command: Command) -> Outcome:
+        run, t = self.run, self.run.trainer
+        path = self._target(command)
+        if run.ranks:
+            path = run.ranks.share(path)   # rank 0's file, whatever the others' listing says
+        if path is None:
+            run.event("error", "restore refused: this run has no checkpoint yet", during="restore",
+                      source=command.source)
+            return Outcome(False, "no checkpoint yet")
+        problem = loaded = None
         try:
             loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
         except ckpt.CheckpointError as exc:
-            run.event("error", f"restore refused: {exc}", during="restore", source=command.source,
+            problem = str(exc)
+        if run.ranks:   # every rank loads it, or none does
+            if problem is None:
+                why = rng_problem(loaded.extra, run.ranks.rank)
+                problem = f"cannot restore {path}: {why}" if why else None
+            problem = run.ranks.first_problem(problem)
+        if problem is not None:
+            run.event("error", f"restore refused: {problem}", during="restore", source=command.source,
                       path=str(path))
-            return Outcome(False, str(exc))
+            return Outcome(False, problem)
         before = t.describe_precision()
         self._apply(loaded)
         after = t.describe_precision()
@@ -125,6 +153,15 @@ class RunCheckpoints:
         run, t = self.run, self.run.trainer
         last_step = max((r["step"] for r in read_session(run.session_path).steps), default=-1)
         loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+        saved, world = saved_world_size(loaded.extra), run.ranks.world_size if run.ranks else 1
+        if saved != world:
+            how = f"with --nproc {saved} (or torchrun with {saved} processes)" if saved > 1 else "without --nproc"
+            raise ValueError(f"{self.relative(path)} was saved by a run of {plural(saved, 'rank')} and this "
+                             f"one has {world}: every rank's data shard and RNG state belong to that "
+                             f"world size; resume it {how}")
+        why = rng_problem(loaded.extra, run.ranks.rank) if run.ranks else None
+        if why:
+            raise ValueError(f"{self.relative(path)}: {why}")
         self._apply(loaded)
         t.step_index = last_step + 1
         config = run.config
@@ -151,8 +188,10 @@ class RunCheckpoints:
                   skipped_checkpoints=[{"path": p, "reason": why} for p, why in skipped])
 
     def _apply(self, loaded: ckpt.LoadedCheckpoint) -> None:
-        t = self.run.trainer
+        t, ranks = self.run.trainer, self.run.ranks
         loaded.apply(t.model, t.optimizer, t.scheduler)
+        if ranks:   # each rank its own RNG state (the file's own is rank 0's)
+            restore_rng(loaded.extra or {}, ranks.rank, ranks.device)
         t.restore_scaler(loaded.scaler_state)
         # The applied and skipped counts are part of the state a full checkpoint brings back:
         # after a restore or a resume they count what the weights went through, not the

@@ -61,7 +61,8 @@ from amp_tui.core.records import RunState, end_status
 from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.job.checkpoints import RunCheckpoints
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
-from amp_tui.job.recorder import Observers, Recorder
+from amp_tui.job.distributed import Ranks
+from amp_tui.job.recorder import Observers, RankEcho, Recorder
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.recording.report import describe_records
 from amp_tui.training import checkpoint as ckpt
@@ -148,7 +149,13 @@ class Monitor:
         self.underflow_every = max(1, int(underflow_every))
         self.checkpoint_every = checkpoint_every
         self.script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else Path("python")
+        # A loop under torchrun: rank 0 records and serves the socket, every rank agrees at the
+        # boundaries (job/distributed.py).
+        self.ranks = Ranks.of_loop(model)
         self.run_dir = Path(run_dir or os.environ.get(RUN_DIR_VARIABLE) or default_run_dir(self.script))
+        if self.ranks:
+            self.run_dir = Path(self.ranks.share(str(self.run_dir)))
+        main = not self.ranks or self.ranks.is_main
         self.session_path = self.run_dir / "session.jsonl"
         eager = original_module(model)
         self.compiled_modules = compiled_module_names(model)
@@ -156,7 +163,8 @@ class Monitor:
         self.local_fp32 = LocalFp32(eager, self.device.type)
         self.guard = PrecisionGuard(GuardConfig())
         self.commands = CommandQueue()
-        self.recorder = Recorder(self.session_path, on_refused=self._disk_refused)
+        self.recorder = (Recorder(self.session_path, on_refused=self._disk_refused) if main
+                         else RankEcho(self.session_path, prefix=self.ranks.describe()))
         self.checkpointing = RunCheckpoints(self)
         self.trainer = self   # what the checkpoints save and restore (TrainingState)
         self._handlers: dict[str, Handler] = {
@@ -199,7 +207,7 @@ class Monitor:
         self._handles: list = []
         self._patched: list[str] = []
         self._previous_signals: dict = {}
-        if tensorboard_dir is not None:   # before anything is made: a missing package leaves nothing
+        if tensorboard_dir is not None and main:   # before anything is made: a missing package
             self.recorder.observers.append(_tensorboard_observer(Path(tensorboard_dir)))
         _claim(self)
         try:
@@ -208,11 +216,14 @@ class Monitor:
                 # Accelerate's prepare() fixed the forward's autocast: put it under ours, so that
                 # the dtype in force is what runs (and `d` switches it).
                 self.autocast_forward(wrapped_in_autocast(model))
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.checkpointing.folder.mkdir(parents=True, exist_ok=True)
-            ckpt.cleanup_temporary_files(self.checkpointing.folder)
+            if self.ranks:   # a rank's step time ends with its forward, before DDP's all-reduce
+                self._handles.append(model.register_forward_hook(self.ranks.forward_done))
+            if main:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                self.checkpointing.folder.mkdir(parents=True, exist_ok=True)
+                ckpt.cleanup_temporary_files(self.checkpointing.folder)
             self.recorder.open(self._header(), append=False, flush_interval=1.0)
-            if control:
+            if control and main:
                 from amp_tui.job.control import ControlServer
                 self._control = ControlServer(self, self.run_dir)
                 self._control.start()
@@ -223,7 +234,7 @@ class Monitor:
         self._install_signal_handlers()
         atexit.register(self._close_at_exit)
         self.state = "running"
-        if announce:
+        if announce and main:
             print(f"amp-tui: recording this loop to {self.run_dir} ({precision.SHORT[self.dtype]}); "
                   f"watch and steer it with: amp-tui attach {self.run_dir}", file=sys.stderr, flush=True)
 
@@ -329,6 +340,8 @@ class Monitor:
             return
         self._closed = True
         atexit.unregister(self._close_at_exit)
+        if self.ranks:
+            self.ranks.voting = False   # no boundary after the last one: stops are this rank's own
         if self._open_step is not None:
             self.error = self.error or "monitor.close() inside monitor.step(): that step is not recorded"
         if self.state not in ("error", "stopped"):
@@ -370,6 +383,10 @@ class Monitor:
 
     def request_stop(self, *, checkpoint: bool = False, reason: str | None = None) -> None:
         """Stop at the next step boundary (`should_stop` turns True); with `checkpoint`, save one."""
+        if self.ranks and self.ranks.voting:   # every rank stops at the boundary that agrees on it
+            self.ranks.vote_stop(checkpoint=checkpoint, reason=reason)
+            self.commands.wakeup.set()
+            return
         if checkpoint:
             self._checkpoint_on_stop = True
         if reason and self._stop_reason is None:
@@ -381,7 +398,7 @@ class Monitor:
         return {"state": self.state, "step": self.step_index, "steps": None, "dtype": self.dtype,
                 "scale": self._scale(), "updates": self.updates_applied, "skipped": self.skipped_total,
                 "loss": encode_float(self.last_loss), "pid": os.getpid(), "run_dir": str(self.run_dir),
-                "script": str(self.script)}
+                "script": str(self.script), **(self.ranks.header_fields() if self.ranks else {})}
 
     def checkpoints(self) -> list[ckpt.CheckpointInfo]:
         return self.checkpointing.list()
@@ -464,6 +481,7 @@ class Monitor:
             "started": datetime.now().astimezone().isoformat(timespec="seconds"),
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            **(self.ranks.header_fields() if self.ranks else {}),
         }
 
     def _disk_refused(self, message: str, first: bool) -> None:
@@ -619,6 +637,8 @@ class Monitor:
             skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
             micro_batches=n, nonfinite=nonfinite, first_nonfinite_layer=first, lr=attempt.lr,
             figures=figures, next_scale=self._scale(), duration=time.perf_counter() - self._step_started)
+        if self.ranks:
+            result = self.ranks.gather_step(result, self.probe.names, details=False)
         self.last_loss = mean_loss
         self._unpublished.append(result)
         if nonfinite is not None or time.monotonic() - self._published_at >= PUBLISH_INTERVAL:
@@ -643,20 +663,24 @@ class Monitor:
     def _nonfinite_event(self, result: StepResult, layer: str | None) -> None:
         self.nonfinite_events += 1
         short = precision.SHORT[result.dtype]
+        rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
+        on = f" on rank {rank}" if rank is not None else ""
         if result.nonfinite == "loss":
             where = f"; first non-finite output: {layer}" if layer else ""
             outcome = "update skipped" if result.skipped else "the loop applied the update (no GradScaler to skip it)"
-            message = f"non-finite loss ({number(result.loss, 4)}) in {short}{where}: {outcome}"
+            message = f"non-finite loss ({number(result.loss, 4)}){on} in {short}{where}: {outcome}"
             fields = {"origin": layer}
         else:
             where = f"; first non-finite gradient: {layer}" if layer else ""
             if result.skipped:
-                message = (f"gradients overflowed at scale {result.scale:g}{where}: update skipped, "
+                message = (f"gradients overflowed at scale {result.scale:g}{on}{where}: update skipped, "
                            f"scale now {result.next_scale:g}")
             else:
-                message = (f"non-finite gradients in {short}{where}: the loop applied the update "
+                message = (f"non-finite gradients{on} in {short}{where}: the loop applied the update "
                            "(no GradScaler to skip it)")
             fields = {"backward_origin": layer}
+        if rank is not None:
+            fields["rank"] = rank
         self.event("nonfinite", message, step=result.step, where=result.nonfinite, layer=layer,
                    loss=encode_float(result.loss), scale=result.scale, dtype=result.dtype, **fields)
 
@@ -694,19 +718,37 @@ class Monitor:
     def _boundary(self, *, hold: bool = True) -> None:
         """Between two updates: apply what was asked; while paused (and `hold`), hold here until
         resumed, single-stepped or stopped."""
+        if self.ranks and not hold:
+            return   # several ranks agree at the boundaries that hold, one after each update
         while True:
-            for command in self.commands.drain():
+            for command in self._boundary_commands():
                 apply_command(self._handlers, command, self._command_failed)
             if self._stop_requested.is_set():
                 self._stopping()
             if not hold or self.state != "paused" or self._single_steps or self.should_stop:
                 break
             self._publish()   # held: what was measured is on file before the wait
-            self.commands.wait(0.25)
+            if self.ranks:
+                self.ranks.hold(self.commands)   # the next boundary is the heartbeat
+            else:
+                self.commands.wait(0.25)
         if hold:
             if self._single_steps:
                 self._single_steps -= 1
             self._released = True
+
+    def _boundary_commands(self) -> list[Command]:
+        """The commands queued meanwhile; with several ranks, rank 0's on every rank, and a stop
+        that a signal brought to any rank stops them all here."""
+        commands = self.commands.drain()
+        if not self.ranks:
+            return commands
+        commands, stop = self.ranks.agree_commands(commands)
+        if stop is not None:
+            self._checkpoint_on_stop = self._checkpoint_on_stop or stop.checkpoint
+            self._stop_reason = self._stop_reason or stop.reason
+            self._stop_requested.set()
+        return commands
 
     def _stopping(self) -> None:
         if self.should_stop:

@@ -98,3 +98,44 @@ class Recorder:
         lost = self._writer.abandon()
         self.observers.notify({"type": "end", **end, "unwritten": dict(lost)})
         return lost
+
+
+class RankEcho(Recorder):
+    """The recording of a rank other than 0, which records nothing (rank 0 writes the session):
+    each event is printed as one line instead, for the rank's own output (RUN_DIR/rank<N>.log)."""
+
+    def __init__(self, path: Path, *, prefix: str, echo: Callable[[str], None] | None = None):
+        super().__init__(path, on_refused=lambda message, first: None)
+        self._prefix = prefix
+        self._echo = echo
+        self._open = False
+        self._finished = False
+
+    @property
+    def opened(self) -> bool:
+        return self._open
+
+    @property
+    def closed(self) -> bool:
+        return self._finished
+
+    def open(self, header: dict, *, append: bool, flush_interval: float) -> None:
+        self._open = True
+
+    def emit(self, record: dict, *, flush: bool = False) -> None:
+        if self._echo is not None and record.get("type") == "event":
+            self._echo(f"{self._prefix}: step {record.get('step')}: {record.get('kind')}: "
+                       f"{record.get('message', '')}")
+
+    def keep(self, record: dict) -> None:
+        self.emit(record)
+
+    def pending_records(self) -> dict[str, int]:
+        return {}
+
+    def finish(self, end: dict) -> None:
+        self._finished = True
+
+    def give_up(self, end: dict) -> dict[str, int]:
+        self._finished = True
+        return {}

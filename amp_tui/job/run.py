@@ -30,8 +30,9 @@ from amp_tui.core.records import RunState, end_status
 from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.job.checkpoints import RunCheckpoints
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
+from amp_tui.job.distributed import Ranks, RanksLost, communication_failure
 from amp_tui.job.feed import BatchFeed
-from amp_tui.job.recorder import Observers, Recorder
+from amp_tui.job.recorder import Observers, RankEcho, Recorder
 from amp_tui.recording.format import SessionFormatError, event_record, step_record
 from amp_tui.recording.report import RunOutcome, describe_records
 from amp_tui.training import checkpoint as ckpt
@@ -78,19 +79,24 @@ class RunConfig:
 class Run:
     """Owns the trainer and the session; `run()` is the loop (call it on the training thread)."""
 
-    def __init__(self, config: RunConfig, setup: TrainSetup, device: torch.device, feed: BatchFeed):
+    def __init__(self, config: RunConfig, setup: TrainSetup, device: torch.device, feed: BatchFeed,
+                 ranks: Ranks | None = None):
         if config.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)}")
         self.config = config
         self.setup = setup
         self.device = device
         self.feed = feed
+        self.ranks = ranks   # several ranks (job/distributed.py): what they agree on goes through it
         setup.model.to(device)
         self.trainer = GuardedTrainer(
-            setup.model, setup.optimizer, setup.loss_fn, device=device, dtype=config.dtype,
+            ranks.replicate(setup.model) if ranks else setup.model, setup.optimizer, setup.loss_fn,
+            device=device, dtype=config.dtype,
             init_scale=config.init_scale, scheduler=setup.scheduler,
             max_grad_norm=setup.max_grad_norm, probe_every=config.probe_every,
             underflow_every=config.underflow_every)
+        if ranks:
+            self.trainer.agree_finite = ranks.agree_finite
         self.accumulate = setup.accumulate
         self.guard = PrecisionGuard(config.guard)
         self.local_fp32 = LocalFp32(setup.model, device.type)
@@ -103,7 +109,8 @@ class Run:
         self.error: str | None = None
         self.run_dir = config.run_dir or default_run_dir(config.script)
         self.session_path = self.run_dir / "session.jsonl"
-        self.recorder = Recorder(self.session_path, on_refused=self._on_io_error)
+        self.recorder = (Recorder(self.session_path, on_refused=self._on_io_error) if not ranks or ranks.is_main
+                         else RankEcho(self.session_path, prefix=ranks.describe(), echo=_print_line))
         self.checkpointing = RunCheckpoints(self)
         self._handlers: dict[str, Handler] = {
             "dtype": self._set_dtype, "scale": self._set_scale, "save": self._save,
@@ -155,15 +162,21 @@ class Run:
         refuses them, a watched run (the dashboard) holds the stop and sets `stop_held`, so the
         user can free space or confirm. `give_up_unwritten` confirms: the run ends without them,
         and says how many were lost."""
+        if give_up_unwritten:
+            self._give_up_unwritten = True
+        self.stop_held.clear()
+        self._ask_stop(checkpoint=checkpoint, reason=reason)
+        self.commands.wakeup.set()
+
+    def _ask_stop(self, *, checkpoint: bool = False, reason: str | None = None) -> None:
+        if self.ranks and self.ranks.voting:   # every rank stops at the boundary that agrees on it
+            self.ranks.vote_stop(checkpoint=checkpoint, reason=reason)
+            return
         if checkpoint:
             self._checkpoint_on_stop = True
         if reason and self._stop_reason is None:
             self._stop_reason = reason
-        if give_up_unwritten:
-            self._give_up_unwritten = True
-        self.stop_held.clear()
         self._stop_requested.set()
-        self.commands.wakeup.set()
 
     def unattended(self) -> None:
         """Nobody is watching any more (the terminal is gone): a full disk stops the run as in
@@ -189,7 +202,8 @@ class Run:
         return {"state": self.state, "step": self.step, "steps": self.config.steps, "dtype": t.dtype,
                 "scale": t.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
                 "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
-                "run_dir": str(self.run_dir), "script": str(self.config.script)}
+                "run_dir": str(self.run_dir), "script": str(self.config.script),
+                **(self.ranks.header_fields() if self.ranks else {})}
 
     def outcome(self) -> RunOutcome:
         return RunOutcome(state=self.state, steps=self.step, unwritten=dict(self.unwritten),
@@ -229,6 +243,7 @@ class Run:
             "started": datetime.now().astimezone().isoformat(timespec="seconds"),
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            **(self.ranks.header_fields() if self.ranks else {}),
         }
 
     def event(self, kind: str, message: str, *, step: int | None = None, **fields: Any) -> dict:
@@ -270,7 +285,7 @@ class Run:
                        "(the records kept meanwhile are written then)", reason="io")
         else:
             self.exit_status = EXIT_ERROR
-            self._stop_requested.set()
+            self._ask_stop()
 
     def checkpoint_refused(self, source: str, message: str) -> None:
         """A checkpoint the disk refused: saved again once the user frees space and resumes."""
@@ -287,8 +302,9 @@ class Run:
     # ---- starting -------------------------------------------------------------------------
     def open(self) -> None:
         """Create the run directory and write the header (or, resuming, append to the session)."""
-        self.checkpointing.folder.mkdir(parents=True, exist_ok=True)
-        ckpt.cleanup_temporary_files(self.checkpointing.folder)
+        if not self.ranks or self.ranks.is_main:
+            self.checkpointing.folder.mkdir(parents=True, exist_ok=True)
+            ckpt.cleanup_temporary_files(self.checkpointing.folder)
         resuming = self.config.resume_from is not None
         if resuming and not self._resumed:
             self.checkpointing.resume(self.config.resume_from)   # first: the header says where it stops
@@ -363,15 +379,15 @@ class Run:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            if self.ranks:
+                self.ranks.voting = False   # no collective after the loop: stops are this rank's own
             self.close()
         return self.exit_status
 
     def _loop(self) -> None:
         cfg = self.config
         while True:
-            for command in self._scheduled.pop(self.step, []):
-                self._apply(command)
-            for command in self.commands.drain():
+            for command in self._boundary_commands():
                 self._apply(command)
             if self._stop_requested.is_set():
                 if self._stop_reason:
@@ -389,7 +405,10 @@ class Run:
                 self.set_state("finished")
                 return
             if self.state == "paused" and self._single_steps == 0:
-                self.commands.wait(0.25)
+                if self.ranks:
+                    self.ranks.hold(self.commands)   # the next boundary is the heartbeat
+                else:
+                    self.commands.wait(0.25)
                 continue
             if self._single_steps:
                 self._single_steps -= 1
@@ -397,14 +416,33 @@ class Run:
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self._save_checkpoint(source="checkpoint_every")
 
+    def _boundary_commands(self) -> list[Command]:
+        """What applies at this step boundary: the `--at` commands of this step, then those
+        queued meanwhile. With several ranks, rank 0's, on every rank, and a stop that a signal
+        (or a full disk) brought to any rank stops them all here."""
+        commands = self._scheduled.pop(self.step, []) + self.commands.drain()
+        if not self.ranks:
+            return commands
+        commands, stop = self.ranks.agree_commands(commands)
+        if stop is not None:
+            self._checkpoint_on_stop = self._checkpoint_on_stop or stop.checkpoint
+            self._stop_reason = self._stop_reason or stop.reason
+            self._stop_requested.set()
+        return commands
+
     def _one_step(self) -> None:
         step = self.step
         try:
             micro = self.feed.take(self.accumulate)  # the user's DataLoader or dataset may raise too
             result = self.trainer.step(micro)
+            if self.ranks:
+                result = self.ranks.gather_step(result, self.trainer.layer_names, details=True)
         except (LossError, ScriptError) as exc:
             raise StepFailure(step, f"step {step}: {exc}", exc) from exc
         except Exception as exc:  # noqa: BLE001
+            if self.ranks and communication_failure(exc):   # DDP's all-reduce, or one of ours
+                lost = RanksLost(self.ranks.lost_message(exc))
+                raise StepFailure(step, f"step {step}: {lost}", lost) from exc
             where = describe_exception(exc, self.config.script)
             raise StepFailure(step, f"step {step}: the script raised {where}", exc) from exc
         self.last_result = result
@@ -451,22 +489,25 @@ class Run:
         self.nonfinite_events += 1
         layer = result.first_nonfinite_layer
         diagnosis = result.diagnosis
+        rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
+        on = f" on rank {rank}" if rank is not None else ""
         if result.nonfinite == "loss":
             where = f"; first non-finite output: {layer}" if layer else ""
             if diagnosis is not None and diagnosis.input_nonfinite:
                 where += " (its input was already non-finite)"
-            msg = (f"non-finite loss ({number(result.loss, 4)}) in {precision.SHORT[result.dtype]}{where}: "
+            msg = (f"non-finite loss ({number(result.loss, 4)}){on} in {precision.SHORT[result.dtype]}{where}: "
                    "update skipped")
         else:
             where = f"; first non-finite gradient: {layer}" if layer else ""
             if result.scale is not None:
-                msg = (f"gradients overflowed at scale {result.scale:g}{where}: update skipped, "
+                msg = (f"gradients overflowed at scale {result.scale:g}{on}{where}: update skipped, "
                        f"scale now {self.trainer.scale:g}")
             else:
-                msg = f"non-finite gradients in {precision.SHORT[result.dtype]}{where}: update skipped"
+                msg = f"non-finite gradients{on} in {precision.SHORT[result.dtype]}{where}: update skipped"
         self.event("nonfinite", msg, step=result.step, where=result.nonfinite, layer=layer,
                    loss=encode_float(result.loss), scale=result.scale, dtype=result.dtype,
-                   **(diagnosis.as_fields() if diagnosis is not None else {}))
+                   **(diagnosis.as_fields() if diagnosis is not None else {}),
+                   **({"rank": rank} if rank is not None else {}))
         if result.nonfinite != "loss":
             return
         policy = self.config.on_nonfinite  # "skip" and "fallback" just go on (the guard decides)
@@ -580,10 +621,13 @@ class Run:
             self.set_state("stopped")
             self.event("stopping", "interrupted", reason="interrupt")
             return
+        elif isinstance(exc, RanksLost):
+            message, original, step = f"step {self.step}: {exc}", exc, self.step
         else:
             message, original, step = f"{type(exc).__name__}: {exc}", exc, self.step
-        # A ScriptError is amp-tui's own wording of a contract breach: its frames are ours, not the user's.
-        tb = "" if isinstance(original, ScriptError) else "".join(
+        # A ScriptError is amp-tui's own wording of a contract breach, and a lost rank a fact of
+        # the job: their frames are ours, not the user's.
+        tb = "" if isinstance(original, (ScriptError, RanksLost)) else "".join(
             traceback.format_exception(type(original), original, original.__traceback__))
         self.error = message
         self.exit_status = EXIT_ERROR
@@ -697,6 +741,10 @@ class StepFailure(Exception):
     def __init__(self, step: int, message: str, original: BaseException):
         super().__init__(message)
         self.step, self.message, self.original = step, message, original
+
+
+def _print_line(text: str) -> None:
+    print(text, flush=True)
 
 
 def _json_value(v):

@@ -94,6 +94,10 @@ def step_record(result) -> dict:
         record["grad_norm"] = enc(result.grad_norm, FIGURE_DIGITS)
     if result.nonfinite:
         record["nonfinite"] = result.nonfinite
+    ranks = getattr(result, "per_rank", None)
+    if ranks is not None:   # several ranks: theirs, in rank order (the layers hold their maximum)
+        record["rank_loss"] = [enc(v) for v in ranks.loss]
+        record["rank_step_time"] = [round(v, 6) for v in ranks.step_time]
     if result.figures is not None:
         f = result.figures
         record["layers"] = {

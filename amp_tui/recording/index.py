@@ -67,7 +67,10 @@ def _step_head(p: bytes) -> re.Pattern:
     if tuple(values) != STEP_HEAD:   # the writer's order and this one must be the same
         raise AssertionError(f"the replay index reads {tuple(values)}, the writer writes {STEP_HEAD}")
     head = b",".join(b'"' + name.encode() + b'":' + values[name] for name in STEP_HEAD)
-    rest = rb'((?:,"[a-z_]+' + p + rb'":[^,{}]+' + p + rb')*' + p + rb')(,"layers":\{|\})'
+    # A field after them holds a value without commas, or a list of numbers (a run of several
+    # ranks writes `rank_loss` and `rank_step_time` so).
+    field = rb'(?:\[[^\[\]{}]*' + p + rb'\]|[^,{}\[]+' + p + rb')'
+    rest = rb'((?:,"[a-z_]+' + p + rb'":' + field + rb')*' + p + rb')(,"layers":\{|\})'
     return re.compile(rb'\{' + head + rest)
 
 

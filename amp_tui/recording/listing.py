@@ -28,6 +28,7 @@ class RunRow:
     skipped: int | None
     last_event: str
     modified: float
+    world_size: int = 1  # ranks of the job (rank 0 recorded it: one run, one session)
 
 
 def describe_run(run_dir: Path, is_running: Callable[[Path], bool]) -> RunRow:
@@ -55,10 +56,12 @@ def describe_run(run_dir: Path, is_running: Callable[[Path], bool]) -> RunRow:
         last_event = f"step {e.get('step')}: {e.get('kind')}: {e.get('message', '')}"
     dtype = (last or end or header).get("dtype")
     scale = read_float((last or {}).get("scale"))
+    world = header.get("world_size")
     return RunRow(
         run_dir=run_dir, state=state, script=Path(str(header.get("script", "?"))).name,
         steps=(last["step"] + 1) if last else 0, dtype=dtype, scale=scale,
-        skipped=(last or {}).get("skipped_total", 0), last_event=last_event, modified=modified)
+        skipped=(last or {}).get("skipped_total", 0), last_event=last_event, modified=modified,
+        world_size=world if isinstance(world, int) and world > 1 else 1)
 
 
 def list_runs(folder: Path, is_running: Callable[[Path], bool]) -> list[RunRow]:

@@ -13,7 +13,17 @@ import threading
 
 from amp_tui.core.jsonsafe import read_float, read_floats
 from amp_tui.core.records import MARKER_EVENTS, Mode, RunState, next_state
-from amp_tui.sources.protocol import EVENT_LIMIT, HISTORY_POINTS, MARKER_LIMIT, History, LayerView, Snapshot
+from amp_tui.sources.protocol import (
+    EVENT_LIMIT,
+    HISTORY_POINTS,
+    MARKER_LIMIT,
+    History,
+    LayerView,
+    RankView,
+    Snapshot,
+)
+
+MAX_RANKS = 4096   # per-rank figures kept of one record at most (a damaged one may hold more)
 
 
 class RunBuffer:
@@ -34,6 +44,7 @@ class RunBuffer:
             self._skipped: collections.deque[int] = collections.deque(maxlen=MARKER_LIMIT)
             self._interventions: collections.deque[int] = collections.deque(maxlen=MARKER_LIMIT)
             self._layers = LayerView([], [], [], [], None, None)
+            self._ranks: RankView | None = None
             self._events: collections.deque[dict] = collections.deque(maxlen=EVENT_LIMIT)
             self._events_seen = 0
             self._error: dict | None = None
@@ -83,6 +94,9 @@ class RunBuffer:
                 read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n),
                 read_floats(layers.get("weight"), n),
                 step, r.get("dtype"))
+        ranks = rank_view(r)
+        if ranks is not None:
+            self._ranks = ranks
         t = r.get("time")
         if isinstance(t, (int, float)):
             self._rate_window.append((step, float(t)))
@@ -104,7 +118,8 @@ class RunBuffer:
                 mode=self.mode, header=dict(self._header), state=self._state, last=self._last,
                 total_steps=self._header.get("steps"), steps_per_second=self._rate(),
                 history=self._history_copy(), layers=self._layers, events=list(self._events),
-                events_seen=self._events_seen, error=self._error, version=self._version, **extra)
+                events_seen=self._events_seen, error=self._error, version=self._version,
+                ranks=self._ranks, **extra)
 
     def _history_copy(self) -> History:
         h = self._history
@@ -117,3 +132,14 @@ class RunBuffer:
             return 0.0
         (s0, t0), (s1, t1) = w[0], w[-1]
         return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def rank_view(record: dict) -> RankView | None:
+    """The per-rank figures of a step record (None: it has none, a one-rank run's never do)."""
+    loss = record.get("rank_loss")
+    if not isinstance(loss, list):
+        return None
+    n = min(len(loss), MAX_RANKS)
+    step = record.get("step")
+    return RankView(step if isinstance(step, int) else None, read_floats(loss, n),
+                    read_floats(record.get("rank_step_time"), n))

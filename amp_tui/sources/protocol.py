@@ -51,6 +51,16 @@ class LayerView:
 
 
 @dataclass
+class RankView:
+    """The newest per-rank figures of a run with several ranks (from the last step that has
+    them: a probed one, or a non-finite one)."""
+
+    step: int | None
+    loss: list[float | None]
+    step_time: list[float | None]   # seconds up to the step's first collective
+
+
+@dataclass
 class Snapshot:
     mode: Mode
     header: dict
@@ -67,6 +77,7 @@ class Snapshot:
     position: int | None = None     # replay: the step shown
     notice: str | None = None       # replay: e.g. "3 damaged lines skipped"
     run_state: RunState | None = None  # replay: what the recorded run was doing at `position`
+    ranks: RankView | None = None   # several ranks: each one's newest figures (world size: header)
 
 
 class Playback(Protocol):

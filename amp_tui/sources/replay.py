@@ -26,7 +26,17 @@ from amp_tui.core import jsonsafe
 from amp_tui.core.jsonsafe import read_floats
 from amp_tui.core.records import next_state, state_after
 from amp_tui.recording.index import F_LOSS_NONE, F_SKIPPED, RATE_WINDOW, SessionIndex
-from amp_tui.sources.protocol import EVENT_LIMIT, HISTORY_POINTS, MARKER_LIMIT, History, LayerView, Playback, Snapshot
+from amp_tui.sources.buffer import rank_view
+from amp_tui.sources.protocol import (
+    EVENT_LIMIT,
+    HISTORY_POINTS,
+    MARKER_LIMIT,
+    History,
+    LayerView,
+    Playback,
+    RankView,
+    Snapshot,
+)
 
 if TYPE_CHECKING:
     from amp_tui.core.commands import Command
@@ -355,7 +365,9 @@ class ReplaySource:
             count = idx.events_shown_at(i)
             history = self._history(i, count)
             layers = self._layers(i, last, names)
+            ranks = self._ranks(i, last)
         else:
+            ranks = None
             last, position, history = None, None, History()
             layers = LayerView(list(names), [], [], [], None, None)
             count = idx.event_count
@@ -369,7 +381,7 @@ class ReplaySource:
             mode=self.mode, header=dict(idx.header), state=self.state, last=last,
             total_steps=idx.frames, steps_per_second=self._rate(i), history=history, layers=layers,
             events=events, events_seen=count, error=error, version=self._version,
-            position=position, notice=self._notice(), run_state=self._run_state(i, count),
+            position=position, notice=self._notice(), run_state=self._run_state(i, count), ranks=ranks,
             playing=self.playing, speed=self.speed, following=self.follow, frame=i)
 
     def _notice(self) -> str | None:
@@ -421,6 +433,19 @@ class ReplaySource:
         layers = r["layers"]
         return LayerView(list(names), read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n),
                          read_floats(layers.get("weight"), n), r.get("step"), r.get("dtype"))
+
+    def _ranks(self, i: int, last: dict | None) -> RankView | None:
+        """A session of several ranks: their figures at the shown step, or at the newest probed
+        step before it (which has them)."""
+        world = self.index.header.get("world_size")
+        if not isinstance(world, int) or world < 2:
+            return None
+        view = rank_view(last) if last is not None else None
+        j = self.index.probed.rfind(1, 0, i + 1)
+        if view is None and j >= 0:
+            r = self._step_record(j)
+            view = rank_view(r) if r is not None else None
+        return view
 
     def _rate(self, i: int) -> float:
         if i < 1:

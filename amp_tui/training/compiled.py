@@ -32,10 +32,15 @@ def is_compiled(module: torch.nn.Module) -> bool:
 
 
 def original_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module `torch.compile` wrapped (through several wrappings), or `model` itself."""
-    while is_compiled(model):
-        model = model._orig_mod
-    return model
+    """The module `torch.compile` wrapped (through several wrappings), or `model` itself; seen
+    through DistributedDataParallel too, whose names put `module.` in front of the model's."""
+    while True:
+        if is_compiled(model):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
 
 
 def _compiled_in_place(module: torch.nn.Module) -> bool:

@@ -8,6 +8,7 @@ scaler.step -> scaler.update -> scheduler only when the update was really applie
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class StepResult:
     next_scale: float | None = None  # the scale after scaler.update(): what the next step uses
     duration: float = 0.0
     wall_time: float = field(default_factory=time.time)
+    per_rank: Any = None          # several ranks: each rank's figures (job/distributed.py)
 
 
 @dataclass
@@ -112,6 +114,8 @@ class GuardedTrainer:
         self.probe_every = max(1, int(probe_every))
         self.underflow_every = max(1, int(underflow_every))  # in probed steps
         self.diagnose_bad_steps = diagnose
+        # Several ranks: the finite-loss check agreed by all of them (loss -> finite everywhere).
+        self.agree_finite: Callable[[float], bool] | None = None
         if not (init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
         self.init_scale = float(init_scale)
@@ -332,14 +336,21 @@ class GuardedTrainer:
         n = len(micro_batches)
         losses: list[float] = []
         for i, batch in enumerate(micro_batches):
-            loss = first_loss if i == 0 and first_loss is not None else self._forward(batch)
-            value = float(loss.detach().float())  # the one sync the finite-loss check needs
-            losses.append(value)
-            if not math.isfinite(value):
-                return losses, batch
-            scaled = loss / n if n > 1 else loss
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            with self._gradient_sync(i == n - 1):
+                loss = first_loss if i == 0 and first_loss is not None else self._forward(batch)
+                value = float(loss.detach().float())  # the one sync the finite-loss check needs
+                losses.append(value)
+                if not (math.isfinite(value) if self.agree_finite is None else self.agree_finite(value)):
+                    return losses, batch
+                scaled = loss / n if n > 1 else loss
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return losses, None
+
+    def _gradient_sync(self, last: bool):
+        """DistributedDataParallel all-reduces the gradients in the last micro-batch's backward
+        only (no_sync for the others), where unscale_ and the update then see them."""
+        no_sync = getattr(self.model, "no_sync", None)
+        return no_sync() if no_sync is not None and not last else contextlib.nullcontext()
 
     def _skip_nonfinite_loss(self, bad_batch, mean_loss, used_scale, lr, probe, micro: int) -> StepResult:
         """No backward, no update: then find where the forward went non-finite."""

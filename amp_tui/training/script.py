@@ -28,11 +28,15 @@ class ScriptError(Exception):
 
 @dataclass
 class SetupContext:
-    """What `setup(ctx)` may read: the run's device and the script's own arguments."""
+    """What `setup(ctx)` may read: the run's device and the script's own arguments; under
+    `--nproc` or torchrun, which rank of how many this process is (shard the data with them)."""
 
     device: str
     argv: list[str]
     dtype: str = "float16"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
 
 
 @dataclass
@@ -115,7 +119,8 @@ def _as_mapping(result: Any, script: Path) -> dict:
         f"keys {', '.join(REQUIRED)}")
 
 
-def load_script(path: str | Path, *, device: str, argv: list[str], dtype: str = "float16") -> TrainSetup:
+def load_script(path: str | Path, *, device: str, argv: list[str], dtype: str = "float16",
+                rank: int = 0, local_rank: int = 0, world_size: int = 1) -> TrainSetup:
     """Import the script, call setup() and validate what it returns."""
     script = Path(path)
     module = import_script(script, argv)
@@ -124,7 +129,8 @@ def load_script(path: str | Path, *, device: str, argv: list[str], dtype: str = 
         raise ScriptError(f"{script.name} has no setup() function; the script contract needs one")
     if not callable(setup_fn):
         raise ScriptError(f"setup in {script.name} is a {type(setup_fn).__name__}, not a function")
-    ctx = SetupContext(device=device, argv=list(argv), dtype=dtype)
+    ctx = SetupContext(device=device, argv=list(argv), dtype=dtype, rank=rank, local_rank=local_rank,
+                       world_size=world_size)
     saved_argv = sys.argv
     sys.argv = [str(script), *argv]
     try:

@@ -144,6 +144,54 @@ def summarize_layers(rows: list[LayerRow]) -> LayerSummary:
                         sum(1 for r in measured if not r.nonfinite and r.headroom < WARN_BITS), worst)
 
 
+# ---- the ranks --------------------------------------------------------------------------------
+
+RANK_ROWS = 8   # rows of the per-rank view at most: every rank up to that many, else the slowest
+
+
+def world_size(snap: Snapshot) -> int:
+    """How many ranks the run has (1: a run of one process, as every run before them)."""
+    value = snap.header.get("world_size")
+    return value if isinstance(value, int) and value > 1 else 1
+
+
+@dataclass(frozen=True)
+class RankRow:
+    rank: int
+    loss: float | None
+    step_time: float | None     # seconds up to the step's first collective
+    slowest: bool
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    world_size: int
+    step: int | None            # the step the figures are from (None: no such step yet)
+    rows: list[RankRow]         # by rank, or the slowest first when there are too many to show
+    slowest: int | None         # the straggler: the rank with the longest step time
+    lag: float | None           # its step time over the fastest rank's (1.0 = as fast)
+    hidden: int                 # ranks not in `rows`
+
+
+def rank_summary(snap: Snapshot) -> RankSummary | None:
+    """The per-rank view of a run with several ranks (None for one)."""
+    world = world_size(snap)
+    if world < 2:
+        return None
+    view = snap.ranks
+    if view is None:
+        return RankSummary(world, None, [], None, None, 0)
+    times = [(t, r) for r, t in enumerate(view.step_time) if t is not None and math.isfinite(t)]
+    slowest = max(times)[1] if times else None
+    fastest = min(times)[0] if times else None
+    lag = (max(times)[0] / fastest) if times and fastest and fastest > 0 else None
+    rows = [RankRow(r, _at(view.loss, r), _at(view.step_time, r), r == slowest)
+            for r in range(len(view.loss))]
+    if len(rows) > RANK_ROWS:
+        rows = sorted(rows, key=lambda row: -(row.step_time or 0.0))[:RANK_ROWS]
+    return RankSummary(world, view.step, rows, slowest, lag, len(view.loss) - len(rows))
+
+
 # ---- notices ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from amp_tui.ui.view import (
     newest_notable_event,
     nonfinite_origin,
     nonfinite_pause,
+    rank_summary,
     unmeasured_note,
 )
 from amp_tui.ui.widgets.charts import LossChart, ScaleChart
@@ -40,6 +41,7 @@ from amp_tui.ui.widgets.error_panel import ErrorPanel
 from amp_tui.ui.widgets.event_log import EventLog
 from amp_tui.ui.widgets.layer_table import LayerTable
 from amp_tui.ui.widgets.notice import PauseNotice
+from amp_tui.ui.widgets.rank_table import RankTable
 from amp_tui.ui.widgets.status_bar import StatusBar
 from amp_tui.ui.widgets.too_small import TooSmall, too_small
 
@@ -106,6 +108,7 @@ class DashboardScreen(Screen):
         self.scale_chart = ScaleChart(id="scale-chart")
         self.pause_notice = PauseNotice(id="notice")
         self.layer_table = LayerTable(id="layers")
+        self.rank_table = RankTable(id="ranks")   # a run of several ranks only
         self.error_panel = ErrorPanel(id="error")
         self.event_log = EventLog(id="events")
         self.too_small_message = TooSmall(id="too-small")
@@ -129,6 +132,7 @@ class DashboardScreen(Screen):
             with self.lower_row:
                 with Vertical(id="left"):
                     yield self.layer_table
+                    yield self.rank_table
                     yield self.error_panel
                 yield self.event_log
         yield self.too_small_message
@@ -182,12 +186,13 @@ class DashboardScreen(Screen):
             else:
                 done = False
         note = unmeasured_note(snap)
-        layers_key = (snap.layers.step, len(snap.layers.names), prec, origin, note)
+        layers_key = (snap.layers.step, len(snap.layers.names), prec, origin, note, snap.ranks)
         if layers_key != self._layers_key:
             if urgent != self._table_urgent or tick - self._table_at >= pace.table_s:
                 self._layers_key, self._table_at, self._table_urgent = layers_key, tick, urgent
                 self.layer_table.show(layer_rows(snap.layers, prec), snap.layers.step,
                                       short_name(prec.dtype), origin, note)
+                self.rank_table.show(rank_summary(snap))   # paced with the layers: both tick with probes
             else:
                 done = False
         else:

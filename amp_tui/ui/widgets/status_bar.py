@@ -14,7 +14,7 @@ from amp_tui.core.precision import short_name
 from amp_tui.core.records import STEERED_MODES
 from amp_tui.sources.protocol import Snapshot
 from amp_tui.ui.text import literal, loss_text, same_text
-from amp_tui.ui.view import Precision
+from amp_tui.ui.view import Precision, rank_summary
 
 STATE_STYLES = {
     "starting": "black on grey70",
@@ -121,6 +121,11 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
     _field(text, "applied", f"{last.get('updates', 0)}/{iterations}")
     running = snap.state == "running" and snap.steps_per_second  # a paused rate means nothing
     _field(text, "it/s", f"{snap.steps_per_second:.1f}" if running else "-")
+    ranks = rank_summary(snap)
+    if ranks is not None:
+        _field(text, "ranks", str(ranks.world_size))
+        if ranks.slowest is not None:
+            _field(text, "slowest", f"rank {ranks.slowest}", "bold yellow")
     return text
 
 

@@ -1,0 +1,508 @@
+"""Several processes, one run: what the ranks of a torchrun job agree on, and how.
+
+Every rank runs the same loop and the same guarded step on its own batches, and DDP all-reduces
+the gradients, so they are bitwise the same on every rank after backward: GradScaler's found_inf,
+the skip, the new scale, clipping and the scheduler agree with nothing of ours. What one rank
+alone can see is agreed here, each time with one collective of PyTorch's own process group:
+
+- **the finite-loss check**, one per micro-batch before its backward: an `all_reduce(MIN)` of
+  "the first rank whose loss is not finite". A rank that skipped backward alone would leave
+  DDP's all-reduce of the others waiting for it until the timeout.
+- **the commands**, at every step boundary: a small fixed-size tensor with rank 0's command code
+  and the length of its payload, packed with every rank's stop request, goes round in one
+  `all_reduce(MAX)` (the other ranks add zeros to rank 0's words, so it is rank 0's broadcast,
+  which also carries a stop that a signal brought to any rank); the payload (the command's value,
+  a broadcast from rank 0) only when there is one. Every rank then applies the same commands at
+  the same step. While the run is paused the same tensor goes round about once a second
+  (HEARTBEAT_S): the heartbeat that keeps the process group's timeout from firing.
+- **the figures**, once per probed step: one gather to rank 0 of a packed float vector from
+  every rank (its loss, its step time up to the step's first collective, its per-layer maxima).
+  Rank 0 records the maximum over the ranks for each layer, and each rank's loss and step time.
+- **checkpoints**: every rank's RNG state is gathered into rank 0's file; a restore's file, and
+  whether every rank could read it, are agreed before any rank loads it.
+
+Rank 0 alone records the session and serves the control socket. A rank that dies makes the
+collective that waits for it fail at once (its connection closes); a rank that stops answering,
+after the timeout given to `init_process_group` (`--dist-timeout`, DEFAULT_TIMEOUT_S). Either way
+the collective raises `RanksLost`, which ends the run on every rank that is left, with the
+session kept. docs/distributed.md tells the whole story.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from amp_tui.core.commands import ACTIONS, Command
+from amp_tui.core.text import one_line
+from amp_tui.training.checkpoint.live import cuda_ready
+from amp_tui.training.engine import StepResult
+
+DEFAULT_TIMEOUT_S = 300.0   # init_process_group's timeout: how long a collective waits for a rank
+HEARTBEAT_S = 1.0           # while paused, rank 0 sends the boundary tensor at least this often
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")   # what torchrun sets in every worker
+
+# The words of the boundary tensor (int64, all_reduce MAX: every word rank 0 alone writes is >= 0).
+COMMAND, PAYLOAD, STOP, CHECKPOINT, SIGNAL = range(5)
+BOUNDARY_WORDS = 5
+MANY = 1 + len(ACTIONS)     # the command code of a payload holding a list of commands
+UNMEASURED = -1.0           # a figure not measured (None), in the packed vector: below any |x|
+
+
+class RanksLost(RuntimeError):
+    """Another rank died or stopped answering: every collective of the group fails from now on."""
+
+
+@dataclass(frozen=True)
+class StopVote:
+    """A stop asked for on one rank (a signal, a key, a full disk), to be agreed at a boundary."""
+
+    checkpoint: bool
+    reason: str | None
+    signum: int = 0
+
+
+@dataclass
+class RankFigures:
+    """Each rank's loss and step time in one probed (or non-finite) step, and the first rank
+    that saw a non-finite value in it."""
+
+    loss: list[float]
+    step_time: list[float]
+    nonfinite_rank: int | None = None
+
+
+def launched_by_torchrun(environ=os.environ) -> bool:
+    """This process is one rank of a job with more than one (torchrun set its variables)."""
+    if not all(name in environ for name in RANK_VARIABLES):
+        return False
+    try:
+        return int(environ["WORLD_SIZE"]) > 1
+    except ValueError:
+        return False
+
+
+def rank_log_path(run_dir: Path, rank: int) -> Path:
+    """Where a rank other than 0 writes its own output (rank 0's is the terminal's)."""
+    return Path(run_dir) / f"rank{rank}.log"
+
+
+def _signal_number(reason: str | None) -> int:
+    try:
+        return int(signal.Signals[reason]) if reason else 0
+    except KeyError:
+        return 0
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _backend_words(exc: BaseException) -> str:
+    """The backend's own first sentence, without the source path gloo puts in front of it."""
+    text = one_line(str(exc))
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ", 1)[0][:300]
+
+
+def communication_failure(exc: BaseException) -> bool:
+    """An exception from a collective (ours or DDP's): the process group lost a rank."""
+    if isinstance(exc, RanksLost) or isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return any(mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed by peer",
+                                         "Connection reset by peer", "Timed out waiting",
+                                         "pair closure", "ProcessGroup"))
+
+
+class Ranks:
+    """The ranks of this job, as one rank sees them, over the default process group."""
+
+    def __init__(self, *, device: torch.device, timeout_s: float | None, owns_group: bool):
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.is_main = self.rank == 0
+        self.device = device                 # the training device of this rank
+        self.timeout_s = timeout_s           # None: the group's own (set up by the user's loop)
+        self.owns_group = owns_group         # we set it up, so we tear it down
+        self.run_dir: Path | None = None     # where the other ranks' output goes, once agreed
+        # NCCL reduces tensors on the GPU, gloo on the CPU.
+        self._comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        self._words = torch.zeros(BOUNDARY_WORDS, dtype=torch.int64, device=self._comm)
+        self._finite = torch.zeros(1, dtype=torch.int64, device=self._comm)
+        self.voting = True                   # stops are votes until the loop has ended
+        self._vote: StopVote | None = None   # replaced whole, never mutated: a signal handler sets it
+        self._synced_at = time.perf_counter()
+        self._compute_s: float | None = None  # this step's time up to its first collective
+        self.nonfinite_rank: int | None = None  # of the last agreed loss check that failed
+
+    # ---- joining ----------------------------------------------------------------------------
+    @classmethod
+    def join(cls, requested_device: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
+        """Set up the process group of a torchrun job: nccl on cuda:LOCAL_RANK where there is a
+        GPU (or one is asked for), gloo on the CPU otherwise; `timeout_s` is how long any
+        collective waits for the other ranks before it fails."""
+        local_rank = int(os.environ["LOCAL_RANK"])
+        kind = torch.device(requested_device).type if requested_device else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        if kind == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(device=device, timeout_s=timeout_s, owns_group=True)
+
+    @classmethod
+    def of_loop(cls, model: torch.nn.Module) -> Ranks | None:
+        """The process group a user's own loop set up, when it has more than one rank."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        return cls(device=device, timeout_s=None, owns_group=False)
+
+    def close(self) -> None:
+        """Leave the process group (a survivor that doesn't may abort as the interpreter exits)."""
+        self.voting = False
+        gc.collect()   # a DDP wrapper left in a reference cycle holds the group: freed first
+        if self.owns_group and dist.is_initialized():
+            with contextlib.suppress(Exception):  # noqa: BLE001 - a broken group goes all the same
+                dist.destroy_process_group()
+
+    # ---- what the run is made of ------------------------------------------------------------
+    def replicate(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model in DistributedDataParallel, unless the script wrapped it already (DDP or
+        FSDP). DDP broadcasts rank 0's parameters and buffers here, so every replica starts the
+        same."""
+        from torch.nn.parallel import DistributedDataParallel
+        if isinstance(model, DistributedDataParallel) or type(model).__name__.startswith("FullyShardedDataParallel"):
+            return model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return self._collective("wrapping the model in DistributedDataParallel",
+                                lambda: DistributedDataParallel(model, device_ids=ids))
+
+    def header_fields(self) -> dict:
+        return {"world_size": self.world_size}
+
+    def describe(self) -> str:
+        return f"rank {self.rank}/{self.world_size}"
+
+    # ---- collectives ------------------------------------------------------------------------
+    def _collective(self, what: str, call):
+        try:
+            return call()
+        except RuntimeError as exc:
+            raise RanksLost(self.lost_message(exc, what)) from exc
+
+    def lost_message(self, exc: BaseException, what: str | None = None) -> str:
+        if isinstance(exc, RanksLost):
+            return str(exc)
+        words = _backend_words(exc)
+        lower = words.lower()
+        if "timed out" in lower or "timeout" in lower:
+            limit = f"{self.timeout_s:g} s (--dist-timeout)" if self.timeout_s else "the process group's timeout"
+            why = f"no answer from another rank within {limit}"
+        else:
+            why = "another rank is gone (its process ended or closed its connection)"
+        during = f" while {what}" if what else ""
+        logs = (f"; each rank's own output says why it ended (rank 0's here, the others' in "
+                f"{rank_log_path(self.run_dir, 1).with_name('rank<N>.log')})" if self.run_dir else "")
+        return f"{why} ({words}){during}: the run stops here, with what was recorded so far{logs}"
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (a small picklable object)."""
+        box = [value if self.is_main else None]
+        self._collective("agreeing with rank 0", lambda: dist.broadcast_object_list(box, src=0))
+        return box[0]
+
+    def first_problem(self, problem: str | None) -> str | None:
+        """Every rank says whether it can go on; all get the first rank's problem (None: every
+        rank can), worded with its rank when it is not rank 0."""
+        t = torch.tensor([self.rank if problem is not None else self.world_size], dtype=torch.int64,
+                         device=self._comm)
+        self._collective("agreeing on a check", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        first = int(t.item())
+        if first == self.world_size:
+            return None
+        box = [problem if self.rank == first else None]
+        self._collective("agreeing on a check", lambda: dist.broadcast_object_list(box, src=first))
+        return box[0] if first == 0 else f"rank {first}: {box[0]}"
+
+    # ---- stops ------------------------------------------------------------------------------
+    def vote_stop(self, *, checkpoint: bool = False, reason: str | None = None) -> None:
+        """A stop asked for on this rank (from any thread, a signal handler too): every rank
+        stops at the next boundary."""
+        old = self._vote
+        self._vote = StopVote(checkpoint=checkpoint or (old is not None and old.checkpoint),
+                              reason=(old.reason if old is not None and old.reason else reason),
+                              signum=(old.signum if old is not None and old.signum else _signal_number(reason)))
+
+    # ---- step boundaries --------------------------------------------------------------------
+    def agree_commands(self, commands: list[Command]) -> tuple[list[Command], StopVote | None]:
+        """Rank 0's `commands` on every rank (the others' are ignored), and the stop that any
+        rank asked for, if one did."""
+        words = self._words
+        words.zero_()
+        code, payload = encode_commands(commands) if self.is_main else (0, b"")
+        vote = self._vote   # read once: a signal may replace it meanwhile, the next boundary has it
+        local = [code, len(payload), 0, 0, 0]
+        if vote is not None:
+            local[STOP:] = [self.world_size - self.rank, int(vote.checkpoint), vote.signum]
+        words.copy_(torch.tensor(local, dtype=torch.int64))
+        self._collective("agreeing on the commands at a step boundary",
+                         lambda: dist.all_reduce(words, op=dist.ReduceOp.MAX))
+        code, size, stop, checkpoint, signum = words.tolist()
+        if size:
+            buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._comm) if self.is_main
+                      else torch.empty(size, dtype=torch.uint8, device=self._comm))
+            self._collective("sending a command to every rank", lambda: dist.broadcast(buffer, src=0))
+            payload = bytes(buffer.cpu().tolist())
+        self._synced_at, self._compute_s, self.nonfinite_rank = time.perf_counter(), None, None
+        agreed = commands if self.is_main else decode_commands(code, payload)
+        if not stop:
+            return agreed, None
+        first = self.world_size - stop
+        if vote is not None and self.rank == first and vote.reason:
+            reason = vote.reason
+        elif signum:
+            reason = f"{_signal_name(signum)} on rank {first}"
+        else:
+            reason = f"a stop asked for on rank {first}"
+        return agreed, StopVote(checkpoint=bool(checkpoint), reason=reason, signum=signum)
+
+    def hold(self, commands) -> None:
+        """Paused: rank 0 waits for a command at most HEARTBEAT_S, then the boundary tensor goes
+        round again; the other ranks wait in that collective."""
+        if self.is_main:
+            commands.wait(HEARTBEAT_S)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def agree_finite(self, value: float) -> bool:
+        """The finite-loss check of one micro-batch, agreed: False on every rank when any rank's
+        loss is not finite (then no rank runs its backward)."""
+        if self._compute_s is None:
+            self._compute_s = time.perf_counter() - self._synced_at
+        t = self._finite
+        t.fill_(self.world_size if math.isfinite(value) else self.rank)
+        self._collective("agreeing on the finite-loss check",
+                         lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        first = int(t.item())
+        if first < self.world_size:
+            self.nonfinite_rank = first
+            return False
+        return True
+
+    def forward_done(self, *_args) -> None:
+        """A forward hook on the user's DDP model (own loops): its step time ends here, before
+        the backward's all-reduce."""
+        if self._compute_s is None:
+            self._compute_s = time.perf_counter() - self._synced_at
+
+    def gather_step(self, result: StepResult, names: list[str], *, details: bool) -> StepResult:
+        """Every rank's figures of a probed step (or an agreed non-finite one, with `details`: a
+        step whose loss check or gradients every rank judged alike) to rank 0, which gets the
+        result to record: each layer's maximum over the ranks, each rank's loss and step time,
+        and where a value went non-finite, the first rank that saw it with its layer and
+        diagnosis. The other ranks get `result` back."""
+        compute_s = self._compute_s if self._compute_s is not None else result.duration
+        self._compute_s = None
+        if result.figures is None and not (details and result.nonfinite is not None):
+            return result
+        packed = pack_figures(result, compute_s).to(self._comm)
+        rows = [torch.empty_like(packed) for _ in range(self.world_size)] if self.is_main else None
+        self._collective("gathering the step's figures",
+                         lambda: dist.gather(packed, gather_list=rows, dst=0))
+        seen = None
+        if details and result.nonfinite is not None:
+            mine = {"loss": result.loss, "layer": result.first_nonfinite_layer, "diagnosis": result.diagnosis}
+            seen = [None] * self.world_size if self.is_main else None
+            self._collective("gathering where the step went non-finite",
+                             lambda: dist.gather_object(mine, seen, dst=0))
+        if not self.is_main:
+            return result
+        return merge_figures(result, torch.stack(rows).cpu(), names, seen,
+                             loss_rank=self.nonfinite_rank if result.nonfinite == "loss" else None)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def gather_rng(self) -> list[dict] | None:
+        """Every rank's RNG state, on rank 0 (None on the others): a checkpoint holds them all."""
+        mine = rng_state(self.device)
+        states = [None] * self.world_size if self.is_main else None
+        self._collective("gathering the RNG states for a checkpoint",
+                         lambda: dist.gather_object(mine, states, dst=0))
+        return states
+
+    def checkpoint_extra(self, states: list[dict]) -> dict:
+        return {"world_size": self.world_size, "rank_rng": states}
+
+
+# ---- the packed figures ----------------------------------------------------------------------
+
+def pack_figures(result: StepResult, compute_s: float) -> torch.Tensor:
+    """[loss, step time, act..., grad..., weight...] as float64; UNMEASURED for a figure not
+    measured, NaN and inf as they are (the maximum over the ranks keeps them)."""
+    values = [result.loss, compute_s]
+    f = result.figures
+    if f is not None:
+        for kind in (f.act, f.grad, f.weight):
+            values += [UNMEASURED if v is None else v for v in kind]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def merge_figures(result: StepResult, rows: torch.Tensor, names: list[str], seen: list | None,
+                  *, loss_rank: int | None) -> StepResult:
+    """Rank 0's result with every rank's figures in it (`rows`: one packed vector per rank)."""
+    losses = rows[:, 0].tolist()
+    times = rows[:, 1].tolist()
+    figures = result.figures
+    if figures is not None:
+        n = len(figures.act)
+        top = rows[:, 2:].amax(dim=0).tolist() if rows.shape[0] else []   # amax keeps NaN
+        merged = [None if v == UNMEASURED else v for v in top]
+        figures = dataclasses.replace(figures, act=merged[:n], grad=merged[n:2 * n], weight=merged[2 * n:3 * n])
+    update: dict[str, Any] = {"figures": figures}
+    nonfinite = result.nonfinite
+    bad_losses = [r for r, v in enumerate(losses) if not math.isfinite(v)]
+    if nonfinite is None and bad_losses:
+        nonfinite = "loss"   # an own loop: a rank's loss went non-finite (its backward ran all the same)
+    first = None
+    if nonfinite == "loss":
+        first = loss_rank if loss_rank is not None else (bad_losses[0] if bad_losses else 0)
+    elif nonfinite is not None:
+        located = [r for r, s in enumerate(seen or []) if s and s.get("layer")]
+        first = located[0] if located else 0
+    if nonfinite is not None:
+        update["nonfinite"] = nonfinite
+        if seen is not None and seen[first] is not None:
+            update.update(loss=seen[first]["loss"] if nonfinite == "loss" else result.loss,
+                          first_nonfinite_layer=seen[first]["layer"], diagnosis=seen[first]["diagnosis"])
+        else:
+            if nonfinite == "loss":
+                update["loss"] = losses[first]
+            if figures is not None:
+                index = figures.first_nonfinite("act" if nonfinite == "loss" else "grad")
+                if index is not None:
+                    update["first_nonfinite_layer"] = names[index]
+    update["per_rank"] = RankFigures(loss=losses, step_time=times, nonfinite_rank=first)
+    return dataclasses.replace(result, **update)
+
+
+# ---- the commands ----------------------------------------------------------------------------
+
+def encode_commands(commands: list[Command]) -> tuple[int, bytes]:
+    """A command code, and the payload: none for one command without a value, else the list."""
+    if not commands:
+        return 0, b""
+    if len(commands) == 1 and commands[0].value is None and commands[0].action in ACTIONS:
+        return 1 + ACTIONS.index(commands[0].action), b""
+    return MANY, json.dumps([[c.action, c.value] for c in commands]).encode("utf-8")
+
+
+def decode_commands(code: int, payload: bytes) -> list[Command]:
+    source = "rank 0"
+    if code == 0:
+        return []
+    if code != MANY:
+        return [Command(ACTIONS[code - 1], None, source)]
+    return [Command(action, value, source) for action, value in json.loads(payload.decode("utf-8"))]
+
+
+# ---- RNG states ------------------------------------------------------------------------------
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(bytes(t.cpu().tolist())).decode("ascii")
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def rng_state(device: torch.device) -> dict:
+    """This rank's RNG states: the CPU's, and its own GPU's where CUDA is in use."""
+    state = {"cpu": _b64(torch.get_rng_state())}
+    if device.type == "cuda" and cuda_ready():
+        state["cuda"] = _b64(torch.cuda.get_rng_state(device))
+    return state
+
+
+def rng_problem(extra: dict, rank: int) -> str | None:
+    """Why this rank's RNG state in a checkpoint's `extra` can't be set (None: it can, or the
+    checkpoint has none for this rank)."""
+    states = extra.get("rank_rng")
+    if states is None:
+        return None
+    if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
+        return "its per-rank RNG states are malformed"
+    if rank >= len(states):
+        return None
+    try:
+        cpu = _bytes_tensor(states[rank]["cpu"])
+    except (KeyError, TypeError, ValueError):
+        return f"the RNG state of rank {rank} is malformed"
+    if cpu.numel() != torch.get_rng_state().numel():
+        return f"the CPU RNG state of rank {rank} has the wrong size"
+    return None
+
+
+def restore_rng(extra: dict, rank: int, device: torch.device) -> None:
+    """Set this rank's own RNG states from a checkpoint's `extra` (checked by rng_problem)."""
+    states = extra.get("rank_rng")
+    if not isinstance(states, list) or rank >= len(states):
+        return
+    state = states[rank]
+    torch.set_rng_state(_bytes_tensor(state["cpu"]))
+    if "cuda" in state and device.type == "cuda" and cuda_ready():
+        torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]), device)
+
+
+def saved_world_size(extra: dict | None) -> int:
+    """The world size a checkpoint was saved by (1 for a run without ranks)."""
+    value = (extra or {}).get("world_size", 1)
+    return value if isinstance(value, int) and value > 0 else 1
+
+
+# ---- a rank's own output ---------------------------------------------------------------------
+
+@contextlib.contextmanager
+def output_to(path: Path) -> Iterator[None]:
+    """This process's stdout and stderr (file descriptors 1 and 2) appended to `path`."""
+    import sys
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
+

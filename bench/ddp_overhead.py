@@ -1,0 +1,156 @@
+"""What amp-tui's coordination of several ranks costs per step: the boundary tensor (rank 0's
+commands and every rank's stop request), the agreed finite-loss check and the gather of a probed
+step's figures, over plain DDP running the same guarded step.
+
+Two copies of the model, each in its own DistributedDataParallel, train side by side in the same
+ranks; one step of each in turn (the order shuffled each round, the same on every rank). Both run
+amp-tui's GuardedTrainer with the same probes; only the coordinated copy adds the three
+collectives of job/distributed.py, as a `Run` does. Before each timed step every rank meets in a
+barrier (not timed), so a step's time on rank 0 is the step itself. Reported: the median step
+time of each, the difference in ms and as a share of the plain step, with probes every step and
+every 10 steps (a step of each kind weighted by how often it occurs). Targets: <= 3% and <= 1%.
+
+    python bench/ddp_overhead.py               # 2 ranks on the CPU (gloo), 200 rounds each
+    python bench/ddp_overhead.py --quick       # 60 rounds
+    python bench/ddp_overhead.py --backend nccl   # 2 GPUs or more: one rank per GPU
+
+It starts its ranks through torch.distributed.run itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+
+TARGETS = {1: 0.03, 10: 0.01}   # the coordination's share of a plain DDP step
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from amp_tui.job.distributed import Ranks
+    from amp_tui.training.engine import GuardedTrainer
+    from bench import common
+    from bench.models import MlpSpec, build
+
+    backend = args.backend
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    ranks = Ranks(device=device, timeout_s=None, owns_group=False)
+    spec = MlpSpec(depth=args.depth, width=args.width, batch=args.batch)
+    clock = common.Clock(str(device))
+    results = {}
+    for every in (1, 10):
+        copies = {}
+        for name in ("plain", "coordinated"):
+            model, batches, loss_fn, described = build(spec, str(device), seed=rank)
+            ids = [local_rank] if device.type == "cuda" else None
+            model = DistributedDataParallel(model.to(device), device_ids=ids)
+            trainer = GuardedTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-4), loss_fn,
+                                     device=device, dtype=args.dtype, init_scale=1024.0, probe_every=every)
+            if name == "coordinated":
+                trainer.agree_finite = ranks.agree_finite
+            copies[name] = (trainer, batches)
+        times = {name: [] for name in copies}
+        probed = {name: [] for name in copies}
+        order = random.Random(every)   # the same sequence on every rank: they run the same copy
+        for i in range(args.warmup + args.rounds):
+            names = list(copies)
+            order.shuffle(names)
+            for name in names:
+                trainer, batches = copies[name]
+                dist.barrier()
+                t0 = clock()
+                if name == "coordinated":
+                    ranks.agree_commands([])
+                result = trainer.step([batches[i % len(batches)]])
+                if name == "coordinated":
+                    ranks.gather_step(result, trainer.layer_names, details=True)
+                t1 = clock()
+                if i >= args.warmup:
+                    times[name].append(t1 - t0)
+                    probed[name].append(result.figures is not None)
+        plain = common.stratified_median(times["plain"], probed["plain"], every)
+        coordinated = common.stratified_median(times["coordinated"], probed["coordinated"], every)
+        results[every] = {"plain_ms": plain * 1e3, "coordinated_ms": coordinated * 1e3,
+                          "cost_ms": (coordinated - plain) * 1e3, "share": (coordinated - plain) / plain,
+                          "target_share": TARGETS[every], "rounds": args.rounds}
+    if rank == 0:
+        out = {"benchmark": "ddp_overhead", "when": common.now_iso(), "backend": backend,
+               "world_size": dist.get_world_size(), "model": described, "dtype": args.dtype,
+               "machine": common.machine(str(device)), "versions": common.versions(),
+               "checkout": common.checkout(ROOT), "results": results}
+        Path(args.result).write_text(json.dumps(out, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="60 rounds")
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.quick:
+        args.rounds = 60
+    if args.worker:
+        worker(args)
+        return 0
+    from bench import common
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = args.out / f"{common.stamp()}-ddp-{args.backend}.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+               str(Path(__file__).resolve()), "--worker", "--result", str(result), "--backend", args.backend,
+               "--dtype", args.dtype, "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+               "--depth", str(args.depth), "--width", str(args.width), "--batch", str(args.batch)]
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env)
+    if done.returncode != 0 or not result.exists():
+        print(f"the ranks failed (exit {done.returncode})", file=sys.stderr)
+        return 1
+    out = json.loads(result.read_text())
+    print(f"amp-tui coordination over plain DDP: {out['world_size']} ranks, {out['backend']}, {out['model']}, "
+          f"{out['dtype']} ({time.perf_counter() - started:.0f} s)")
+    rows, met = [], True
+    for every, r in out["results"].items():
+        ok = r["share"] <= r["target_share"]
+        met = met and ok
+        rows.append([f"every {every}", f"{r['plain_ms']:.3f}", f"{r['coordinated_ms']:.3f}", f"{r['cost_ms']:+.3f}",
+                     f"{100 * r['share']:+.2f}%", f"<= {100 * r['target_share']:g}%", "met" if ok else "NOT met"])
+    print(common.table(rows, header=["probes", "plain ms", "amp-tui ms", "cost ms", "share", "target", ""]))
+    print(f"results: {result}")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Several processes, one run, on the CPU with gloo and 2 ranks: `amp-tui train --nproc 2` in
+fp16 and bf16, commands landing at the same step on both ranks, ctl and attach against rank 0,
+`torchrun -m amp_tui train` and `amp-tui run -- torchrun` with a loop of one's own.
+
+Every job is bounded by a timeout (a hang fails the test); every wait is on the job's own
+progress (records written, a state answered over the control socket).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from amp_tui.job.control import send
+from amp_tui.recording.reader import read_session
+from amp_tui.sources.attached import AttachedSource
+from amp_tui.ui.app import create_app
+
+from support import (
+    DDP_SCRIPT,
+    OWN_DDP_LOOP_SCRIPT,
+    RANK_TIMEOUT_S,
+    rank_command,
+    rank_end,
+    rank_events,
+    run_async,
+    step_count,
+    toasts,
+    train_ranks,
+    until,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def digests(folder) -> list[str]:
+    return [(folder / f"rank{r}.txt").read_text() for r in (0, 1)]
+
+
+def status(run_dir, job=None) -> dict:
+    """Rank 0's status over its control socket ({} before it serves one); a job that exited
+    fails the test at once instead of letting the caller wait for it."""
+    if job is not None and job.poll() is not None:
+        raise AssertionError(f"the job exited with status {job.returncode}: {job.stdout.read()}")
+    try:
+        return send(run_dir, "status", timeout=10)["status"]
+    except Exception:  # noqa: BLE001 - not up yet: the caller waits on what it needs
+        return {}
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_nproc_2_trains_one_run_with_per_rank_figures_and_identical_replicas(write_script, tmp_path, dtype):
+    script = write_script(DDP_SCRIPT)
+    run_dir, params = tmp_path / "run", tmp_path / "params"
+    params.mkdir()
+    done = train_ranks(script, run_dir, "--dtype", dtype, "--steps", "6", script_args=["--params", str(params)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    session = read_session(run_dir)
+    assert session.header["world_size"] == 2
+    steps = session.steps
+    assert [r["step"] for r in steps] == list(range(6))
+    for r in steps:   # probes every step: every record has both ranks' figures
+        assert len(r["rank_loss"]) == 2 and len(r["rank_step_time"]) == 2
+        assert all(isinstance(t, float) and t >= 0 for t in r["rank_step_time"])
+        assert r["loss"] == r["rank_loss"][0]
+    assert steps[-1]["rank_loss"][0] != steps[-1]["rank_loss"][1]   # their own data
+    # Rank 1 ended where rank 0 did, with the same counts and scale; the replicas are the same.
+    end, other = session.end, rank_end(run_dir)
+    assert other == {"state": "finished", "step": 6, "updates": end["updates"], "skipped": end["skipped_total"],
+                     "dtype": dtype, "scale": end["scale"]}
+    if dtype == "fp16":
+        assert end["skipped_total"] > 0   # GradScaler skipped, and both ranks alike
+    d0, d1 = digests(params)
+    assert d0 == d1
+    assert not (run_dir / "rank0.log").exists() and len(list(tmp_path.rglob("session.jsonl"))) == 1
+
+
+def test_at_commands_land_at_the_same_step_on_both_ranks(write_script, tmp_path):
+    """With the same data on both ranks, their losses agree to the bit at every step only while
+    both run the same dtype on the same weights; a scale on one rank only makes the replicas
+    differ from the next update. A pause holds both ranks longer than the process group's
+    timeout (the heartbeat), then `ctl resume` lets them go on."""
+    script = write_script(DDP_SCRIPT)
+    run_dir, params = tmp_path / "run", tmp_path / "params"
+    params.mkdir()
+    timeout_s = 5
+    job = subprocess.Popen(
+        rank_command(script, run_dir, "--steps", "10", "--dist-timeout", str(timeout_s),
+                     "--at", "1:save", "--at", "2:scale=half", "--at", "3:dtype=bf16", "--at", "5:restore=latest",
+                     "--at", "6:dtype=fp16", "--at", "7:pause",
+                     script_args=["--same-data", "--params", str(params)]),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        assert wait_for(lambda: status(run_dir, job).get("state") == "paused", RANK_TIMEOUT_S), "never paused"
+        # Held at least 2.5 timeouts: without the heartbeat rank 1's wait would fail meanwhile.
+        assert not wait_for(lambda: job.poll() is not None, 2.5 * timeout_s)
+        assert status(run_dir)["state"] == "paused" and status(run_dir)["step"] == 7
+        assert send(run_dir, "resume")["ok"]
+        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out
+    session = read_session(run_dir)
+    for r in session.steps:
+        assert r["rank_loss"][0] == r["rank_loss"][1], r
+    ours = [(e["step"], e["kind"], e.get("action")) for e in session.events
+            if e["kind"] in ("intervention", "checkpoint_restored")]
+    assert ours == [(1, "intervention", "save"), (2, "intervention", "scale"), (3, "intervention", "dtype"),
+                    (5, "checkpoint_restored", None), (6, "intervention", "dtype"),
+                    (7, "intervention", "pause"), (7, "intervention", "resume")]
+    theirs = [(step, kind) for step, kind, _ in rank_events(run_dir)
+              if kind in ("intervention", "checkpoint_restored", "checkpoint_saved")]
+    assert theirs == [(1, "checkpoint_saved"), (2, "intervention"), (3, "intervention"),
+                      (5, "checkpoint_restored"), (6, "intervention"), (7, "intervention"), (7, "intervention")]
+    dtypes = {r["step"]: r["dtype"] for r in session.steps}
+    assert dtypes[2] == "float16" and dtypes[3] == dtypes[4] == dtypes[5] == "bfloat16" and dtypes[6] == "float16"
+    end = session.end
+    assert rank_end(run_dir) == {"state": "finished", "step": 10, "updates": end["updates"],
+                                 "skipped": end["skipped_total"], "dtype": "fp16", "scale": end["scale"]}
+    d0, d1 = digests(params)
+    assert d0 == d1
+
+
+def test_ctl_and_attach_steer_rank_0_of_a_2_process_job(write_script, tmp_path):
+    script = write_script(DDP_SCRIPT)
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen(rank_command(script, run_dir, script_args=["--sleep", "0.05"]),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        assert wait_for(lambda: status(run_dir, job).get("step", 0) >= 2, RANK_TIMEOUT_S)
+        answer = status(run_dir)
+        assert answer["state"] == "running" and answer["world_size"] == 2
+
+        @run_async
+        async def steer():
+            source = AttachedSource(run_dir)
+            app = create_app(source)
+            async with app.run_test(size=(120, 40), notifications=True) as pilot:
+                await until(pilot, lambda: "ranks 2" in str(app.dashboard.query_one("#status").render()),
+                            "the world size in the status bar", timeout=30)
+                await pilot.press("d")
+                await until(pilot, lambda: "dtype fp16 → bf16" in toasts(app), "rank 0's answer", timeout=30)
+                await pilot.press("Q")
+                await until(pilot, lambda: not app.is_running, "the app to exit", timeout=30)
+        steer()
+        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out
+    session = read_session(run_dir)
+    switch = next(e for e in session.events if e.get("action") == "dtype")
+    assert switch["source"].startswith("ctl")
+    assert (switch["step"], "intervention") in [(s, k) for s, k, _ in rank_events(run_dir)]
+    stop = next(e for e in session.events if e.get("action") == "stop")
+    assert rank_end(run_dir)["step"] == session.end["step"] == stop["step"]
+    assert rank_end(run_dir)["state"] == "stopped"
+
+
+def test_torchrun_runs_amp_tui_train_as_its_ranks(write_script, tmp_path):
+    """The script wraps its model in DDP itself here: amp-tui doesn't wrap it again."""
+    script = write_script(DDP_SCRIPT)
+    run_dir, params = tmp_path / "run", tmp_path / "params"
+    params.mkdir()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "amp_tui", "train", str(script), "--headless", "--steps", "3",
+                           "--run-dir", str(run_dir), "--", "--wrap", "--params", str(params)],
+                          capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    session = read_session(run_dir)
+    assert session.header["world_size"] == 2 and len(session.steps) == 3
+    assert session.end["status"] == "finished" and rank_end(run_dir)["step"] == 3
+    assert session.header["layers"] == ["0", "2"]   # the script's module's names, not module.0
+    d0, d1 = digests(params)
+    assert d0 == d1
+
+
+def test_amp_tui_run_follows_a_torchrun_loop_with_a_monitor(write_script, tmp_path):
+    script = write_script(OWN_DDP_LOOP_SCRIPT, "loop.py")
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "-m", "amp_tui", "run", "--headless", "--run-dir", str(run_dir), "--",
+                            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            str(script)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert wait_for(lambda: step_count(run_dir / "session.jsonl") >= 3, RANK_TIMEOUT_S)
+        assert send(run_dir, "dtype=bf16")["ok"]
+        assert wait_for(lambda: any(r.get("dtype") == "bfloat16" for r in read_session(run_dir).steps),
+                        RANK_TIMEOUT_S)
+        assert send(run_dir, "stop")["ok"]
+        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out
+    session = read_session(run_dir)
+    assert session.header["world_size"] == 2 and len(list(tmp_path.rglob("session.jsonl"))) == 1
+    assert all(len(r["rank_loss"]) == 2 for r in session.steps)
+    ends = dict(re.findall(r"rank (\d) stopped at (\d+; dtypes .*)", out))
+    assert set(ends) == {"0", "1"} and ends["0"] == ends["1"], out   # the same step, the same switch
+    switch = next(e for e in session.events if e.get("action") == "dtype")
+    assert f"({switch['step']}, 'torch.bfloat16')" in ends["0"]

@@ -1,0 +1,163 @@
+"""Several ranks under faults, on the CPU with gloo and 2 ranks: a NaN on one rank only, a
+signal to one worker, a worker killed, a resume with another world size.
+
+Every job is bounded by a timeout (a hang fails the test), every wait is on the job's own
+progress (steps recorded, the pid rank 1 printed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from amp_tui.recording.reader import read_session
+from amp_tui.training.checkpoint.io import read_header
+
+from support import (
+    DDP_SCRIPT,
+    RANK_TIMEOUT_S,
+    REPO,
+    rank_command,
+    rank_end,
+    rank_events,
+    rank_pid,
+    step_count,
+    train_ranks,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def documented_rank_fields() -> set[tuple[str, str]]:
+    """(record, field) of every row of session-format.md's "Several ranks" table."""
+    text = (REPO / "docs" / "session-format.md").read_text(encoding="utf-8")
+    body = text.split("\n## Several ranks\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| ([a-z `]+?) \| `(\w+)` \|", body, flags=re.M))
+
+
+def start(script, run_dir, *flags, script_args=()):
+    return subprocess.Popen(rank_command(script, run_dir, *flags, script_args=script_args),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=script.parent)
+
+
+def running(job, run_dir, steps: int) -> bool:
+    """`steps` steps recorded and rank 1's pid printed (a job that exited fails the test)."""
+    if job.poll() is not None:
+        raise AssertionError(f"the job exited with status {job.returncode}: {job.stdout.read()}")
+    return step_count(run_dir / "session.jsonl") >= steps and rank_pid(run_dir) is not None
+
+
+def test_a_nan_in_rank_1s_inputs_only_is_skipped_by_both_ranks_without_a_hang(write_script, tmp_path):
+    """Rank 1's loss alone is NaN at step 2: without the agreed loss check rank 1 would skip its
+    backward while rank 0's waits in DDP's all-reduce (until --dist-timeout)."""
+    script = write_script(DDP_SCRIPT)
+    run_dir = tmp_path / "run"
+    done = train_ranks(script, run_dir, "--dtype", "bf16", "--steps", "4", "--dist-timeout", "20",
+                       script_args=["--nan", "1:2"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    session = read_session(run_dir)
+    [event] = [e for e in session.events if e["kind"] == "nonfinite"]
+    assert event["step"] == 2 and event["where"] == "loss" and event["rank"] == 1
+    assert "rank 1" in event["message"]
+    assert event["layer"] == "0" and event["origin"] == "0" and event["origin_input_nonfinite"] is True
+    bad = session.steps[2]
+    assert bad["skipped"] and bad["nonfinite"] == "loss"
+    assert isinstance(bad["rank_loss"][0], float) and bad["rank_loss"][1] == "NaN"   # rank 1's alone
+    assert bad["layers"]["act"][0] == "NaN"   # each layer's maximum over the ranks: rank 1's NaN
+    assert [s for s, kind, _ in rank_events(run_dir) if kind == "nonfinite"] == [2]
+    end = session.end
+    assert end["skipped_total"] == 1
+    # What several ranks add to the session, under the names session-format.md gives them.
+    one_rank = subprocess.run([sys.executable, "-m", "amp_tui", "train", str(script), "--headless", "--dtype", "bf16",
+                               "--steps", "4", "--run-dir", str(tmp_path / "one"), "--", "--nan", "0:2"],
+                              capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path)
+    assert one_rank.returncode == 0, one_rank.stderr
+    alone = read_session(tmp_path / "one")
+    added = {("header", k) for k in set(session.header) - set(alone.header)}
+    added |= {("step", k) for k in set(bad) - set(alone.steps[2])}
+    added |= {("event `nonfinite`", k) for k in set(event) - set(alone.events[0])}
+    assert alone.events[0]["kind"] == "nonfinite" and added == documented_rank_fields()
+    assert rank_end(run_dir) == {"state": "finished", "step": 4, "updates": 3, "skipped": 1, "dtype": "bf16",
+                                 "scale": None}
+
+
+def test_sigterm_to_one_worker_stops_both_at_the_same_step_with_a_checkpoint(write_script, tmp_path):
+    script = write_script(DDP_SCRIPT)
+    run_dir = tmp_path / "run"
+    job = start(script, run_dir, "--steps", "300", "--dist-timeout", "60", script_args=["--sleep", "0.05"])
+    try:
+        assert wait_for(lambda: running(job, run_dir, 3), RANK_TIMEOUT_S), "the job never got going"
+        os.kill(rank_pid(run_dir), signal.SIGTERM)
+        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out
+    session = read_session(run_dir)
+    assert session.end["status"] == "stopped"
+    [stopping] = [e for e in session.events if e["kind"] == "stopping"]
+    assert "SIGTERM on rank 1" in stopping["message"]
+    [saved] = [e for e in session.events if e["kind"] == "checkpoint_saved"]
+    assert (run_dir / saved["path"]).exists() and saved["checkpoint_step"] == session.end["step"]
+    assert rank_end(run_dir)["state"] == "stopped" and rank_end(run_dir)["step"] == session.end["step"]
+    head, _ = read_header(run_dir / saved["path"])   # rank 0's file, with every rank's RNG state
+    extra = json.loads(head.metadata["extra"])
+    assert extra["world_size"] == 2 and len(extra["rank_rng"]) == 2
+    # The same world size resumes from it, on both ranks.
+    stopped_at = session.end["step"]
+    again = train_ranks(script, run_dir, "--steps", "2", "--resume", str(run_dir), with_run_dir=False)
+    assert again.returncode == 0, again.stdout + again.stderr
+    session = read_session(run_dir)
+    [resumed] = [e for e in session.events if e["kind"] == "resumed"]
+    assert resumed["checkpoint_step"] == stopped_at and session.end["step"] == stopped_at + 2
+    assert rank_end(run_dir)["state"] == "finished" and rank_end(run_dir)["step"] == stopped_at + 2
+
+
+def test_kill_9_of_one_worker_ends_the_other_with_the_session_kept(write_script, tmp_path):
+    """The survivor's collective fails as the dead rank's connection closes (or torchrun's agent
+    stops it): far sooner than --dist-timeout, which the wait's bound stays below."""
+    script = write_script(DDP_SCRIPT)
+    run_dir = tmp_path / "run"
+    job = start(script, run_dir, "--dist-timeout", str(3 * RANK_TIMEOUT_S), script_args=["--sleep", "0.05"])
+    try:
+        assert wait_for(lambda: running(job, run_dir, 3), RANK_TIMEOUT_S), "the job never got going"
+        recorded = step_count(run_dir / "session.jsonl")
+        os.kill(rank_pid(run_dir), signal.SIGKILL)
+        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0, out
+    session = read_session(run_dir)   # reads back: every step recorded before the kill is there
+    assert len(session.steps) >= recorded and session.skipped_lines == 0
+    assert [r["step"] for r in session.steps] == list(range(len(session.steps)))
+    assert session.end is not None and session.end["status"] == "error", session.end
+    [lost] = [e for e in session.events if e["kind"] == "error"]
+    assert "another rank is gone" in lost["message"] and not lost.get("traceback")
+    assert "rank 1 (pid" in out and "killed by SIGKILL" in out and "Traceback" not in out
+
+
+def test_resume_refuses_another_world_size(write_script, tmp_path):
+    """A checkpoint of one process, resumed with 2 ranks: a clear error, the session untouched."""
+    script = write_script(DDP_SCRIPT)
+    run_dir = tmp_path / "run"
+    first = subprocess.run([sys.executable, "-m", "amp_tui", "train", str(script), "--headless", "--steps", "3",
+                            "--checkpoint-every", "2", "--run-dir", str(run_dir)],
+                           capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    before = (run_dir / "session.jsonl").read_bytes()
+    again = subprocess.run([sys.executable, "-m", "amp_tui", "train", str(script), "--headless", "--nproc", "2",
+                            "--steps", "2", "--resume", str(run_dir)],
+                           capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path)
+    assert again.returncode == 2, again.stdout + again.stderr
+    lines = [x for x in again.stderr.splitlines() if "saved by a run of" in x]
+    assert len(lines) == 1, again.stderr
+    assert "a run of 1 rank and this one has 2" in lines[0] and "without --nproc" in lines[0]
+    assert (run_dir / "session.jsonl").read_bytes() == before   # nothing recorded is lost
