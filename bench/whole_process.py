@@ -34,14 +34,18 @@ BARE = ROOT / "bench" / "bare_loop.py"
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
-def run_process(cmd: list[str], env: dict, stamp: Path | None = None, timeout: float = 600.0) -> dict:
-    """Run `cmd` to its end; wall, CPU, peak RSS and (with `stamp`) the time to its first step."""
+def run_process(cmd: list[str], env: dict, stamp: Path | None = None, timeout: float = 600.0,
+                cwd: Path | None = None) -> dict:
+    """Run `cmd` to its end; wall, CPU, peak RSS and (with `stamp`) the time to its first step.
+    Not in a checkout's folder (`python -m` would import the amp_tui there): in `cwd` or the
+    temporary folder."""
     if stamp is not None:
         stamp.unlink(missing_ok=True)
     with tempfile.TemporaryFile() as out:
         spawned_at = time.time()
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=cwd or tempfile.gettempdir())
         deadline = time.monotonic() + timeout
         peak_kb = 0
         while True:   # os.wait4: this child's own rusage, not every child's so far
@@ -126,7 +130,7 @@ def measure(model: str = "blocks", dtype: str = "bfloat16", *, steps: int = 400,
             for name in order:
                 shutil.rmtree(tmp / "run", ignore_errors=True)
                 cmd, env = cmds[name]
-                r = run_process(cmd, env, stamp, timeout)
+                r = run_process(cmd, env, stamp, timeout, cwd=tmp)
                 if k:
                     runs[name].append(r)
             if k:
