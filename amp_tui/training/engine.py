@@ -292,7 +292,10 @@ class GuardedTrainer:
             self.probe.detach()
 
     def _forward(self, batch):
-        return check_loss(self._forward_unchecked(batch))
+        loss = check_loss(self._forward_unchecked(batch))
+        if self.probe is not None and self.probe.active:
+            self.probe.end_forward()   # the outputs its hooks kept, measured now and let go
+        return loss
 
     def _step(self, micro_batches, probe: LayerProbe | None, first_loss: torch.Tensor | None) -> StepResult:
         """One update attempt, in the order of PyTorch's AMP recipe (see the module docstring)."""
