@@ -96,15 +96,23 @@ class MaxAbsPlan:
         self.layer_index = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
                                         device=self.device).reshape(len(rows), width)
 
-    def measure(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    def slots(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Where `measure` writes the extremes of each single (larger) tensor: a caller may write
+        them earlier itself, with `torch.aminmax(t, out=slot)`, and tell `measure` (`done`)."""
+        return {p: (lo_i, hi_i) for positions, lo_views, hi_views, _, _ in self.singles
+                for p, lo_i, hi_i in zip(positions, lo_views, hi_views)}
+
+    def measure(self, tensors: Sequence[torch.Tensor | None], done: bytearray | None = None) -> torch.Tensor:
         """max |x| of the measured positions, in `order`, as float64 on the device, followed by
-        one 0 (the pad `fold` uses). Call under no_grad(). Raises PlanMismatch when the tensors
-        no longer fit the plan."""
+        one 0 (the pad `fold` uses). Singles whose position is set in `done` were written into
+        their slot already. Call under no_grad(). Raises PlanMismatch when the tensors no longer
+        fit the plan."""
         parts = []
         try:
             for positions, lo_views, hi_views, lo, hi in self.singles:
                 for p, lo_i, hi_i in zip(positions, lo_views, hi_views):
-                    torch.aminmax(tensors[p], out=(lo_i, hi_i))
+                    if done is None or not done[p]:
+                        torch.aminmax(tensors[p], out=(lo_i, hi_i))
                 parts.append(torch.maximum(hi, lo.neg()).double())
             for positions in self.stacks:
                 stacked = torch.stack([tensors[p] for p in positions]).view(len(positions), -1)

@@ -18,7 +18,7 @@ import torch
 
 from amp_tui.core.precision import FP16_TINY
 from amp_tui.training.compiled import clean_name
-from amp_tui.training.extremes import MaxAbsPlan, PlanMismatch
+from amp_tui.training.extremes import SMALL_NUMEL, MaxAbsPlan, PlanMismatch
 
 UNMEASURED = None  # a module that did not run, or a parameter without a gradient
 
@@ -64,9 +64,23 @@ def _floating_tensors(value, found: list, limit: int = 4) -> None:
             _floating_tensors(v, found, limit)
 
 
-KEEP_OUTPUT_BYTES = 1 << 20   # outputs up to this size are kept for a grouped measurement ...
-KEEP_TOTAL_BYTES = 32 << 20   # ... until the forward ends or they add up to this much
+KEEP_TOTAL_BYTES = 32 << 20   # small outputs kept until the forward ends or they add up to this
 PLAN_CACHE = 8                # output plans kept (one per sequence of modules a forward runs)
+
+
+class _Slots:
+    """(min, max) of the larger outputs, written by the hooks into preallocated buffers (one pair
+    per dtype and device): no 0-d result allocated per output."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, size: int):
+        self.lo = torch.zeros(size, dtype=dtype, device=device)
+        self.hi = torch.zeros(size, dtype=dtype, device=device)
+        self.lo_views, self.hi_views = list(self.lo.unbind()), list(self.hi.unbind())
+        self.layers: list[int] = []   # the layer of each slot written this step
+
+    def maxima(self) -> torch.Tensor:
+        n = len(self.layers)
+        return torch.maximum(self.hi[:n], self.lo[:n].neg()).double()
 
 
 class LayerProbe:
@@ -74,17 +88,22 @@ class LayerProbe:
 
     The forward hooks stay attached while consecutive steps are probed (attaching and removing
     them every step costs as much as a fifth of the probes); `end()` takes them off. While not
-    armed, a hook returns at once. An armed hook keeps a reference to the module's output and
-    `end_forward()` measures them all at once (the trainer calls it after each forward; otherwise
-    `record_gradients()` or `collect()` do): a reduction inside the forward costs about twice as
-    much as the same one after it. Outputs over KEEP_OUTPUT_BYTES are measured in the hook, and
-    the kept ones are measured as soon as they add up to KEEP_TOTAL_BYTES, so the probe holds no
-    more than that of memory the forward would have freed.
+    armed, a hook returns at once.
+
+    An armed hook measures a larger output (over SMALL_NUMEL elements) and, at the module's
+    first call in the step, its larger weights, right there, while the forward has them in the
+    cache; it keeps a reference to a small output, and `end_forward()` measures all those at
+    once, stacked (the trainer calls it after each forward; otherwise `record_gradients()` or
+    `collect()` do). The kept outputs are measured as soon as they add up to KEEP_TOTAL_BYTES,
+    so the probe holds no more than that of memory the forward would have freed. The small
+    weights and every gradient are measured in a few grouped calls (`record_weights()`,
+    `record_gradients()`).
 
     With `keep_hooks` (a compiled model) `end()` only disarms them and `detach()` takes them off:
     torch.compile traces the hooks into its graph when they are there at the first compile, and
     keeps one graph armed, one disarmed; hooks attached later would never run inside it. Those
-    hooks measure each output where it is made, inside the graph.
+    hooks measure each output where it is made, inside the graph, and leave the weights to
+    `record_weights()`.
     """
 
     def __init__(self, model: torch.nn.Module, *, keep_hooks: bool = False):
@@ -107,17 +126,22 @@ class LayerProbe:
                     self._params.append(p)
                 idx.append(seen[id(p)])
             self._layer_params.append(idx)
+        n_layers = len(self._modules)
         self._handles: list = []
         self._armed = False
         self._untrained: set[int] = set()   # indices into _params the optimizer doesn't step
         self._weight_plan: MaxAbsPlan | None = None
+        self._hot_weights: list[list[tuple]] = [[] for _ in range(n_layers)]  # layer -> (param, slot)
         self._grad_plans: dict = {}          # which parameters have a gradient -> plan
         self._act_plans: dict = {}           # the modules' sequence of kept outputs -> plan
+        self._slots: dict[tuple, _Slots] = {}
         # This step's state (begin() resets it).
         self._calls: list[int] = []          # layer of every measured output, in call order
-        self._kept: list[torch.Tensor] = []  # outputs kept by the hooks, not measured yet
+        self._kept: list[torch.Tensor] = []  # small outputs kept by the hooks, not measured yet
         self._kept_layers: list[int] = []
         self._kept_bytes = 0
+        self._ran = bytearray(n_layers)      # layers whose forward ran (their weights measured)
+        self._weights_done = bytearray(len(self._params))
         self._act_parts: list[torch.Tensor] = []    # per-output maxima (device vectors) ...
         self._act_meta: list[tuple[list[int], int]] = []   # ... the layer of each, and the length
         self._weight_layers: torch.Tensor | None = None
@@ -145,9 +169,15 @@ class LayerProbe:
         self._kept.clear()
         self._kept_layers.clear()
         self._kept_bytes = 0
+        self._ran = bytearray(len(self._modules))
+        self._weights_done = bytearray(len(self._params))
+        for slots in self._slots.values():
+            slots.layers.clear()
         self._act_parts, self._act_meta = [], []
         self._weight_layers = None
         self._grad = self._under = None
+        if self._weight_plan is None:
+            self._plan_weights()
         self._armed = True
         if not self._handles:
             make = self._make_traced_hook if self.keep_hooks else self._make_hook
@@ -172,40 +202,68 @@ class LayerProbe:
 
     # ---- activations ----------------------------------------------------------------------
     def _make_hook(self, index: int):
-        kept, kept_layers = self._kept, self._kept_layers
+        kept, kept_layers, calls = self._kept, self._kept_layers, self._calls
 
         def hook(_module, _inputs, output):
             if not self._armed:
                 return
+            if not self._ran[index]:
+                self._ran[index] = 1
+                self._weights_now(index)
             if type(output) is not torch.Tensor:   # tuples, dicts, ModelOutputs: the generic walk
                 found: list = []
                 _floating_tensors(output, found)
                 for t in found:
-                    self._keep(index, t)
+                    self._take(index, t)
                 return
-            if not (output.is_floating_point() and output.numel()):
+            if not output.is_floating_point():
                 return
-            size = output.nbytes
-            if size > KEEP_OUTPUT_BYTES or self._kept_bytes + size > KEEP_TOTAL_BYTES:
-                self._keep(index, output)
+            n = output.numel()
+            if n > SMALL_NUMEL or not n or self._kept_bytes > KEEP_TOTAL_BYTES:
+                self._take(index, output)
                 return
-            kept.append(output)   # the common case, inline: this runs for every module
+            calls.append(index)   # the common case, inline: this runs for every module
+            kept.append(output)
             kept_layers.append(index)
-            self._kept_bytes += size
+            self._kept_bytes += output.nbytes
         return hook
 
-    def _keep(self, index: int, t: torch.Tensor) -> None:
-        """Keep an output for end_forward(), or measure it now: a large one, or one that would
-        take the kept ones over their bound (the kept ones are measured first: call order)."""
-        size = t.nbytes
-        if size > KEEP_OUTPUT_BYTES or self._kept_bytes + size > KEEP_TOTAL_BYTES:
-            self.end_forward()
-        if size > KEEP_OUTPUT_BYTES:
-            self._measure_outputs([t.detach()], [index])
+    def _weights_now(self, index: int) -> None:
+        """The larger weights of a module whose forward just read them."""
+        done = self._weights_done
+        try:
+            for i, p, slot in self._hot_weights[index]:
+                if not done[i]:   # (a weight two modules share: measured once)
+                    torch.aminmax(p.detach(), out=slot)
+                    done[i] = 1
+        except RuntimeError:   # moved or cast since the plan was made: record_weights() plans again
+            self._hot_weights = [[] for _ in self._modules]
+
+    def _take(self, index: int, t: torch.Tensor) -> None:
+        """Measure an output now (a larger one, while it is in the cache), or keep it for
+        end_forward() (after measuring the kept ones, once they add up to KEEP_TOTAL_BYTES)."""
+        n = t.numel()
+        if not n:
             return
-        self._kept.append(t)
-        self._kept_layers.append(index)
-        self._kept_bytes += size
+        if self._kept_bytes > KEEP_TOTAL_BYTES:
+            self.end_forward()
+        self._calls.append(index)
+        if n <= SMALL_NUMEL:
+            self._kept.append(t)
+            self._kept_layers.append(index)
+            self._kept_bytes += t.nbytes
+            return
+        key = (t.dtype, t.device)
+        slots = self._slots.get(key)
+        if slots is None or len(slots.layers) == len(slots.lo_views):
+            if slots is not None:   # more outputs than slots: twice as many from now on
+                self._act_parts.append(slots.maxima())
+                self._act_meta.append((list(slots.layers), len(slots.layers)))
+            size = 2 * len(slots.lo_views) if slots is not None else 2 * len(self._modules) + 8
+            slots = self._slots[key] = _Slots(t.dtype, t.device, size)
+        k = len(slots.layers)
+        torch.aminmax(t.detach(), out=(slots.lo_views[k], slots.hi_views[k]))
+        slots.layers.append(index)
 
     def _make_traced_hook(self, index: int):
         """For a compiled model: each output measured where it is made, inside the graph."""
@@ -222,18 +280,14 @@ class LayerProbe:
         return hook
 
     def end_forward(self) -> None:
-        """Measure the outputs the hooks kept, and let them go (the trainer calls this after each
-        forward; record_gradients() and collect() do when it wasn't)."""
+        """Measure the small outputs the hooks kept, and let them go (the trainer calls this
+        after each forward; record_gradients() and collect() do when it wasn't)."""
         if not self._kept:
             return
         outputs, layers = list(self._kept), list(self._kept_layers)
         self._kept.clear()
         self._kept_layers.clear()
         self._kept_bytes = 0
-        self._measure_outputs(outputs, layers)
-
-    def _measure_outputs(self, outputs: list[torch.Tensor], layers: list[int]) -> None:
-        self._calls.extend(layers)
         key = tuple(layers)
         with torch.no_grad():
             plan = self._act_plans.get(key)
@@ -291,19 +345,25 @@ class LayerProbe:
     def _device(self) -> torch.device:
         return self._params[0].device if self._params else torch.device("cpu")
 
+    def _plan_weights(self) -> None:
+        self._weight_plan = MaxAbsPlan(self._params, self._layer_params, device=self._device())
+        slots = self._weight_plan.slots()
+        self._hot_weights = [[(i, self._params[i], slots[i]) for i in params if i in slots]
+                             for params in self._layer_params]
+
     def record_weights(self) -> None:
-        """Call before the optimizer step, so the weights are those this step's forward used."""
+        """Call before the optimizer step, so the weights are those this step's forward used
+        (the larger weights of the modules that ran were read in their hooks)."""
         if self._weight_layers is not None:
             return
-        weights = self._params
         with torch.no_grad():
             try:
                 if self._weight_plan is None:
                     raise PlanMismatch("no plan yet")
-                values = self._weight_plan.measure(weights)
+                values = self._weight_plan.measure(self._params, self._weights_done)
             except PlanMismatch:
-                self._weight_plan = MaxAbsPlan(weights, self._layer_params, device=self._device())
-                values = self._weight_plan.measure(weights)
+                self._plan_weights()
+                values = self._weight_plan.measure(self._params)
             self._weight_layers = self._weight_plan.fold(values)
 
     # ---- to the host ----------------------------------------------------------------------------
@@ -312,6 +372,11 @@ class LayerProbe:
         self.end_forward()
         self._armed = False
         self.record_weights()
+        for slots in self._slots.values():
+            if slots.layers:
+                self._act_parts.append(slots.maxima())
+                self._act_meta.append((list(slots.layers), len(slots.layers)))
+                slots.layers.clear()
         n_layers = len(self._modules)
         grad, under = self._grad, self._under
         with torch.no_grad():

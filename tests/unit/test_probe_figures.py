@@ -167,9 +167,13 @@ def test_many_small_modules(dtype):
 
 
 def test_large_tensors_measured_one_by_one_and_small_ones_stacked(monkeypatch):
-    """The same figures whichever way a tensor is grouped."""
-    for small in (0, 1 << 14, 1 << 30):
+    """The same figures whichever way a tensor is grouped, and whether a hook measures an output
+    and its module's weights or leaves them for later."""
+    from amp_tui.training import probes
+
+    for small in (0, 100, 1 << 14, 1 << 30):
         monkeypatch.setattr(extremes, "SMALL_NUMEL", small)
+        monkeypatch.setattr(probes, "SMALL_NUMEL", small)
         torch.manual_seed(0)
         assert run_and_compare(blocks(3), mse, batches(3)) == 3
 
@@ -307,10 +311,31 @@ def test_probe_used_by_hand_without_end_forward():
 def test_outputs_over_the_memory_bound_are_measured_as_they_come(monkeypatch):
     from amp_tui.training import probes
 
-    monkeypatch.setattr(probes, "KEEP_OUTPUT_BYTES", 200)     # larger outputs: measured in the hook
+    monkeypatch.setattr(probes, "SMALL_NUMEL", 40)           # larger outputs: measured in the hook
     monkeypatch.setattr(probes, "KEEP_TOTAL_BYTES", 500)      # a few kept ones: measured together
     torch.manual_seed(0)
     assert run_and_compare(blocks(3), mse, batches(2, rows=1) + batches(2, rows=4)) == 4
+
+
+def test_more_large_outputs_than_slots(monkeypatch):
+    """A module that runs many times in a forward: its outputs overflow the slots kept for
+    them, and every one still counts."""
+    from amp_tui.training import probes
+
+    monkeypatch.setattr(probes, "SMALL_NUMEL", 0)
+    torch.manual_seed(0)
+    lin, head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = lin, head
+
+        def forward(self, x):
+            for _ in range(20):
+                x = torch.tanh(self.lin(x)) * 1.5
+            return self.head(x)
+    assert run_and_compare(Loop(), mse, batches(2)) == 2
 
 
 class Twice(nn.Module):
@@ -334,3 +359,20 @@ def test_a_nan_after_a_finite_output_of_the_same_module_wins():
     def plant(k, m):
         m.poison.fill_(math.nan if k == 1 else 1.0)
     assert run_and_compare(model, mse, batches(3), mutate=plant) == 2
+
+
+def test_a_model_cast_after_the_probe_was_made():
+    """The hooks' buffers were made for float32 weights; after model.double() they are planned
+    again, and the figures are the reference's."""
+    torch.manual_seed(0)
+    model = blocks(2, width=80)   # weights over SMALL_NUMEL: read in the hooks
+
+    def cast(k, m):
+        if k == 1:
+            m.double()
+    data = [(x.double(), y.double()) for x, y in batches(3)]
+
+    def loss(m, batch):
+        x, y = batch
+        return (m(x.to(m[0].weight.dtype)) - y.to(m[0].weight.dtype)).pow(2).mean()
+    assert run_and_compare(model, loss, data, mutate=cast) == 3
