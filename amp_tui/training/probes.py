@@ -12,7 +12,9 @@ itself the non-finite flag).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
@@ -326,7 +328,7 @@ class LayerProbe:
 
     def _measure_grads(self, grads: list):
         # (`None in grads` would compare every tensor to None with ==.)
-        key = tuple(g is not None for g in grads) if any(g is None for g in grads) else None
+        key = tuple(g is not None for g in grads) if any(map(operator.is_, grads, repeat(None))) else None
         plan = self._grad_plans.get(key)
         try:
             if plan is None:
