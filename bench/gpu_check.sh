@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# One prepared check for a CUDA or ROCm machine (device "cuda"), about 3-4 minutes, at most 5:
+# One prepared check for a CUDA or ROCm machine (device "cuda"), about 6-8 minutes, at most 10:
 #
 #   1. the environment: GPU, driver, torch build, bf16 support            (env.txt)
 #   2. every demo in demos/ for 30 steps, headless, on cuda, in fp16 and in bf16 (two at a time)
 #                                                                          (demo-*.log, runs/)
 #   3. the test suite's CUDA-marked tests: pytest -m cuda                  (pytest-cuda.log)
 #   4. the overhead benchmark on a GPT-2-small-sized model (12 blocks, d_model 768, vocab 50257,
-#      seq 512, batch 8) in fp16 and bf16: python bench/run.py --gpu       (overhead.txt, *-gpu.json)
+#      seq 512, batch 8) in fp16 and bf16: python bench/run.py --gpu --only overhead
+#                                                                          (overhead.txt, *-gpu.json)
+#   5. the whole-process line on the same model in fp16 and bf16: `amp-tui train --headless
+#      --steps 50 --probe-every 1` against the bare-loop script, 5 pairs each:
+#      python bench/run.py --gpu --only process                           (process.txt, *-gpu.json)
 #
 # Results go to $OUT if set, else bench/results/gpu-<date>/; summary.txt lists each part's exit
 # status and time. Every part has its own time limit and a failing part doesn't stop the others;
@@ -20,8 +24,9 @@
 # adds the DebugUnderflowOverflow contender). amp_tui is imported from this checkout (PYTHONPATH),
 # so nothing needs installing if those are present.
 #
-# GPU_CHECK_DEVICE=cpu runs the same parts on the CPU (the overhead part on bench/run.py --quick's
-# small models instead of GPT-2 small): a dry run of this script on a machine without a GPU.
+# GPU_CHECK_DEVICE=cpu runs the same parts on the CPU (the overhead and process parts on
+# bench/run.py --quick's small models instead of GPT-2 small): a dry run of this script on a
+# machine without a GPU.
 
 set -uo pipefail
 
@@ -159,11 +164,20 @@ fi
 if [ "$DEVICE" = "cpu" ]; then
     part overhead 150 "$PY" "$ROOT/bench/run.py" --quick --only overhead --device cpu --out "$OUT"
 else
-    part overhead 150 "$PY" "$ROOT/bench/run.py" --gpu --device "$DEVICE" --out "$OUT"
+    part overhead 150 "$PY" "$ROOT/bench/run.py" --gpu --only overhead --device "$DEVICE" --out "$OUT"
 fi
 verdict overhead
 # the table is at the end of the log; keep it on its own too
 sed -n '/^amp-tui benchmarks/,$p' "$OUT/overhead.log" > "$OUT/overhead.txt"
+
+# ---- 5. whole process on GPT-2-small size: amp-tui train against the bare loop ------------------
+if [ "$DEVICE" = "cpu" ]; then
+    part process 240 "$PY" "$ROOT/bench/run.py" --quick --only process --device cpu --out "$OUT"
+else
+    part process 300 "$PY" "$ROOT/bench/run.py" --gpu --only process --device "$DEVICE" --out "$OUT"
+fi
+verdict process
+sed -n '/^amp-tui benchmarks/,$p' "$OUT/process.log" > "$OUT/process.txt"
 
 say "total $(( $(date +%s) - START ))s; results in $OUT"
 exit "$FAILED"
