@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared check for a CUDA or ROCm machine (device "cuda"), about 5 minutes (each part has
-# its own time limit):
+# One prepared check for a CUDA or ROCm machine (device "cuda"), about 6-8 minutes (each part
+# has its own time limit):
 #
 #   1. the environment: GPU, driver, torch build, bf16 support            (env.txt)
 #   2. every demo in demos/ that follows the script contract (a setup() for amp-tui train) for 30
@@ -10,8 +10,12 @@
 #      and Lightning with precision="16-mixed", which get a GradScaler only on a GPU (on the CPU
 #      the test suite hands them one by hand); run on their own too     (frameworks-fp16.log)
 #   4. the overhead benchmark on a GPT-2-small-sized model (12 blocks, d_model 768, vocab 50257,
-#      seq 512, batch 8) in fp16 and bf16: python bench/run.py --gpu       (overhead.txt, *-gpu.json)
-#   5. with 2 GPUs or more: amp-tui's coordination of 2 ranks over plain DDP, NCCL, one rank per
+#      seq 512, batch 8) in fp16 and bf16: python bench/run.py --gpu --only overhead
+#                                                                          (overhead.txt, *-gpu.json)
+#   5. the whole-process line on the same model in fp16 and bf16: `amp-tui train --headless
+#      --steps 50 --probe-every 1` against the bare-loop script, 5 pairs each:
+#      python bench/run.py --gpu --only process                           (process.txt, *-gpu.json)
+#   6. with 2 GPUs or more: amp-tui's coordination of 2 ranks over plain DDP, NCCL, one rank per
 #      GPU: python bench/ddp_overhead.py --backend nccl --quick             (ddp-nccl.log, *-ddp-nccl.json)
 #
 # Results go to $OUT if set, else bench/results/gpu-<date>/; summary.txt lists each part's exit
@@ -27,8 +31,9 @@
 # DebugUnderflowOverflow contender). amp_tui is imported from this checkout (PYTHONPATH),
 # so nothing needs installing if those are present.
 #
-# GPU_CHECK_DEVICE=cpu runs the same parts on the CPU (the overhead part on bench/run.py --quick's
-# small models instead of GPT-2 small): a dry run of this script on a machine without a GPU.
+# GPU_CHECK_DEVICE=cpu runs the same parts on the CPU (the overhead and process parts on
+# bench/run.py --quick's small models instead of GPT-2 small): a dry run of this script on a
+# machine without a GPU.
 
 set -uo pipefail
 
@@ -181,13 +186,21 @@ fi
 if [ "$DEVICE" = "cpu" ]; then
     part overhead 150 "$PY" "$ROOT/bench/run.py" --quick --only overhead --device cpu --out "$OUT"
 else
-    part overhead 150 "$PY" "$ROOT/bench/run.py" --gpu --device "$DEVICE" --out "$OUT"
+    part overhead 150 "$PY" "$ROOT/bench/run.py" --gpu --only overhead --device "$DEVICE" --out "$OUT"
 fi
 verdict overhead
 # the table is at the end of the log; keep it on its own too
 sed -n '/^amp-tui benchmarks/,$p' "$OUT/overhead.log" > "$OUT/overhead.txt"
 
-# ---- 5. several ranks: amp-tui's coordination over plain DDP, one rank per GPU with NCCL --------
+# ---- 5. whole process on GPT-2-small size: amp-tui train against the bare loop ------------------
+if [ "$DEVICE" = "cpu" ]; then
+    part process 240 "$PY" "$ROOT/bench/run.py" --quick --only process --device cpu --out "$OUT"
+else
+    part process 300 "$PY" "$ROOT/bench/run.py" --gpu --only process --device "$DEVICE" --out "$OUT"
+fi
+verdict process
+sed -n '/^amp-tui benchmarks/,$p' "$OUT/process.log" > "$OUT/process.txt"
+# ---- 6. several ranks: amp-tui's coordination over plain DDP, one rank per GPU with NCCL --------
 if [ "$DEVICE" = "cpu" ]; then
     part ddp 150 "$PY" "$ROOT/bench/ddp_overhead.py" --backend gloo --nproc 2 --quick --out "$OUT"
     verdict ddp

@@ -1,6 +1,6 @@
-"""The benchmark models: a deep MLP and a small GPT-like transformer, built from a seed, no
-downloads. Each `build_*` returns (model, batches, loss_fn, description) with the model on the CPU
-and the batches on `device`.
+"""The benchmark models: a deep MLP, a small GPT-like transformer and a residual stack of many
+small modules, built from a seed, no downloads. `build` returns (model, batches, loss_fn,
+description) with the model on the CPU and the batches on `device`.
 """
 
 from __future__ import annotations
@@ -47,6 +47,41 @@ class GptSpec:
         return (f"GPT-like: {self.layers} blocks, d_model {self.d_model}, {self.heads} heads, vocab "
                 f"{self.vocab}, seq {self.seq}, batch {self.batch}, tied head, "
                 f"{params / 1e6:.2f} M parameters")
+
+
+@dataclass(frozen=True)
+class BlocksSpec:
+    """Many small modules: where per-tensor work shows more than arithmetic."""
+
+    blocks: int = 24       # residual blocks of LayerNorm + Linear(width, width)
+    width: int = 128
+    in_dim: int = 64
+    classes: int = 10
+    batch: int = 32
+
+    @property
+    def name(self) -> str:
+        return f"blocks-{self.blocks}x{self.width}"
+
+    def describe(self, params: int) -> str:
+        return (f"Blocks: {self.blocks} residual blocks of LayerNorm + Linear (width {self.width}), "
+                f"batch {self.batch}, {params / 1e6:.2f} M parameters")
+
+
+class NormLinear(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + F.gelu(self.linear(self.norm(x)))
+
+
+def blocks(spec: BlocksSpec) -> nn.Module:
+    return nn.Sequential(nn.Linear(spec.in_dim, spec.width),
+                         *(NormLinear(spec.width) for _ in range(spec.blocks)),
+                         nn.LayerNorm(spec.width), nn.Linear(spec.width, spec.classes))
 
 
 def mlp(spec: MlpSpec) -> nn.Module:
@@ -136,8 +171,8 @@ def build(spec, device: str = "cpu", n_batches: int = 4, seed: int = 0):
     """(model on the CPU, batches on `device`, loss_fn, description)."""
     g = torch.Generator().manual_seed(seed + 1)
     torch.manual_seed(seed)
-    if isinstance(spec, MlpSpec):
-        model = mlp(spec)
+    if isinstance(spec, (MlpSpec, BlocksSpec)):
+        model = mlp(spec) if isinstance(spec, MlpSpec) else blocks(spec)
         batches = [(torch.randn(spec.batch, spec.in_dim, generator=g),
                     torch.randint(0, spec.classes, (spec.batch,), generator=g)) for _ in range(n_batches)]
         loss_fn = classify_loss

@@ -7,10 +7,14 @@
     python bench/run.py --gpu          # on a CUDA/ROCm machine: the overhead benchmark on a
                                        # GPT-2-small-sized model in fp16 and bf16 (bench/gpu_check.sh)
     python bench/run.py --only overhead,checkpoint --threads 2
+    python bench/run.py --only process --baseline ../other-checkout   # before/after in one series
 
 Sections: `overhead` (probes against the bare guarded loop, DebugUnderflowOverflow and
-detect_anomaly), `dashboard` (attached against headless, key-to-effect latency), `replay` (first
-frame, seek, memory, bytes per step), `checkpoint` (save/restore MB/s against torch.save/load).
+detect_anomaly), `process` (`amp-tui train --headless` against a bare-loop script as whole
+processes: wall, CPU, time to the first step), `readside` (start-up of report, replay --headless
+and ls; report and ls at scale), `dashboard` (attached against headless, key-to-effect latency),
+`replay` (first frame, seek, memory, bytes per step), `checkpoint` (save/restore MB/s against
+torch.save/load).
 The method is in docs/performance.md. Results go to bench/results/<date>-<quick|full|gpu>.json
 (or --out DIR), with the machine, the versions and the date.
 """
@@ -40,16 +44,19 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.models import GPT2_SMALL, GptSpec, MlpSpec  # noqa: E402
+from bench.models import GPT2_SMALL, BlocksSpec, GptSpec, MlpSpec  # noqa: E402
 
-SECTIONS = ("overhead", "dashboard", "replay", "checkpoint")
+SECTIONS = ("overhead", "process", "readside", "dashboard", "replay", "checkpoint")
 RESULTS = ROOT / "bench" / "results"
 
-# Targets of issue 7.
-PROBE_EVERY_STEP_MAX_PCT = 5.0
+# Targets.
+PROBE_EVERY_STEP_MAX_PCT = 3.0          # the full Run step and the probes alone, every step
+SMALL_MODULES_EVERY_STEP_MAX_PCT = 5.0  # ... on the model of many small modules
 PROBE_EVERY_10_MAX_PCT = 1.0
 CHEAPER_THAN_DUO_MIN = 3.0
 DASHBOARD_MIN_RATIO = 0.97
+WHOLE_PROCESS_MAX_RATIO = 1.05          # amp-tui train (probes every step, recording) / bare loop
+FIRST_STEP_LATER_MAX_S = 0.15           # amp-tui's first step after the bare loop's
 
 
 @dataclass
@@ -66,9 +73,16 @@ class Preset:
     presses: int = 0
     checkpoint: MlpSpec | None = None
     checkpoint_rounds: int = 0
+    process: list = field(default_factory=list)   # (case model, dtype) for the whole-process section
+    process_steps: int = 400
+    process_pairs: int = 5
+    readside_repeats: int = 5
+    readside_runs: int = 8
     replay_steps: int = 0
     sections: tuple = SECTIONS
     notes: list = field(default_factory=list)
+    baseline: Path | None = None        # another checkout's amp-tui in the process section
+    threads: int = 1
 
 
 def presets(kind: str, device: str) -> Preset:
@@ -79,8 +93,11 @@ def presets(kind: str, device: str) -> Preset:
             # without native fp16 takes ~10x the fp32 step, too long for a minute.
             overhead=[(MlpSpec(depth=20, width=128, batch=64), "float32"),
                       (GptSpec(layers=4, d_model=64, heads=4, vocab=1024, seq=32, batch=4), "float32"),
-                      (MlpSpec(depth=20, width=64, batch=32), "float16")],
+                      (MlpSpec(depth=20, width=64, batch=32), "float16"),
+                      (BlocksSpec(), "bfloat16")],
             rounds=20, budget_s=3.0, min_rounds=10,
+            process=[("blocks", "bfloat16")], process_steps=100, process_pairs=5, readside_repeats=3,
+            readside_runs=4,
             dashboard=(MlpSpec(depth=20, width=64, batch=32), "float16"), windows=1, window_s=1.5,
             presses=8, checkpoint=MlpSpec(depth=10, width=384, batch=8), checkpoint_rounds=3,
             replay_steps=20_000)
@@ -90,8 +107,10 @@ def presets(kind: str, device: str) -> Preset:
             overhead=[(MlpSpec(depth=24, width=256, batch=128), "float32"),
                       (GptSpec(layers=4, d_model=128, heads=4, vocab=2048, seq=64, batch=8), "float32"),
                       (MlpSpec(depth=24, width=128, batch=64), "float16"),
-                      (GptSpec(layers=4, d_model=64, heads=4, vocab=1024, seq=32, batch=4), "float16")],
+                      (GptSpec(layers=4, d_model=64, heads=4, vocab=1024, seq=32, batch=4), "float16"),
+                      (BlocksSpec(), "bfloat16")],
             rounds=200, budget_s=75.0, min_rounds=30,
+            process=[("blocks", "bfloat16")], process_steps=400, process_pairs=7,
             dashboard=(MlpSpec(depth=24, width=128, batch=64), "float16"), windows=20, window_s=2.0,
             presses=20, checkpoint=MlpSpec(depth=12, width=512, batch=8), checkpoint_rounds=5,
             replay_steps=100_000)
@@ -100,7 +119,8 @@ def presets(kind: str, device: str) -> Preset:
             "gpu", device,
             overhead=[(GPT2_SMALL, "float16"), (GPT2_SMALL, "bfloat16")],
             rounds=40, budget_s=40.0, min_rounds=20, dashboard=None,
-            sections=("overhead",))
+            process=[("gpt2-small", "float16"), ("gpt2-small", "bfloat16")], process_steps=50,
+            process_pairs=5, sections=("overhead", "process"))
     raise ValueError(kind)
 
 
@@ -122,6 +142,26 @@ def run_overhead(p: Preset) -> list[dict]:
             log(f"  left out (not installed): {', '.join(r['missing'])}")
         out.append(r)
     return out
+
+
+def run_process(p: Preset) -> list[dict]:
+    from bench import whole_process
+
+    out = []
+    for model, dtype in p.process:
+        log(f"process: amp-tui train against the bare loop, {model} {dtype}, {p.process_steps} steps, "
+            f"{p.process_pairs} pairs{' + the baseline checkout' if p.baseline else ''} ...")
+        out.append(whole_process.measure(model, dtype, steps=p.process_steps, pairs=p.process_pairs,
+                                         device=p.device, threads=p.threads if p.device == "cpu" else None,
+                                         baseline=p.baseline, log=log))
+    return out
+
+
+def run_readside(p: Preset) -> dict:
+    from bench import read_side
+
+    log(f"readside: report, replay --headless and ls: start-up, and at {p.replay_steps:,} steps ...")
+    return read_side.measure(p.replay_steps, runs=p.readside_runs, repeats=p.readside_repeats, log=log)
 
 
 def run_dashboard(p: Preset) -> dict:
@@ -173,7 +213,8 @@ def targets(results: dict) -> list[dict]:
     for r in results.get("overhead", []):
         c = r["contenders"]
         where = f"{r['model']} {r['dtype']}"
-        for ours, limit in (("probes/1", PROBE_EVERY_STEP_MAX_PCT), ("run/1", PROBE_EVERY_STEP_MAX_PCT),
+        every = SMALL_MODULES_EVERY_STEP_MAX_PCT if r["model"].startswith("blocks-") else PROBE_EVERY_STEP_MAX_PCT
+        for ours, limit in (("probes/1", every), ("run/1", every),
                             ("probes/10", PROBE_EVERY_10_MAX_PCT), ("run/10", PROBE_EVERY_10_MAX_PCT)):
             if ours not in c:
                 continue
@@ -190,6 +231,29 @@ def targets(results: dict) -> list[dict]:
             add(f"DUO overhead / ours ({key.split(' vs ')[1]}), {where}", f">= {CHEAPER_THAN_DUO_MIN:g}x", value,
                 verdict(ch["overhead_ratio"], lo, hi, at_least=CHEAPER_THAN_DUO_MIN),
                 f"step time DUO/ours {ch['time_ratio']:.2f}")
+    for r in results.get("process", []):
+        where = f"{r['model']} {r['dtype']}, {r['steps']} steps, {r['pairs']} pairs"
+        c = r["contenders"]["amp-tui"]
+        for key, what in (("wall_ratio", "wall"), ("cpu_ratio", "CPU")):
+            lo, hi = c[key + "_90ci"]
+            add(f"amp-tui train / bare loop, {what} time, {where}", f"<= {WHOLE_PROCESS_MAX_RATIO:g}x",
+                f"{fmt(c[key], '.3f')}x (90% CI {fmt(lo, '.3f')}..{fmt(hi, '.3f')})",
+                verdict(c[key], lo, hi, at_most=WHOLE_PROCESS_MAX_RATIO))
+        lo, hi = c["first_step_later_s_90ci"]
+        add(f"first step after the bare loop's, {where}", f"<= {FIRST_STEP_LATER_MAX_S:g} s",
+            f"{fmt(c['first_step_later_s'], '+.3f')} s (90% CI {fmt(lo, '+.3f')}..{fmt(hi, '+.3f')})",
+            verdict(c["first_step_later_s"], lo, hi, at_most=FIRST_STEP_LATER_MAX_S))
+    rs = results.get("readside")
+    if rs:
+        for name, f in rs["startup"].items():
+            add(f"{name} start-up ({rs['short_steps']} steps)", f"<= {rs['startup_max_s']:g} s",
+                f"{f['wall_s']:.2f} s (max {f['wall_max_s']:.2f} of {f['runs']})",
+                "PASS" if f["wall_max_s"] <= rs["startup_max_s"] else "MISS")
+        for name, f in rs["at_scale"].items():
+            ok = f["wall_max_s"] <= rs["at_scale_max_s"] and f["max_rss_mb"] <= rs["at_scale_max_mb"]
+            add(f"{name} at {rs['steps'] // 1000}k steps", f"<= {rs['at_scale_max_s']:g} s, "
+                f"<= {rs['at_scale_max_mb']:g} MB", f"{f['wall_s']:.2f} s (max {f['wall_max_s']:.2f}), "
+                f"{f['max_rss_mb']:.0f} MB peak RSS", "PASS" if ok else "MISS")
     d = results.get("dashboard")
     if d and d.get("window_ratios"):
         w = [x for x in d["window_ratios"] if x is not None]
@@ -252,6 +316,31 @@ def render(results: dict) -> str:
             lines.append(f"  not measured (not installed): {', '.join(r['missing'])}")
         for name, why in r.get("failed", {}).items():
             lines.append(f"  left out, it raised: {name}: {why}")
+    for r in results.get("process", []):
+        lines.append("")
+        lines.append(f"Whole process: amp-tui train {r['model']} --headless --dtype {r['dtype']} --steps {r['steps']} "
+                     f"--probe-every 1 against the bare loop, {r['pairs']} pairs ({r['seconds']:.0f} s), "
+                     f"torch threads {r['threads'] or 'default'}, {r['device']}")
+        rows = []
+        for name, c in r["contenders"].items():
+            def ci(key, spec, c=c):
+                lo, hi = c.get(key + "_90ci") or (None, None)
+                return f"{fmt(c.get(key), spec)} ({fmt(lo, spec)}..{fmt(hi, spec)})" if key in c else ""
+            rows.append([name, fmt(c["wall_s"]), fmt(c["cpu_s"]), fmt(c["first_step_s"], ".3f"),
+                         fmt(c["max_rss_mb"], ".0f"), ci("wall_ratio", ".3f"), ci("cpu_ratio", ".3f"),
+                         ci("after_first_step_ratio", ".3f"), ci("first_step_later_s", "+.3f")])
+        lines.append(common.table(rows, ["", "wall s", "CPU s", "1st step s", "RSS MB", "wall / bare (90% CI)",
+                                         "CPU / bare", "after 1st step / bare", "1st step later s"]))
+    rs = results.get("readside")
+    if rs:
+        lines.append("")
+        lines.append(f"Read side: new processes, median of {rs['repeats']}; start-up on {rs['short_steps']} steps, "
+                     f"at scale on {rs['steps']:,} steps x {rs['layers']} layers ({rs['file_mb']} MB)")
+        rows = [[f"{name} (start-up)", fmt(f["wall_s"]), fmt(f["wall_max_s"]), fmt(f["cpu_s"]),
+                 fmt(f["max_rss_mb"], ".0f")] for name, f in rs["startup"].items()]
+        rows += [[f"{name} ({rs['steps'] // 1000}k steps)", fmt(f["wall_s"]), fmt(f["wall_max_s"]), fmt(f["cpu_s"]),
+                  fmt(f["max_rss_mb"], ".0f")] for name, f in rs["at_scale"].items()]
+        lines.append(common.table(rows, ["", "wall s", "max s", "CPU s", "peak RSS MB"]))
     d = results.get("dashboard")
     if d:
         lines.append("")
@@ -323,6 +412,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="overhead rounds (upper bound)")
     ap.add_argument("--budget", type=float, default=None, help="seconds per overhead configuration")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON (default bench/results)")
+    ap.add_argument("--baseline", type=Path, default=None, metavar="CHECKOUT",
+                    help="the process section also runs this checkout's amp-tui train, in the same pairs")
     args = ap.parse_args(argv)
 
     kind = "gpu" if args.gpu else ("quick" if args.quick else "full")
@@ -343,6 +434,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     elif device == "cpu":
         torch.set_num_threads(1)
+    p.threads = torch.get_num_threads()
+    p.baseline = args.baseline.resolve() if args.baseline else None
 
     started = time.perf_counter()
     results: dict = {"kind": kind, "date": common.now_iso(), "machine": common.machine(device),
@@ -350,8 +443,8 @@ def main(argv=None) -> int:
                      "settings": {"sections": list(sections), "torch_threads": torch.get_num_threads(),
                                   "overhead_rounds_max": p.rounds, "overhead_budget_s": p.budget_s,
                                   "command": ["python", *sys.argv]}}
-    runners = {"overhead": run_overhead, "dashboard": run_dashboard, "replay": run_replay,
-               "checkpoint": run_checkpoint}
+    runners = {"overhead": run_overhead, "process": run_process, "readside": run_readside,
+               "dashboard": run_dashboard, "replay": run_replay, "checkpoint": run_checkpoint}
     for section in SECTIONS:
         if section in sections:
             if section == "dashboard" and p.dashboard is None:

@@ -22,11 +22,10 @@ def cmd_report(args) -> int:
 
     from amp_tui.cli.summary import render_summary
     from amp_tui.recording.format import SessionFormatError
-    from amp_tui.recording.reader import read_session
-    from amp_tui.recording.report import summarize
+    from amp_tui.recording.report import read_digest, summarize
 
     try:
-        session = read_session(args.run)
+        digest = read_digest(args.run)
     except SessionFormatError as exc:
         return error(str(exc))
     except OSError as exc:
@@ -35,7 +34,7 @@ def cmd_report(args) -> int:
         from amp_tui.recording.timeline import at_arguments, interventions_as_at
         print(json.dumps(interventions_as_at(args.run)) if args.json else at_arguments(args.run))
         return 0
-    summary = summarize(session)
+    summary = summarize(digest)
     if args.json:
         print(json.dumps(summary.as_json(), indent=2, allow_nan=False))
     else:

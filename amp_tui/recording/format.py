@@ -9,6 +9,7 @@ MAX_LINE_BYTES, which they never hold in memory.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any
@@ -66,28 +67,60 @@ def compact_figure(x: float | None, digits: int = LAYER_DIGITS) -> float | int |
     return v
 
 
-def step_record(result) -> dict:
-    """A StepResult as a `step` record (per-layer figures as compact arrays in layer order).
+class StepRecord(dict):
+    """A `step` record that carries its JSON line (`line`, without the newline), built from the
+    same pieces as its values: the writer takes the line instead of encoding the dict again."""
+
+    __slots__ = ("line",)
+
+
+_FORMATS = {d: f"{{:.{d}g}}".format for d in (LAYER_DIGITS, SHARE_DIGITS)}
+
+
+def figures_json(values, digits: int = LAYER_DIGITS) -> str:
+    """The JSON array of `compact_figure(v, digits)` for every value, exactly as `json.dumps`
+    writes that list, without a Python call per value where it can.
+
+    For a finite float below 10**digits in magnitude, `format(x, ".Ng")` is the token already:
+    `float(token)` is the compact value and its repr is the token again (the same digits, and
+    repr and "g" switch to an exponent below 1e-4 alike). The exceptions show in the joined text:
+    "e+" (10**digits and up, written whole by compact_figure), "e-3" (down where float64 runs out
+    of digits, 5e-324 and the like, and a little above), "n" ("nan", "inf") and a "-0" token
+    (written "-0.0"); None can't be formatted. Those arrays take the value-by-value path."""
+    fmt = _FORMATS.get(digits)
+    if fmt is not None:
+        try:
+            text = ",".join(map(fmt, values))
+        except (TypeError, ValueError):   # None, or not a number at all
+            text = None
+        if text is not None and "e+" not in text and "e-3" not in text and "n" not in text \
+                and "-0," not in text + ",":
+            return "[" + text + "]"
+    return jsonsafe.dumps([compact_figure(v, digits) for v in values])
+
+
+def step_record(result) -> StepRecord:
+    """A StepResult as a `step` record (per-layer figures as compact arrays in layer order), with
+    its JSON line.
 
     The fields of STEP_HEAD come first, in that order, each written once; any other field comes
     after them.
     """
     enc = jsonsafe.encode_float
-    fig = compact_figure
-    record: dict[str, Any] = {
-        "type": "step",
-        "step": result.step,
-        "loss": enc(result.loss),
-        "scale": enc(result.scale),
-        "skipped": result.skipped,
-        "skipped_total": result.skipped_total,
-        "updates": result.updates_applied,
-        "dtype": result.dtype,
-        "micro_batches": result.micro_batches,
-        "time": round(result.wall_time, 3),
-        "duration": round(result.duration, 6),
-        "next_scale": enc(result.next_scale),
-    }
+    record = StepRecord(
+        type="step",
+        step=result.step,
+        loss=enc(result.loss),
+        scale=enc(result.scale),
+        skipped=result.skipped,
+        skipped_total=result.skipped_total,
+        updates=result.updates_applied,
+        dtype=result.dtype,
+        micro_batches=result.micro_batches,
+        time=round(result.wall_time, 3),
+        duration=round(result.duration, 6),
+        next_scale=enc(result.next_scale),
+    )
     if result.lr is not None:
         record["lr"] = enc(result.lr)
     if result.grad_norm is not None:
@@ -98,17 +131,19 @@ def step_record(result) -> dict:
     if ranks is not None:   # several ranks: theirs, in rank order (the layers hold their maximum)
         record["rank_loss"] = [enc(v) for v in ranks.loss]
         record["rank_step_time"] = [round(v, 6) for v in ranks.step_time]
-    if result.figures is not None:
-        f = result.figures
-        record["layers"] = {
-            "act": [fig(v) for v in f.act],
-            "grad": [fig(v) for v in f.grad],
-            "weight": [fig(v) for v in f.weight],
-        }
-        if f.underflow is not None:
-            record["layers"]["underflow"] = [fig(v, SHARE_DIGITS) for v in f.underflow]
-        if f.underflow_scaled is not None:
-            record["layers"]["underflow_scaled"] = [fig(v, SHARE_DIGITS) for v in f.underflow_scaled]
+    head = jsonsafe.dumps(record)
+    if result.figures is None:
+        record.line = head
+        return record
+    f = result.figures
+    arrays = {"act": figures_json(f.act), "grad": figures_json(f.grad), "weight": figures_json(f.weight)}
+    if f.underflow is not None:
+        arrays["underflow"] = figures_json(f.underflow, SHARE_DIGITS)
+    if f.underflow_scaled is not None:
+        arrays["underflow_scaled"] = figures_json(f.underflow_scaled, SHARE_DIGITS)
+    text = "{" + ",".join(f'"{name}":{array}' for name, array in arrays.items()) + "}"
+    record["layers"] = json.loads(text)   # the compact values, parsed back from their tokens
+    record.line = head[:-1] + ',"layers":' + text + "}"
     return record
 
 

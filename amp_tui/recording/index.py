@@ -152,6 +152,7 @@ class SessionIndex:
         self.loss_none = 0                     # step records without a loss
         self.error_events = array("q")         # indices of error events with during == "step"
         self.end: dict | None = None
+        self.end_at: tuple[int, int] | None = None   # (offset, length) of the end record's line
         self.damaged_lines = 0                 # damaged and over-long lines
         self.long_lines = 0                    # of which over MAX_LINE_BYTES (skipped unread)
         self._in_long_line = False             # the last refresh stopped inside an over-long line
@@ -355,6 +356,7 @@ class SessionIndex:
             self._add_event(record, offset, length)
         else:
             self.end = record
+            self.end_at = (offset, length)
         self.records += 1
 
     def _add_step_record(self, r: dict, offset: int, length: int) -> bool:

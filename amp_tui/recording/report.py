@@ -1,12 +1,25 @@
-"""The run summary, from a live run's records or from a recording."""
+"""The run summary, from a recording: read in one streaming pass through the replay index
+(`read_digest`), which holds a few dozen bytes a step and never the step records themselves, or
+from a `Session` already in memory."""
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from amp_tui.core.jsonsafe import read_float
-from amp_tui.recording.format import MAX_LINE_BYTES
-from amp_tui.recording.reader import Session
+from amp_tui.recording.format import MAX_LINE_BYTES, SessionFormatError
+from amp_tui.recording.index import SessionIndex
+from amp_tui.recording.reader import (
+    Session,
+    check_header,
+    parse_record,
+    read_lines,
+    resolve_session_path,
+    too_long_message,
+)
 
 TEXT_LIMIT = 1000   # characters of a recorded string (a path, an error message) printed at most
 
@@ -55,42 +68,112 @@ class RunOutcome:
     recording_error: str | None
 
 
-def summarize(session: Session, outcome: RunOutcome | None = None) -> Summary:
-    steps = session.steps
-    events = session.events
-    last = steps[-1] if steps else None
-    end = session.end
-    header = session.header
+@dataclass
+class RecordingDigest:
+    """What a summary reads of a recording."""
+
+    header: dict
+    path: Path | None
+    steps: int                   # step records
+    skipped_steps: int           # of which say skipped
+    last_step: dict | None       # the last step record, whole
+    end: dict | None             # the last end record
+    event_kinds: Counter         # events by kind
+    errors: list[str]            # the messages of the error events, in file order
+    skipped_lines: int = 0
+    unknown_records: int = 0
+    long_lines: int = 0
+
+
+def digest_of(session: Session) -> RecordingDigest:
+    steps, events = session.steps, session.events
+    return RecordingDigest(
+        header=session.header, path=session.path, steps=len(steps),
+        skipped_steps=sum(1 for s in steps if s.get("skipped")), last_step=steps[-1] if steps else None,
+        end=session.end, event_kinds=Counter(e.get("kind") for e in events),
+        errors=[str(e.get("message", "")) for e in events if e.get("kind") == "error"],
+        skipped_lines=session.skipped_lines, unknown_records=session.unknown_records,
+        long_lines=session.long_lines)
+
+
+def read_digest(target: str | Path) -> RecordingDigest:
+    """The digest of a recording in one pass through its replay index: the same counts and
+    records `read_session` gives, without holding the step records (a 100,000-step recording
+    needs a few MB, not GB). The header, the last step, the end and the error events are read
+    back whole and strictly, as `read_session` reads them, and a file that is no session is
+    refused with its words."""
+    path = resolve_session_path(target)
+    with open(path, "rb") as fh:
+        first = next(read_lines(fh), b"")
+        if first is None:
+            raise SessionFormatError(too_long_message(path))
+        header = check_header(parse_record(first.decode("utf-8", "replace")), path)
+        with SessionIndex(path) as index:
+            steps, skipped_lines = index.frames, index.damaged_lines + index.torn_tail
+            last = None
+            while steps and last is None:
+                # The index takes a step line by its leading fields; one damaged after them is
+                # found here, as read_session finds it, and the step before is the last.
+                last = _record_at(fh, index.offsets[steps - 1], index.lengths[steps - 1], "step")
+                if last is None:
+                    steps -= 1
+                    skipped_lines += 1
+            skipped_steps = sum(1 for f in index.skipped_frames if f < steps)
+            end = _record_at(fh, *index.end_at, "end") if index.end_at is not None else None
+            kinds = Counter()
+            for code, n in Counter(index.event_kinds).items():
+                kinds[index.kinds[code]] += n
+            error = index.kind_code("error")
+            errors = [str((_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {})
+                          .get("message", ""))
+                      for k, code in enumerate(index.event_kinds) if code == error]
+            unknown, long_lines = index.unknown_records, index.long_lines
+    return RecordingDigest(
+        header=header, path=path, steps=steps, skipped_steps=skipped_steps, last_step=last, end=end,
+        event_kinds=kinds, errors=errors, skipped_lines=skipped_lines, unknown_records=unknown,
+        long_lines=long_lines)
+
+
+def _record_at(fh, offset: int, length: int, kind: str) -> dict | None:
+    """The record of `kind` at `offset`, parsed strictly and whole; None when it isn't one."""
+    fh.seek(offset, os.SEEK_SET)
+    raw = fh.read(length)
+    record = parse_record(raw.decode("utf-8", "replace")) if len(raw) == length else None
+    return record if record is not None and record.get("type") == kind else None
+
+
+def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None = None) -> Summary:
+    d = digest_of(recording) if isinstance(recording, Session) else recording
+    last, end, header = d.last_step, d.end, d.header
     device = header.get("device") or {}
-    path = session.path
-    run_dir = str(path.parent) if path is not None else ""
-    updates, skipped = _counts(end, last, steps)
+    run_dir = str(d.path.parent) if d.path is not None else ""
+    updates, skipped = _counts(end, last, d)
     return Summary(
         run_dir=run_dir,
         script=str(header.get("script", "")),
         device=f"{device.get('backend', '?')} {device.get('name', '')}".strip(),
         status=(end or {}).get("status", "incomplete"),
-        steps=len(steps),
+        steps=d.steps,
         updates_applied=updates,
         skipped=skipped,
-        rolled_back=max(0, len(steps) - updates - skipped),
+        rolled_back=max(0, d.steps - updates - skipped),
         final_dtype=(end or last or {}).get("dtype", header.get("dtype")),
         final_scale=_final_scale(end, last),
         final_loss=read_float(last.get("loss")) if last else None,
-        nonfinite_events=sum(1 for e in events if e.get("kind") == "nonfinite"),
-        interventions=sum(1 for e in events if e.get("kind") == "intervention"),
-        checkpoints=sum(1 for e in events if e.get("kind") == "checkpoint_saved"),
-        errors=[str(e.get("message", "")) for e in events if e.get("kind") == "error"],
-        skipped_lines=session.skipped_lines,
-        unknown_records=session.unknown_records,
-        long_lines=session.long_lines,
+        nonfinite_events=d.event_kinds.get("nonfinite", 0),
+        interventions=d.event_kinds.get("intervention", 0),
+        checkpoints=d.event_kinds.get("checkpoint_saved", 0),
+        errors=list(d.errors),
+        skipped_lines=d.skipped_lines,
+        unknown_records=d.unknown_records,
+        long_lines=d.long_lines,
         **({"run_status": outcome.state, "steps_run": outcome.steps,
             "unwritten": dict(outcome.unwritten), "recording_error": outcome.recording_error}
            if outcome is not None and outcome.unwritten else {}),
     )
 
 
-def _counts(end: dict | None, last: dict | None, steps: list[dict]) -> tuple[int, int]:
+def _counts(end: dict | None, last: dict | None, d: RecordingDigest) -> tuple[int, int]:
     """(updates applied, skipped) as the run counted them: the end record's, else the last step's.
 
     Recounting the step records would count the iterations a restore or a resume rolled back
@@ -99,7 +182,7 @@ def _counts(end: dict | None, last: dict | None, steps: list[dict]) -> tuple[int
         if record is not None and isinstance(record.get("updates"), int) \
                 and isinstance(record.get("skipped_total"), int):
             return record["updates"], record["skipped_total"]
-    return (sum(1 for s in steps if not s.get("skipped")), sum(1 for s in steps if s.get("skipped")))
+    return d.steps - d.skipped_steps, d.skipped_steps
 
 
 def _final_scale(end: dict | None, last: dict | None) -> float | None:

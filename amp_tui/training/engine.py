@@ -296,7 +296,10 @@ class GuardedTrainer:
             self.probe.detach()
 
     def _forward(self, batch):
-        return check_loss(self._forward_unchecked(batch))
+        loss = check_loss(self._forward_unchecked(batch))
+        if self.probe is not None and self.probe.active:
+            self.probe.end_forward()   # the outputs its hooks kept, measured now and let go
+        return loss
 
     def _step(self, micro_batches, probe: LayerProbe | None, first_loss: torch.Tensor | None) -> StepResult:
         """One update attempt, in the order of PyTorch's AMP recipe (see the module docstring)."""
@@ -469,10 +472,21 @@ def _to_host(scalars: list[torch.Tensor]) -> list[float]:
 
 
 def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """1.0 on the device when any gradient holds inf/NaN, without leaving the device."""
-    if not grads:
-        return torch.zeros((), device=device)
+    """1.0 on the device when any gradient holds inf/NaN, without leaving the device.
+
+    GradScaler's own fused check, one call per dtype and device, with an inverse scale of 1
+    (which leaves every gradient as it is): on the CPU a third of an aminmax per gradient and a
+    stack, on CUDA one kernel launch."""
+    found = torch.zeros(1, device=device)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.is_sparse:
+            g = g.coalesce()._values()   # as GradScaler.unscale_ reads a sparse gradient
+        groups.setdefault((g.device, g.dtype), []).append(g)
     with torch.no_grad():
-        # max|g| via aminmax is NaN or inf exactly when g holds a non-finite value.
-        ext = torch.stack([x.float() for g in grads for x in torch.aminmax(g.detach())])
-        return (~torch.isfinite(ext)).any().float()
+        for (where, _), tensors in groups.items():
+            flag = found if where == found.device else torch.zeros(1, device=where)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, torch.ones(1, device=where))
+            if flag is not found:
+                found = torch.maximum(found, flag.to(found.device))
+    return found

@@ -2,21 +2,25 @@
 owns parameters.
 
 Every figure stays a tensor on the device until `collect()`, which moves all of them to the host in
-one transfer: one sync per probed step, never one per tensor. `aminmax` is used instead of an
-inf-norm because it is several times faster on the CPU and, like max, propagates NaN, so a
-non-finite figure is itself the non-finite flag. On small models the per-tensor bookkeeping
-costs as much as the reductions, hence the in-place buffers and the hooks kept between steps.
+one transfer: one sync per probed step, never one per tensor. The reductions are grouped
+(`amp_tui.training.extremes`): on small models the count of tensor ops costs more than their
+arithmetic, so the hooks only keep each output, and the outputs, the gradients and the weights are
+each measured in a few calls (`aminmax`, which like max propagates NaN, so a non-finite figure is
+itself the non-finite flag).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
 from amp_tui.core.precision import FP16_TINY
 from amp_tui.training.compiled import clean_name
+from amp_tui.training.extremes import SMALL_NUMEL, MaxAbsPlan, PlanMismatch
 
 UNMEASURED = None  # a module that did not run, or a parameter without a gradient
 
@@ -62,68 +66,23 @@ def _floating_tensors(value, found: list, limit: int = 4) -> None:
             _floating_tensors(v, found, limit)
 
 
-class _ExtremesTable:
-    """(min, max) of up to `size` tensors, written in place into preallocated buffers.
+KEEP_TOTAL_BYTES = 32 << 20   # small outputs kept until the forward ends or they add up to this
+PLAN_CACHE = 8                # output plans kept (one per sequence of modules a forward runs)
 
-    `aminmax(out=...)` into 0-d views of one buffer pair per (dtype, device) allocates nothing per
-    tensor, and leaves no pile of 0-d results to stack (a stack of mixed dtypes costs more than
-    the reductions themselves). The buffers live as long as the probe; `reset()` only forgets
-    which entries this step wrote.
-    """
 
-    def __init__(self, size: int):
-        self.size = size
-        self._buffers: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
-        self.key_of: list[tuple | None] = [None] * size  # the buffer holding entry i, this step
+class _Slots:
+    """(min, max) of the larger outputs, written by the hooks into preallocated buffers (one pair
+    per dtype and device): no 0-d result allocated per output."""
 
-    def reset(self) -> None:
-        self.key_of = [None] * self.size
+    def __init__(self, dtype: torch.dtype, device: torch.device, size: int):
+        self.lo = torch.zeros(size, dtype=dtype, device=device)
+        self.hi = torch.zeros(size, dtype=dtype, device=device)
+        self.lo_views, self.hi_views = list(self.lo.unbind()), list(self.hi.unbind())
+        self.layers: list[int] = []   # the layer of each slot written this step
 
-    def _views(self, key: tuple):
-        views = self._buffers.get(key)
-        if views is None:
-            lo = torch.zeros(self.size, dtype=key[0], device=key[1])
-            hi = torch.zeros(self.size, dtype=key[0], device=key[1])
-            views = self._buffers[key] = (list(lo.unbind()), list(hi.unbind()), lo, hi)
-        return views
-
-    def measure(self, i: int, t: torch.Tensor) -> None:
-        key = (t.dtype, t.device)
-        lo, hi, _, _ = self._views(key)
-        torch.aminmax(t, out=(lo[i], hi[i]))
-        self.key_of[i] = key
-
-    def fold(self, i: int, t: torch.Tensor) -> bool:
-        """Widen entry i by `t`'s extremes; False when `t` lives in another buffer than entry i."""
-        key = (t.dtype, t.device)
-        if self.key_of[i] != key:
-            return False
-        lo, hi, _, _ = self._buffers[key]
-        t_lo, t_hi = torch.aminmax(t)
-        torch.minimum(lo[i], t_lo, out=lo[i])  # NaN-propagating, like aminmax
-        torch.maximum(hi[i], t_hi, out=hi[i])
-        return True
-
-    def _used(self) -> list[tuple]:
-        keys = dict.fromkeys(self.key_of)
-        keys.pop(None, None)
-        return list(keys)
-
-    def device_parts(self) -> list[torch.Tensor]:
-        """max|x| = max(hi, -lo) per entry, as float64, one tensor per buffer in use."""
-        parts = []
-        for key in self._used():
-            _, _, lo, hi = self._buffers[key]
-            parts.append(torch.maximum(hi, lo.neg()).double())
-        return parts
-
-    def read(self, host: list[float], pos: int) -> tuple[list[float | None], int]:
-        """Entries from the host copy of device_parts() starting at `pos`; and the next position."""
-        base = {}
-        for key in self._used():
-            base[key] = pos
-            pos += self.size
-        return [host[base[k] + i] if k is not None else UNMEASURED for i, k in enumerate(self.key_of)], pos
+    def maxima(self) -> torch.Tensor:
+        n = len(self.layers)
+        return torch.maximum(self.hi[:n], self.lo[:n].neg()).double()
 
 
 class LayerProbe:
@@ -133,9 +92,20 @@ class LayerProbe:
     them every step costs as much as a fifth of the probes); `end()` takes them off. While not
     armed, a hook returns at once.
 
+    An armed hook measures a larger output (over SMALL_NUMEL elements) and, at the module's
+    first call in the step, its larger weights, right there, while the forward has them in the
+    cache; it keeps a reference to a small output, and `end_forward()` measures all those at
+    once, stacked (the trainer calls it after each forward; otherwise `record_gradients()` or
+    `collect()` do). The kept outputs are measured as soon as they add up to KEEP_TOTAL_BYTES,
+    so the probe holds no more than that of memory the forward would have freed. The small
+    weights and every gradient are measured in a few grouped calls (`record_weights()`,
+    `record_gradients()`).
+
     With `keep_hooks` (a compiled model) `end()` only disarms them and `detach()` takes them off:
     torch.compile traces the hooks into its graph when they are there at the first compile, and
-    keeps one graph armed, one disarmed; hooks attached later would never run inside it.
+    keeps one graph armed, one disarmed; hooks attached later would never run inside it. Those
+    hooks measure each output where it is made, inside the graph, and leave the weights to
+    `record_weights()`.
     """
 
     def __init__(self, model: torch.nn.Module, *, keep_hooks: bool = False):
@@ -158,26 +128,34 @@ class LayerProbe:
                     self._params.append(p)
                 idx.append(seen[id(p)])
             self._layer_params.append(idx)
-        n_layers, n_params = len(self._modules), len(self._params)
+        n_layers = len(self._modules)
         self._handles: list = []
         self._armed = False
-        self._act = _ExtremesTable(n_layers)
-        self._act_more: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # outputs of another dtype
-        self._order: list[int] = []
-        self._grad = _ExtremesTable(n_params)
-        self._weight = _ExtremesTable(n_params)
-        self._grads_recorded = False
-        self._under: list[torch.Tensor] = []
-        self._under_index: list[int] = []
-        self._under_numel: list[int] = []
-        self._scaled = False
-        self._judged = list(range(n_params))  # parameters whose non-finite gradient skips a step
+        self._untrained: set[int] = set()   # indices into _params the optimizer doesn't step
+        self._weight_plan: MaxAbsPlan | None = None
+        self._hot_weights: list[list[tuple]] = [[] for _ in range(n_layers)]  # layer -> (param, slot)
+        self._grad_plans: dict = {}          # which parameters have a gradient -> plan
+        self._act_plans: dict = {}           # the modules' sequence of kept outputs -> plan
+        self._slots: dict[tuple, _Slots] = {}
+        # This step's state (begin() resets it).
+        self._calls: list[int] = []          # layer of every measured output, in call order
+        self._kept: list[torch.Tensor] = []  # small outputs kept by the hooks, not measured yet
+        self._kept_layers: list[int] = []
+        self._kept_bytes = 0
+        self._ran = bytearray(n_layers)      # layers whose forward ran (their weights measured)
+        self._weights_done = bytearray(len(self._params))
+        self._act_parts: list[torch.Tensor] = []    # per-output maxima (device vectors) ...
+        self._act_meta: list[tuple[list[int], int]] = []   # ... the layer of each, and the length
+        self._weight_layers: torch.Tensor | None = None
+        self._grad: tuple | None = None             # (plan, per-layer maxima, judged maximum)
+        self._under: tuple | None = None            # (plan, per-layer count sums, scaled?)
 
     def set_untrained(self, params) -> None:
         """Parameters the optimizer doesn't hold: still measured, but a non-finite gradient of
         theirs updates nothing, so it doesn't count in `grads_nonfinite`."""
         untrained = {id(p) for p in params}
-        self._judged = [i for i, p in enumerate(self._params) if id(p) not in untrained]
+        self._untrained = {i for i, p in enumerate(self._params) if id(p) in untrained}
+        self._grad_plans = {}
 
     @property
     def active(self) -> bool:
@@ -189,21 +167,31 @@ class LayerProbe:
 
     def begin(self) -> None:
         """Start probing a step: unprobed steps (with the hooks off) pay nothing."""
-        self._act.reset()
-        self._act_more = []
-        self._order = []
-        self._grad.reset()
-        self._weight.reset()
-        self._grads_recorded = False
-        self._under = []
+        self._calls.clear()
+        self._kept.clear()
+        self._kept_layers.clear()
+        self._kept_bytes = 0
+        self._ran = bytearray(len(self._modules))
+        self._weights_done = bytearray(len(self._params))
+        for slots in self._slots.values():
+            slots.layers.clear()
+        self._act_parts, self._act_meta = [], []
+        self._weight_layers = None
+        self._grad = self._under = None
+        if self._weight_plan is None:
+            self._plan_weights()
         self._armed = True
         if not self._handles:
-            self._handles = [m.register_forward_hook(self._make_hook(i)) for i, m in enumerate(self._modules)]
+            make = self._make_traced_hook if self.keep_hooks else self._make_hook
+            self._handles = [m.register_forward_hook(make(i)) for i, m in enumerate(self._modules)]
 
     def end(self) -> None:
         """Take the hooks off the model (the next begin() puts them back); with `keep_hooks`,
         only disarm them."""
         self._armed = False
+        self._kept.clear()   # a forward that raised leaves outputs unmeasured: let them go
+        self._kept_layers.clear()
+        self._kept_bytes = 0
         if not self.keep_hooks:
             self.detach()
 
@@ -214,150 +202,239 @@ class LayerProbe:
             h.remove()
         self._handles = []
 
+    # ---- activations ----------------------------------------------------------------------
     def _make_hook(self, index: int):
-        params = self._layer_params[index]
+        kept, kept_layers, calls = self._kept, self._kept_layers, self._calls
 
         def hook(_module, _inputs, output):
             if not self._armed:
                 return
-            if type(output) is torch.Tensor:  # the common case, without the generic walk
-                if not (output.is_floating_point() and output.numel()):
-                    return
-                found = (output,)
-            else:
-                found = []
+            if not self._ran[index]:
+                self._ran[index] = 1
+                self._weights_now(index)
+            if type(output) is not torch.Tensor:   # tuples, dicts, ModelOutputs: the generic walk
+                found: list = []
                 _floating_tensors(output, found)
-                if not found:
-                    return
-            # detach(): no autograd record, and cheaper than entering no_grad() in every hook.
-            first = self._act.key_of[index] is None  # this module's first output this step
-            if first:
-                self._order.append(index)
-                # This module's weights, while its forward has just read them: the same values
-                # record_weights() would read after the backward, from a warmer cache.
-                weight = self._weight
-                for i in params:
-                    p = self._params[i]
-                    if weight.key_of[i] is None and p.numel():
-                        weight.measure(i, p.detach())
-            for t in found:
-                t = t.detach()
-                if first:
-                    self._act.measure(index, t)
-                    first = False
-                elif not self._act.fold(index, t):
-                    self._act_more.append((index, *torch.aminmax(t)))
+                for t in found:
+                    self._take(index, t)
+                return
+            if not output.is_floating_point():
+                return
+            n = output.numel()
+            if n > SMALL_NUMEL or not n or self._kept_bytes > KEEP_TOTAL_BYTES:
+                self._take(index, output)
+                return
+            calls.append(index)   # the common case, inline: this runs for every module
+            kept.append(output)
+            kept_layers.append(index)
+            self._kept_bytes += output.nbytes
         return hook
 
+    def _weights_now(self, index: int) -> None:
+        """The larger weights of a module whose forward just read them."""
+        done = self._weights_done
+        try:
+            for i, p, slot in self._hot_weights[index]:
+                if not done[i]:   # (a weight two modules share: measured once)
+                    torch.aminmax(p.detach(), out=slot)
+                    done[i] = 1
+        except RuntimeError:   # moved or cast since the plan was made: record_weights() plans again
+            self._hot_weights = [[] for _ in self._modules]
+
+    def _take(self, index: int, t: torch.Tensor) -> None:
+        """Measure an output now (a larger one, while it is in the cache), or keep it for
+        end_forward() (after measuring the kept ones, once they add up to KEEP_TOTAL_BYTES)."""
+        n = t.numel()
+        if not n:
+            return
+        if self._kept_bytes > KEEP_TOTAL_BYTES:
+            self.end_forward()
+        self._calls.append(index)
+        if n <= SMALL_NUMEL:
+            self._kept.append(t)
+            self._kept_layers.append(index)
+            self._kept_bytes += t.nbytes
+            return
+        key = (t.dtype, t.device)
+        slots = self._slots.get(key)
+        if slots is None or len(slots.layers) == len(slots.lo_views):
+            if slots is not None:   # more outputs than slots: twice as many from now on
+                self._act_parts.append(slots.maxima())
+                self._act_meta.append((list(slots.layers), len(slots.layers)))
+            size = 2 * len(slots.lo_views) if slots is not None else 2 * len(self._modules) + 8
+            slots = self._slots[key] = _Slots(t.dtype, t.device, size)
+        k = len(slots.layers)
+        torch.aminmax(t.detach(), out=(slots.lo_views[k], slots.hi_views[k]))
+        slots.layers.append(index)
+
+    def _make_traced_hook(self, index: int):
+        """For a compiled model: each output measured where it is made, inside the graph."""
+        def hook(_module, _inputs, output):
+            if not self._armed:
+                return
+            found: list = []
+            _floating_tensors(output, found)
+            for t in found:
+                lo, hi = torch.aminmax(t.detach())
+                self._calls.append(index)
+                self._act_parts.append(torch.maximum(hi, lo.neg()).double().reshape(1))
+                self._act_meta.append(([index], 1))
+        return hook
+
+    def end_forward(self) -> None:
+        """Measure the small outputs the hooks kept, and let them go (the trainer calls this
+        after each forward; record_gradients() and collect() do when it wasn't)."""
+        if not self._kept:
+            return
+        outputs, layers = list(self._kept), list(self._kept_layers)
+        self._kept.clear()
+        self._kept_layers.clear()
+        self._kept_bytes = 0
+        key = tuple(layers)
+        with torch.no_grad():
+            plan = self._act_plans.get(key)
+            try:
+                if plan is None:
+                    raise PlanMismatch("no plan yet")
+                values = plan.measure(outputs)
+            except PlanMismatch:
+                if len(self._act_plans) >= PLAN_CACHE:
+                    self._act_plans.clear()
+                plan = self._act_plans[key] = MaxAbsPlan(outputs)
+                plan.layers = [layers[p] for p in plan.order]
+                values = plan.measure(outputs)
+        self._act_parts.append(values)
+        self._act_meta.append((plan.layers, len(plan.order) + 1))
+
+    # ---- gradients and weights ---------------------------------------------------------------
     def record_gradients(self, scale: float | None = None, *, underflow: bool = True) -> None:
         """Call after unscale_ (and before clipping): the true gradients' extremes and (with
         `underflow`) the underflow counts, still on the device."""
-        grad = self._grad
-        grads, index = [], []
+        self.end_forward()
+        grads = [p.grad for p in self._params]
         # One no_grad() for all (a gradient built with create_graph would otherwise record).
         with torch.no_grad():
-            for i, p in enumerate(self._params):
-                g = p.grad
-                if g is not None and g.numel():
-                    grad.measure(i, g)
-                    grads.append(g)
-                    index.append(i)
-            # Per parameter: nonzero count, count below 2**-24, count below 2**-24 / scale. The
-            # comparisons count zeros too; the host subtracts them (numel is known there).
-            self._under = []
-            # Counting costs four small ops per parameter, more than the extremes: hence optional.
-            for g in (grads if underflow else ()):
-                a = g.abs()
-                self._under.append(torch.count_nonzero(a))
-                self._under.append(torch.count_nonzero(a < FP16_TINY))
-                if scale:
-                    self._under.append(torch.count_nonzero(a < FP16_TINY / scale))
-        self._grads_recorded = True
-        self._scaled = bool(scale)   # the scaled counts were taken (a scale of 0 counts nothing)
-        self._under_index = index if underflow else []
-        self._under_numel = [g.numel() for g in grads] if underflow else []
+            plan, values = self._measure_grads(grads)
+            judged = None
+            if plan.any_judged:   # the pad (0) changes no maximum
+                judged = (values.index_select(0, plan.judged) if plan.judged is not None else values).amax()
+            self._grad = (plan, plan.fold(values), judged)
+            self._under = None
+            if underflow and plan.order:
+                # Per parameter: nonzero count, count below 2**-24, count below 2**-24 / scale;
+                # summed per layer. The comparisons count zeros too; the host subtracts them.
+                limits = [FP16_TINY, FP16_TINY / scale] if scale else [FP16_TINY]
+                self._under = (plan, plan.fold(plan.count(grads, limits), how="sum"), bool(scale))
+
+    def _measure_grads(self, grads: list):
+        # (`None in grads` would compare every tensor to None with ==.)
+        key = tuple(g is not None for g in grads) if any(map(operator.is_, grads, repeat(None))) else None
+        plan = self._grad_plans.get(key)
+        try:
+            if plan is None:
+                raise PlanMismatch("no plan yet")
+            return plan, plan.measure(grads)
+        except PlanMismatch:
+            if len(self._grad_plans) >= PLAN_CACHE:
+                self._grad_plans.clear()
+            plan = self._grad_plans[key] = MaxAbsPlan(grads, self._layer_params, device=self._device())
+            judged = [k for k, p in enumerate(plan.order) if p not in self._untrained]
+            plan.any_judged = bool(judged)
+            plan.judged = (torch.tensor(judged, dtype=torch.long, device=plan.device)
+                           if len(judged) < len(plan.order) else None)
+            return plan, plan.measure(grads)
+
+    def _device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    def _plan_weights(self) -> None:
+        self._weight_plan = MaxAbsPlan(self._params, self._layer_params, device=self._device())
+        slots = self._weight_plan.slots()
+        self._hot_weights = [[(i, self._params[i], slots[i]) for i in params if i in slots]
+                             for params in self._layer_params]
 
     def record_weights(self) -> None:
-        """Call before the optimizer step, so the weights are those this step's forward used.
-        Only those of modules whose forward did not run are left to read here."""
-        weight = self._weight
-        for i, p in enumerate(self._params):
-            if weight.key_of[i] is None and p.numel():
-                weight.measure(i, p.detach())
+        """Call before the optimizer step, so the weights are those this step's forward used
+        (the larger weights of the modules that ran were read in their hooks)."""
+        if self._weight_layers is not None:
+            return
+        with torch.no_grad():
+            try:
+                if self._weight_plan is None:
+                    raise PlanMismatch("no plan yet")
+                values = self._weight_plan.measure(self._params, self._weights_done)
+            except PlanMismatch:
+                self._plan_weights()
+                values = self._weight_plan.measure(self._params)
+            self._weight_layers = self._weight_plan.fold(values)
 
+    # ---- to the host ----------------------------------------------------------------------------
     def collect(self, extra: list[torch.Tensor] = ()) -> tuple[LayerFigures, list[float]]:
         """Bring every figure (and `extra` scalars) to the host in one transfer, and disarm."""
+        self.end_forward()
         self._armed = False
         self.record_weights()
-        if not self._grads_recorded:
-            self._grad.reset()
-        under = self._under if self._grads_recorded else []
-        more = self._act_more
+        for slots in self._slots.values():
+            if slots.layers:
+                self._act_parts.append(slots.maxima())
+                self._act_meta.append((list(slots.layers), len(slots.layers)))
+                slots.layers.clear()
+        n_layers = len(self._modules)
+        grad, under = self._grad, self._under
         with torch.no_grad():
-            # A few stacks, one transfer; float64 keeps the scale, counts above 2**24 and every
+            # One cat, one transfer; float64 keeps the scale, counts above 2**24 and every
             # dtype's extremes exact.
             parts = [torch.stack([t.reshape(()).double() for t in extra])] if extra else []
-            parts += self._act.device_parts() + self._grad.device_parts() + self._weight.device_parts()
-            if more:  # rare: a second output of another dtype than the first
-                highs = torch.stack([hi.double() for _, _, hi in more])
-                lows = torch.stack([lo.double() for _, lo, _ in more])
-                parts.append(torch.maximum(highs, lows.neg()))
-            if under:
-                parts.append(torch.stack(under).double())
-            host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
+            parts += self._act_parts
+            parts.append(self._weight_layers)
+            if grad is not None:
+                parts.append(grad[1])
+                if grad[2] is not None:
+                    parts.append(grad[2].reshape(1))
+            if under is not None:
+                parts.append(under[1].reshape(-1))
+            host = torch.cat(parts).tolist()
         n_extra = len(extra)
-        extra_host = host[:n_extra]
-        act, pos = self._act.read(host, n_extra)
-        param_grad, pos = self._grad.read(host, pos)
-        param_weight, pos = self._weight.read(host, pos)
-        for index, *_ in more:
-            act[index] = _absmax([v for v in (act[index], host[pos]) if v is not None])
-            pos += 1
-        counts: list[list[float] | None] = [None] * len(self._params)
-        per = 3 if self._scaled else 2
-        for k, i in enumerate(self._under_index if under else []):
-            nonzero, *below = host[pos + per * k:pos + per * (k + 1)]
-            zeros = self._under_numel[k] - nonzero
-            counts[i] = [nonzero, *(b - zeros for b in below)]
-        underflow = _underflow_shares(counts, self._layer_params, 1) if under else None
-        underflow_scaled = (_underflow_shares(counts, self._layer_params, 2)
-                            if under and self._scaled else None)
-        figures = LayerFigures(
-            act=act,
-            grad=[_group_max(param_grad, idx) for idx in self._layer_params],
-            weight=[_group_max(param_weight, idx) for idx in self._layer_params],
-            order=list(self._order),
-            underflow=underflow,
-            underflow_scaled=underflow_scaled,
-            grads_nonfinite=not all(math.isfinite(param_grad[i]) for i in self._judged
-                                    if param_grad[i] is not None),
-        )
-        self._act_more, self._under = [], []
+        extra_host, pos = host[:n_extra], n_extra
+        act: list[float | None] = [UNMEASURED] * n_layers
+        for layers, size in self._act_meta:
+            for layer, v in zip(layers, host[pos:pos + size]):   # (the pad has no layer)
+                seen = act[layer]
+                act[layer] = v if seen is None or seen < v or v != v else seen   # NaN wins
+            pos += size
+        weight = _read_layers(host, pos, self._weight_plan)
+        pos += n_layers
+        grads, nonfinite = [UNMEASURED] * n_layers, False
+        if grad is not None:
+            grads = _read_layers(host, pos, grad[0])
+            pos += n_layers
+            if grad[2] is not None:
+                nonfinite = not math.isfinite(host[pos])
+                pos += 1
+        underflow = underflow_scaled = None
+        if under is not None:
+            plan, _, scaled = under
+            rows = host[pos:pos + (3 if scaled else 2) * n_layers]
+            nonzero = rows[:n_layers]
+            underflow = _shares(nonzero, rows[n_layers:2 * n_layers], plan.layer_numel)
+            if scaled:
+                underflow_scaled = _shares(nonzero, rows[2 * n_layers:], plan.layer_numel)
+        figures = LayerFigures(act=act, grad=grads, weight=weight, order=list(dict.fromkeys(self._calls)),
+                               underflow=underflow, underflow_scaled=underflow_scaled,
+                               grads_nonfinite=nonfinite)
+        self._act_parts, self._act_meta = [], []
         return figures, extra_host
 
 
-def _absmax(values: list[float]) -> float:
-    """max |v|, where any NaN wins (it marks the figure non-finite)."""
-    out = 0.0
-    for v in values:
-        if v != v:
-            return math.nan
-        a = abs(v)
-        if a > out:
-            out = a
+def _read_layers(host: list[float], pos: int, plan: MaxAbsPlan) -> list[float | None]:
+    """One figure per layer from the host copy of `plan.fold(...)`; None where nothing was measured."""
+    out: list[float | None] = host[pos:pos + len(plan.layer_numel)]
+    for i in plan.missing:
+        out[i] = UNMEASURED
     return out
 
 
-def _group_max(values: list[float | None], indices: list[int]) -> float | None:
-    picked = [values[i] for i in indices if values[i] is not None]
-    return _absmax(picked) if picked else None
-
-
-def _underflow_shares(counts: list[list[float] | None], layers: list[list[int]], which: int):
-    """Per layer: flushed-to-zero count / nonzero count over the layer's parameters."""
-    out: list[float | None] = []
-    for idx in layers:
-        rows = [counts[i] for i in idx if counts[i] is not None]
-        nonzero = sum(r[0] for r in rows)
-        out.append(sum(r[which] for r in rows) / nonzero if nonzero else None)
-    return out
+def _shares(nonzero: list[float], below: list[float], numel: list[int]) -> list[float | None]:
+    """Per layer: flushed-to-zero count / nonzero count (the counts below a limit include the
+    zeros: numel - nonzero of them)."""
+    return [(b - (n - nz)) / nz if nz else None for nz, b, n in zip(nonzero, below, numel)]

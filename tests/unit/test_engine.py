@@ -1,5 +1,6 @@
 """The guarded step: skip detection, ordering, probes, precision switches, syncs."""
 
+import copy
 import math
 
 import pytest
@@ -147,6 +148,33 @@ def test_nonfinite_gradient_without_scaler_is_not_applied():
     assert math.isfinite(result.loss)
     assert result.skipped and result.nonfinite == "gradients" and result.first_nonfinite_layer == "Linear"
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("poisoned", ["float32", "float16"])
+def test_nonfinite_gradient_of_an_unprobed_step_is_not_applied(poisoned):
+    """Unprobed bf16/fp32 steps check the gradients with GradScaler's fused check, one call per
+    dtype: an inf in either dtype's gradients skips the update and leaves every gradient as it was."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[1].half()
+    with torch.no_grad():
+        model[0 if poisoned == "float32" else 1].weight[0].zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(m, b):
+        w = m[0].weight if poisoned == "float32" else m[1].weight
+        return w[0].abs().sqrt().sum().float() + m[1](m[0](b).half()).float().mean()
+    reference = copy.deepcopy(model)
+    loss_fn(reference, torch.ones(2, 4)).backward()
+    trainer = GuardedTrainer(model, opt, loss_fn, dtype="fp32", probe=False, diagnose=False)
+    before = params_of(model)
+    result = trainer.step([torch.ones(2, 4)])
+    assert math.isfinite(result.loss) and result.skipped and result.nonfinite == "gradients"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, r.grad, rtol=0, atol=0, equal_nan=True)
+    with torch.no_grad():
+        model[0 if poisoned == "float32" else 1].weight[0].fill_(1.0)
+    assert not trainer.step([torch.ones(2, 4)]).skipped
 
 
 def test_nonfinite_gradient_of_a_parameter_no_module_owns_is_not_applied():
