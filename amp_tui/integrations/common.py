@@ -45,3 +45,14 @@ def loss_tensor(value):
     if isinstance(value, dict) or hasattr(value, "keys"):
         value = value.get("loss")
     return value
+
+
+def refuse_engine_keys(monitor: Monitor, engine: str) -> None:
+    """An engine such as DeepSpeed scales the loss inside its own optimizer step and fixes the
+    dtype: the keys that would change them are refused, and the run says so once."""
+    monitor.refuse("scale", f"scale change refused: {engine} owns the loss scale (its engine scales "
+                   "inside its own optimizer step, with no torch GradScaler amp-tui can set)")
+    monitor.refuse("dtype", f"dtype change refused: {engine} fixes the dtype in its engine")
+    warn(monitor, "scale_keys_off", f"{engine} owns this run's loss scale: the scale keys (s, S) "
+         "and d are off", cause=f"{engine} scales the loss inside its own optimizer step",
+         fix=f"set the loss scale in {engine}'s configuration")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 
-from amp_tui.integrations.common import loss_tensor, options, require, warn
+from amp_tui.integrations.common import loss_tensor, options, refuse_engine_keys, require, warn
 from amp_tui.job.monitor import Monitor
 
 try:
@@ -87,12 +87,7 @@ class AmpTuiCallback(_pl.Callback):
         engine = "DeepSpeed" if "DeepSpeedPrecision" in kinds or "DeepSpeedStrategy" in {
             c.__name__ for c in type(trainer.strategy).__mro__} else None
         if engine is not None:
-            self.monitor.refuse("scale", f"scale change refused: {engine} owns the loss scale (its engine scales "
-                                "inside its own optimizer step, with no torch GradScaler amp-tui can set)")
-            self.monitor.refuse("dtype", f"dtype change refused: {engine} fixes the dtype in its engine")
-            warn(self.monitor, "scale_keys_off", f"{engine} owns this run's loss scale: the scale keys (s, S) "
-                 "and d are off", cause=f"{engine} scales the loss inside its own optimizer step",
-                 fix=f"set the loss scale in {engine}'s configuration")
+            refuse_engine_keys(self.monitor, engine)
             return
         if "MixedPrecision" in kinds or type(plugin).__name__ == "Precision":
             # Every forward of the run (training, validation) enters the plugin's forward_context:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 
-from amp_tui.integrations.common import options, require, warn
+from amp_tui.integrations.common import options, refuse_engine_keys, require, warn
 from amp_tui.job.monitor import Monitor
 
 # accelerate first: transformers imports it, and the line must name what is missing.
@@ -90,12 +90,7 @@ class AmpTuiCallback(TrainerCallback):
         self._watch_training_step()
         self._watch_clipping()
         if engine is not None:
-            self.monitor.refuse("scale", f"scale change refused: {engine} owns the loss scale (its engine scales "
-                                "inside its own optimizer step, with no torch GradScaler amp-tui can set)")
-            self.monitor.refuse("dtype", f"dtype change refused: {engine} fixes the dtype in its engine")
-            warn(self.monitor, "scale_keys_off", f"{engine} owns this run's loss scale: the scale keys (s, S) "
-                 "and d are off", cause=f"{engine} scales the loss inside its own optimizer step",
-                 fix=f"set the loss scale in {engine}'s configuration")
+            refuse_engine_keys(self.monitor, engine)
             return
         self.monitor.autocast_forward(trainer.model)
         if args.fp16 and dtype != "float16":
