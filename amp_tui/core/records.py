@@ -103,3 +103,10 @@ def nonfinite_layer(event: Mapping[str, Any]) -> str | None:
     first = event.get("origin") if event.get("where") == "loss" else event.get("backward_origin")
     found = first or event.get("layer")
     return str(found) if found else None
+
+
+def world_size_of(header: dict) -> int:
+    """The ranks a session's job ran (its header's `world_size`; 1 for a one-process run, and
+    for a header that says nothing sensible)."""
+    world = header.get("world_size")
+    return world if isinstance(world, int) and not isinstance(world, bool) and world > 1 else 1

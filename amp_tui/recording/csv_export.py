@@ -4,7 +4,8 @@ Both take records one at a time (like a run's observers), so a recording of any 
 written without being held. The files read with `pandas.read_csv(path)` and no options: a comma
 between fields, a header row, `True`/`False` for flags, `nan`, `inf` and `-inf` for non-finite
 numbers, an empty field for a value the step has none of (not measured, no scaler, no clipping).
-The columns are in `STEP_COLUMNS` and `LAYER_COLUMNS` (docs/export.md says what each holds).
+The columns are in `STEP_COLUMNS` and `LAYER_COLUMNS` (docs/export.md says what each holds); a
+session of several ranks adds `rank_loss_<r>` and `rank_step_time_<r>` per rank to the steps' file.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from amp_tui.core.records import world_size_of
 from amp_tui.recording.figures import layer_figures
 
 STEP_COLUMNS = ("step", "loss", "scale", "next_scale", "skipped", "skipped_total", "updates", "dtype",
@@ -110,11 +112,19 @@ class _CsvSink:
     def __init__(self, path: str | Path, columns: tuple[str, ...]):
         self.path = Path(path)
         self.rows = 0
+        self.columns = columns
         self._partial = self.path.with_name(self.path.name + ".partial")
         self._fh = open(self._partial, "w", encoding="utf-8", newline="", buffering=BUFFER_BYTES)
-        self._fh.write(",".join(columns) + "\n")
+        self._started = False
+
+    def _start(self) -> None:
+        """The header row, once the columns are known (the session's header can add some)."""
+        if not self._started:
+            self._fh.write(",".join(self.columns) + "\n")
+            self._started = True
 
     def finish(self) -> None:
+        self._start()
         self._fh.close()
         os.replace(self._partial, self.path)
 
@@ -129,15 +139,21 @@ class StepsCsv(_CsvSink):
     def __init__(self, path: str | Path):
         super().__init__(path, STEP_COLUMNS)
         self._names: list[str] = []
+        self._ranks = 1
 
     def write(self, record: dict, line: bytes | None = None) -> None:
         kind = record.get("type")
-        if kind == "header":
+        if kind == "header" and not self._started:
             layers = record.get("layers")
             self._names = [str(n) for n in layers] if isinstance(layers, list) else []
+            self._ranks = world_size_of(record)
+            if self._ranks > 1:
+                self.columns = STEP_COLUMNS + tuple(f"rank_loss_{r}" for r in range(self._ranks)) \
+                    + tuple(f"rank_step_time_{r}" for r in range(self._ranks))
             return
         if kind != "step":
             return
+        self._start()
         r = record
         least, where = "", ""
         figures = layer_figures(r, len(self._names))
@@ -157,8 +173,17 @@ class StepsCsv(_CsvSink):
             quoted(nonfinite) if isinstance(nonfinite, str) else "", least, quoted(where) if where else "",
             number_text(r.get("time")), number_text(r.get("duration")),
         ]
+        if self._ranks > 1:
+            fields += self._per_rank(r.get("rank_loss")) + self._per_rank(r.get("rank_step_time"))
         self._fh.write(",".join(fields) + "\n")
         self.rows += 1
+
+
+    def _per_rank(self, values) -> list[str]:
+        """One field per rank; empty where the step has no such figure (not gathered)."""
+        if not isinstance(values, list) or len(values) != self._ranks:
+            return [""] * self._ranks
+        return [number_text(v) for v in values]
 
 
 class LayersCsv(_CsvSink):
@@ -172,6 +197,7 @@ class LayersCsv(_CsvSink):
     def write(self, record: dict, line: bytes | None = None) -> None:
         """Write the rows of one record; `line`, the step's line as recorded, lets the figures be
         copied as they were written instead of formatted again (much faster)."""
+        self._start()
         kind = record.get("type")
         if kind == "header":
             layers = record.get("layers")

@@ -150,5 +150,3 @@ def step_record(result) -> StepRecord:
 def event_record(step: int, kind: str, message: str, **fields: Any) -> dict:
     return {"type": "event", "step": step, "kind": kind, "message": message,
             "time": round(time.time(), 3), **fields}
-
-

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from amp_tui.core.jsonsafe import read_float
-from amp_tui.core.records import next_state
+from amp_tui.core.records import next_state, world_size_of
 from amp_tui.recording.reader import parse_record, tail_records
 
 TAIL_BYTES = 256 * 1024   # enough for the last step record and the events after it
@@ -56,12 +56,11 @@ def describe_run(run_dir: Path, is_running: Callable[[Path], bool]) -> RunRow:
         last_event = f"step {e.get('step')}: {e.get('kind')}: {e.get('message', '')}"
     dtype = (last or end or header).get("dtype")
     scale = read_float((last or {}).get("scale"))
-    world = header.get("world_size")
     return RunRow(
         run_dir=run_dir, state=state, script=Path(str(header.get("script", "?"))).name,
         steps=(last["step"] + 1) if last else 0, dtype=dtype, scale=scale,
         skipped=(last or {}).get("skipped_total", 0), last_event=last_event, modified=modified,
-        world_size=world if isinstance(world, int) and world > 1 else 1)
+        world_size=world_size_of(header))
 
 
 def list_runs(folder: Path, is_running: Callable[[Path], bool]) -> list[RunRow]:

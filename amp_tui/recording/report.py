@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from amp_tui.core.jsonsafe import read_float
+from amp_tui.core.records import world_size_of
 from amp_tui.recording.format import MAX_LINE_BYTES, SessionFormatError
 from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.reader import (
@@ -29,6 +30,7 @@ class Summary:
     run_dir: str
     script: str
     device: str
+    world_size: int            # ranks of the job (rank 0 recorded them: one run, one session)
     status: str                # finished / stopped / error / running-or-crashed
     steps: int                 # iterations recorded
     updates_applied: int       # updates the weights went through (a restore or resume brings a
@@ -152,6 +154,7 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         run_dir=run_dir,
         script=str(header.get("script", "")),
         device=f"{device.get('backend', '?')} {device.get('name', '')}".strip(),
+        world_size=world_size_of(header),
         status=(end or {}).get("status", "incomplete"),
         steps=d.steps,
         updates_applied=updates,
@@ -200,9 +203,11 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
         ("status", s.status),
         ("steps", str(s.steps)),
     ]
+    if s.world_size > 1:
+        rows.insert(3, ("ranks", f"{s.world_size}, recorded by rank 0"))
     if s.unwritten:
         # The file can't say how the run ended: say both, and what is missing from the file.
-        rows[3:] = [
+        rows[-2:] = [
             ("status", f"{s.run_status} (the run, after {s.steps_run} steps)"),
             ("recording", f"{s.status}: {describe_records(s.unwritten)} could not be written "
                           f"({s.recording_error})"),

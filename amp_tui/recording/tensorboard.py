@@ -7,7 +7,8 @@ the same writer a recording (amp_tui.recording.export). Both write the same thin
 
 - scalars: `train/loss`, `train/grad_norm`, `train/lr`, `amp/loss_scale_log2`, `amp/skipped`
   (1 on a skipped update), `amp/skipped_total`, `amp/updates_applied`, `amp/min_headroom_bits`
-  (the least over the layers);
+  (the least over the layers); with several ranks, `ranks/R/loss` and `ranks/R/step_time` for
+  each rank R;
 - per layer, grouped by layer: `layer.NAME/max_abs_act`, `max_abs_grad`, `max_abs_weight` and
   `headroom_bits` (against the dtype in force at that step; see amp_tui.recording.figures);
 - every event as text at its step, under `events/KIND` (interventions, non-finite steps with
@@ -270,6 +271,13 @@ class TensorBoardWriter:
             if value is not None:
                 tags.append(tag)
                 values.append(value)
+        for name, key in (("loss", "rank_loss"), ("step_time", "rank_step_time")):
+            per_rank = r.get(key)   # several ranks: each one's figure of this step
+            for rank, v in enumerate(per_rank if isinstance(per_rank, list) else ()):
+                value = read_float(v)
+                if value is not None:
+                    tags.append(f"ranks/{rank}/{name}")
+                    values.append(value)
         figures = None
         layers = r.get("layers")
         if isinstance(layers, dict):

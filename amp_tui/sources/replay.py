@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 from amp_tui.core import jsonsafe
 from amp_tui.core.jsonsafe import read_floats
-from amp_tui.core.records import next_state, state_after
+from amp_tui.core.records import next_state, state_after, world_size_of
 from amp_tui.recording.index import F_LOSS_NONE, F_SKIPPED, RATE_WINDOW, SessionIndex
 from amp_tui.sources.buffer import rank_view
 from amp_tui.sources.protocol import (
@@ -437,8 +437,7 @@ class ReplaySource:
     def _ranks(self, i: int, last: dict | None) -> RankView | None:
         """A session of several ranks: their figures at the shown step, or at the newest probed
         step before it (which has them)."""
-        world = self.index.header.get("world_size")
-        if not isinstance(world, int) or world < 2:
+        if world_size_of(self.index.header) < 2:
             return None
         view = rank_view(last) if last is not None else None
         j = self.index.probed.rfind(1, 0, i + 1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from amp_tui.core import precision
 from amp_tui.core.jsonsafe import read_float
-from amp_tui.core.records import nonfinite_layer
+from amp_tui.core.records import nonfinite_layer, world_size_of
 from amp_tui.sources.protocol import LayerView, Snapshot
 
 # Headroom thresholds (bits = doublings left before the dtype's largest finite value).
@@ -151,8 +151,7 @@ RANK_ROWS = 8   # rows of the per-rank view at most: every rank up to that many,
 
 def world_size(snap: Snapshot) -> int:
     """How many ranks the run has (1: a run of one process, as every run before them)."""
-    value = snap.header.get("world_size")
-    return value if isinstance(value, int) and value > 1 else 1
+    return world_size_of(snap.header)
 
 
 @dataclass(frozen=True)

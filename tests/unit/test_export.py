@@ -364,3 +364,53 @@ def test_events_built_by_protobuf_when_the_fixed_summary_fails_its_check_are_the
     for tag in fixed.Tags()["scalars"]:
         a, b = (np.array([(e.step, e.wall_time, e.value) for e in acc.Scalars(tag)]) for acc in (fixed, built))
         assert np.array_equal(a, b, equal_nan=True), tag
+
+
+def two_rank_session(run_dir):
+    """write_run's session as a job of 2 ranks records it: `world_size` in the header, and each
+    rank's loss and step time on the steps that gathered them (the probed ones)."""
+    import json
+    write_run(run_dir / "session.jsonl")
+    lines = []
+    for line in (run_dir / "session.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["type"] == "header":
+            record["world_size"] = 2
+        elif record["type"] == "step" and "layers" in record:
+            layers = record.pop("layers")
+            step = record["step"]
+            record["rank_loss"] = [record["loss"], "NaN" if step == 25 else 0.5 + step]
+            record["rank_step_time"] = [0.01, 0.02 + step / 1000]
+            record["layers"] = layers
+        lines.append(json.dumps(record, separators=(",", ":")))
+    (run_dir / "session.jsonl").write_text("\n".join(lines) + "\n")
+    return [json.loads(line) for line in lines]
+
+
+def test_a_run_of_several_ranks_exports_each_ranks_loss_and_step_time(tmp_path, capsys):
+    records = two_rank_session(tmp_path)
+    gathered = {r["step"]: r for r in records if r["type"] == "step" and "rank_loss" in r}
+    assert 25 in gathered and 3 not in gathered
+    export(tmp_path, csv=tmp_path / "steps.csv", tensorboard=tmp_path / "tb")
+    table = pd.read_csv(tmp_path / "steps.csv")
+    assert list(table.columns[-4:]) == ["rank_loss_0", "rank_loss_1", "rank_step_time_0", "rank_step_time_1"]
+    for step, record in gathered.items():
+        row = table[table.step == step].iloc[0]
+        for rank in (0, 1):
+            assert same(read_float(record["rank_loss"][rank]), row[f"rank_loss_{rank}"])
+            assert same(record["rank_step_time"][rank], row[f"rank_step_time_{rank}"])
+    assert math.isnan(table[table.step == 3].iloc[0]["rank_loss_1"])      # not gathered: empty
+    acc = accumulator(tmp_path / "tb")
+    for rank in (0, 1):
+        losses = scalars(acc, f"ranks/{rank}/loss")
+        times = scalars(acc, f"ranks/{rank}/step_time")
+        assert sorted(times) == sorted(gathered)
+        assert all(same(read_float(gathered[s]["rank_loss"][rank]), v) for s, v in losses.items())
+    assert math.isnan(scalars(acc, "ranks/1/loss")[25])
+    assert main(["report", str(tmp_path)]) == 0
+    assert "2, recorded by rank 0" in capsys.readouterr().out
+
+
+def test_a_one_process_run_exports_no_rank_columns(demo_run, tmp_path):
+    export(demo_run, csv=tmp_path / "steps.csv")
+    assert not [c for c in pd.read_csv(tmp_path / "steps.csv").columns if c.startswith("rank_")]
