@@ -56,7 +56,7 @@ from amp_tui.training.checkpoint.live import cuda_ready
 from amp_tui.training.engine import StepResult
 
 DEFAULT_TIMEOUT_S = 300.0   # init_process_group's timeout: how long a collective waits for a rank
-HEARTBEAT_S = 1.0           # while paused, rank 0 sends the boundary tensor at least this often
+HEARTBEAT_S = 1.0           # while paused, the boundary's own all-reduce runs at least this often
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")   # what torchrun sets in every worker
 
 # The words of the step's tensor (int64, all_reduce MAX: every word rank 0 alone writes is >= 0;
@@ -326,7 +326,7 @@ class Ranks:
         return commands, StopVote(checkpoint=bool(checkpoint), reason=reason, signum=signum)
 
     def hold(self, commands) -> None:
-        """Paused: rank 0 waits for a command at most HEARTBEAT_S, then the boundary tensor goes
+        """Paused: rank 0 waits for a command at most HEARTBEAT_S, then the boundary's tensor goes
         round again; the other ranks wait in that collective."""
         if self.is_main:
             commands.wait(HEARTBEAT_S)
