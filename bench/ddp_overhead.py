@@ -1,12 +1,13 @@
-"""What amp-tui's coordination of several ranks costs per step: the boundary tensor (rank 0's
-commands and every rank's stop request), the agreed finite-loss check and the gather of a probed
-step's figures, over plain DDP running the same guarded step.
+"""What amp-tui's coordination of several ranks costs per step: the step's one all-reduce (the
+agreed finite-loss check, which carries the next boundary's commands and every rank's stop
+request) and the gather of a probed step's figures, over plain DDP running the same guarded step.
 
 Two copies of the model, each in its own DistributedDataParallel, train side by side in the same
 ranks; one step of each in turn (the order shuffled each round, the same on every rank). Both run
-amp-tui's GuardedTrainer with the same probes; only the coordinated copy adds the three
-collectives of job/distributed.py, as a `Run` does. Before each timed step every rank meets in a
-barrier (not timed), so a step's time on rank 0 is the step itself. Reported: the median step
+amp-tui's GuardedTrainer with the same probes; only the coordinated copy adds the collectives of
+job/distributed.py, as a `Run` does (the boundary's own all-reduce runs only where no loss check
+came before it: the first round). Before each timed step every rank meets in a barrier (not
+timed), so a step's time on rank 0 is the step itself. Reported: the median step
 time of each, the difference in ms and as a share of the plain step, with probes every step and
 every 10 steps (a step of each kind weighted by how often it occurs). Targets: <= 3% and <= 1%.
 
@@ -68,6 +69,7 @@ def worker(args) -> None:
                                      device=device, dtype=args.dtype, init_scale=1024.0, probe_every=every)
             if name == "coordinated":
                 trainer.agree_finite = ranks.agree_finite
+                ranks.upcoming = list   # as a Run: each loss check carries the next boundary's (no) commands
             copies[name] = (trainer, batches)
         times = {name: [] for name in copies}
         probed = {name: [] for name in copies}
@@ -80,7 +82,7 @@ def worker(args) -> None:
                 dist.barrier()
                 t0 = clock()
                 if name == "coordinated":
-                    ranks.agree_commands([])
+                    ranks.agree_commands(list)
                 result = trainer.step([batches[i % len(batches)]])
                 if name == "coordinated":
                     ranks.gather_step(result, trainer.layer_names, details=True)

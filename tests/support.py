@@ -303,10 +303,12 @@ monitor.close()
 # A script for `amp-tui train --nproc 2`: each rank its own data (the same with --same-data, so
 # the ranks' losses must match to the bit while they are in step), NaN planted in one rank's
 # inputs (--nan RANK:BATCH), a pause per loss_fn call (--sleep S: a run to signal while it goes),
-# the model in a DistributedDataParallel of the script's own (--wrap),
-# and at exit a digest of this rank's parameters in DIR/rank<N>.txt (--params DIR).
+# the model in a DistributedDataParallel of the script's own (--wrap), SIGTERM to this process
+# on one rank's Nth loss_fn call (--term RANK:N), and at exit a digest of this rank's parameters
+# in DIR/rank<N>.txt (--params DIR) and the sequence of its loss_fn calls ("loss") and of the
+# torch.distributed collectives called from Python (their names) in DIR/rank<N>.calls (--calls DIR).
 DDP_SCRIPT = '''
-import argparse, atexit, hashlib, time
+import argparse, atexit, hashlib, os, signal, time
 from pathlib import Path
 import torch
 from torch import nn
@@ -318,7 +320,22 @@ def setup(ctx):
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--params", default=None)
     p.add_argument("--wrap", action="store_true")
+    p.add_argument("--term", default=None)
+    p.add_argument("--calls", default=None)
     a = p.parse_args(ctx.argv)
+    calls = []
+    if a.calls:
+        import torch.distributed as dist
+        def counted(name, call):
+            def wrapper(*args, **kwargs):
+                calls.append(name)
+                return call(*args, **kwargs)
+            return wrapper
+        for name in ("all_reduce", "broadcast", "gather", "gather_object", "broadcast_object_list",
+                     "all_gather", "all_gather_object", "barrier"):
+            setattr(dist, name, counted(name, getattr(dist, name)))
+        atexit.register(lambda: Path(a.calls, f"rank{ctx.rank}.calls").write_text("\\n".join(calls)))
+    term_rank, term_call = (int(v) for v in a.term.split(":")) if a.term else (-1, -1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     if a.wrap:   # the script's own DistributedDataParallel (amp-tui has set up the process group)
@@ -338,6 +355,9 @@ def setup(ctx):
             Path(a.params, f"rank{ctx.rank}.txt").write_text(h.hexdigest())
         atexit.register(digest)
     def loss_fn(model, batch):
+        calls.append("loss")
+        if ctx.rank == term_rank and calls.count("loss") == term_call:
+            os.kill(os.getpid(), signal.SIGTERM)
         if a.sleep:
             time.sleep(a.sleep)
         x, y = batch

@@ -5,16 +5,19 @@ the gradients, so they are bitwise the same on every rank after backward: GradSc
 the skip, the new scale, clipping and the scheduler agree with nothing of ours. What one rank
 alone can see is agreed here, each time with one collective of PyTorch's own process group:
 
-- **the finite-loss check**, one per micro-batch before its backward: an `all_reduce(MIN)` of
-  "the first rank whose loss is not finite". A rank that skipped backward alone would leave
-  DDP's all-reduce of the others waiting for it until the timeout.
-- **the commands**, at every step boundary: a small fixed-size tensor with rank 0's command code
-  and the length of its payload, packed with every rank's stop request, goes round in one
-  `all_reduce(MAX)` (the other ranks add zeros to rank 0's words, so it is rank 0's broadcast,
-  which also carries a stop that a signal brought to any rank); the payload (the command's value,
-  a broadcast from rank 0) only when there is one. Every rank then applies the same commands at
-  the same step. While the run is paused the same tensor goes round about once a second
-  (HEARTBEAT_S): the heartbeat that keeps the process group's timeout from firing.
+- **the step's one collective**, the finite-loss check of each micro-batch before its backward:
+  an `all_reduce(MAX)` of a small fixed-size int64 tensor. Its first word is "the first rank
+  whose loss is not finite" (a rank that skipped backward alone would leave DDP's all-reduce of
+  the others waiting for it until the timeout); the others are the next step boundary's: rank
+  0's command code and the length of its payload, and every rank's stop request (the other
+  ranks add zeros to rank 0's words, so it is rank 0's broadcast, which also carries a stop that
+  a signal brought to any rank). What reached rank 0 after step k's check applies at the
+  boundary after step k + 1.
+- **the boundary**, where no loss check came before it (the first step, the heartbeat of a
+  pause): the same tensor goes round on its own. The payload (the command's value, a broadcast
+  from rank 0) only when there is one. Every rank then applies the same commands at the same
+  step. While the run is paused the tensor goes round about once a second (HEARTBEAT_S): the
+  heartbeat that keeps the process group's timeout from firing.
 - **the figures**, once per probed step: one gather to rank 0 of a packed float vector from
   every rank (its loss, its step time up to the step's first collective, its per-layer maxima).
   Rank 0 records the maximum over the ranks for each layer, and each rank's loss and step time.
@@ -42,7 +45,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,12 +56,13 @@ from amp_tui.training.checkpoint.live import cuda_ready
 from amp_tui.training.engine import StepResult
 
 DEFAULT_TIMEOUT_S = 300.0   # init_process_group's timeout: how long a collective waits for a rank
-HEARTBEAT_S = 1.0           # while paused, rank 0 sends the boundary tensor at least this often
+HEARTBEAT_S = 1.0           # while paused, the boundary's own all-reduce runs at least this often
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")   # what torchrun sets in every worker
 
-# The words of the boundary tensor (int64, all_reduce MAX: every word rank 0 alone writes is >= 0).
-COMMAND, PAYLOAD, STOP, CHECKPOINT, SIGNAL = range(5)
-BOUNDARY_WORDS = 5
+# The words of the step's tensor (int64, all_reduce MAX: every word rank 0 alone writes is >= 0;
+# NONFINITE is world_size - rank on a rank whose loss is not finite, so the maximum names the first).
+NONFINITE, COMMAND, PAYLOAD, STOP, CHECKPOINT, SIGNAL = range(6)
+WORDS = 6
 MANY = 1 + len(ACTIONS)     # the command code of a payload holding a list of commands
 UNMEASURED = -1.0           # a figure not measured (None), in the packed vector: below any |x|
 
@@ -74,6 +78,15 @@ class StopVote:
     checkpoint: bool
     reason: str | None
     signum: int = 0
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    """The step's words (this rank's, or all-reduced), rank 0's payload and the vote sent."""
+
+    words: list[int]
+    payload: bytes
+    vote: StopVote | None
 
 
 @dataclass
@@ -149,8 +162,12 @@ class Ranks:
         self.run_dir: Path | None = None     # where the other ranks' output goes, once agreed
         # NCCL reduces tensors on the GPU, gloo on the CPU.
         self._comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self._words = torch.zeros(BOUNDARY_WORDS, dtype=torch.int64, device=self._comm)
-        self._finite = torch.zeros(1, dtype=torch.int64, device=self._comm)
+        self._words = torch.zeros(WORDS, dtype=torch.int64, device=self._comm)
+        # Set by a run whose loss checks carry the next boundary's words: the commands queued for
+        # it so far (taken on every rank, encoded on rank 0 alone).
+        self.upcoming: Callable[[], list[Command]] | None = None
+        self._carried: _Agreed | None = None      # the next boundary's words, agreed at a loss check
+        self._carried_commands: list[Command] = []  # rank 0's commands in them
         self.voting = True                   # stops are votes until the loop has ended
         self._vote: StopVote | None = None   # replaced whole, never mutated: a signal handler sets it
         self._synced_at = time.perf_counter()
@@ -260,40 +277,56 @@ class Ranks:
                               signum=(old.signum if old is not None and old.signum else _signal_number(reason)))
 
     # ---- step boundaries --------------------------------------------------------------------
-    def agree_commands(self, commands: list[Command]) -> tuple[list[Command], StopVote | None]:
-        """Rank 0's `commands` on every rank (the others' are ignored), and the stop that any
-        rank asked for, if one did."""
-        words = self._words
-        words.zero_()
+    def _local_words(self, commands: list[Command], *, finite: bool = True) -> _Agreed:
+        """This rank's words of the step's tensor, before the all-reduce."""
         code, payload = encode_commands(commands) if self.is_main else (0, b"")
-        vote = self._vote   # read once: a signal may replace it meanwhile, the next boundary has it
-        local = [code, len(payload), 0, 0, 0]
+        vote = self._vote   # read once: a signal may replace it meanwhile, the next collective has it
+        local = [0 if finite else self.world_size - self.rank, code, len(payload), 0, 0, 0]
         if vote is not None:
             local[STOP:] = [self.world_size - self.rank, int(vote.checkpoint), vote.signum]
-        words.copy_(torch.tensor(local, dtype=torch.int64))
-        self._collective("agreeing on the commands at a step boundary",
-                         lambda: dist.all_reduce(words, op=dist.ReduceOp.MAX))
-        code, size, stop, checkpoint, signum = words.tolist()
+        return _Agreed(local, payload, vote)
+
+    def _all_reduce(self, mine: _Agreed, what: str) -> _Agreed:
+        words = self._words
+        words.copy_(torch.tensor(mine.words, dtype=torch.int64))
+        self._collective(what, lambda: dist.all_reduce(words, op=dist.ReduceOp.MAX))
+        return _Agreed(words.tolist(), mine.payload, mine.vote)
+
+    def agree_commands(self, take: Callable[[], list[Command]]) -> tuple[list[Command], StopVote | None]:
+        """Rank 0's commands on every rank (the others' are ignored), and the stop that any
+        rank asked for, if one did: those the last loss check carried, or where none came
+        since the last boundary, `take()`'s, agreed here."""
+        agreed, self._carried = self._carried, None
+        if agreed is not None:
+            commands, self._carried_commands = self._carried_commands, []
+        else:
+            commands = take()
+            agreed = self._all_reduce(self._local_words(commands),
+                                      "agreeing on the commands at a step boundary")
+        _, code, size, stop, checkpoint, signum = agreed.words
+        payload = agreed.payload
         if size:
             buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._comm) if self.is_main
                       else torch.empty(size, dtype=torch.uint8, device=self._comm))
             self._collective("sending a command to every rank", lambda: dist.broadcast(buffer, src=0))
             payload = bytes(buffer.cpu().tolist())
         self._synced_at, self._compute_s, self.nonfinite_rank = time.perf_counter(), None, None
-        agreed = commands if self.is_main else decode_commands(code, payload)
+        if not self.is_main:
+            commands = decode_commands(code, payload)
         if not stop:
-            return agreed, None
+            return commands, None
         first = self.world_size - stop
+        vote = agreed.vote
         if vote is not None and self.rank == first and vote.reason:
             reason = vote.reason
         elif signum:
             reason = f"{_signal_name(signum)} on rank {first}"
         else:
             reason = f"a stop asked for on rank {first}"
-        return agreed, StopVote(checkpoint=bool(checkpoint), reason=reason, signum=signum)
+        return commands, StopVote(checkpoint=bool(checkpoint), reason=reason, signum=signum)
 
     def hold(self, commands) -> None:
-        """Paused: rank 0 waits for a command at most HEARTBEAT_S, then the boundary tensor goes
+        """Paused: rank 0 waits for a command at most HEARTBEAT_S, then the boundary's tensor goes
         round again; the other ranks wait in that collective."""
         if self.is_main:
             commands.wait(HEARTBEAT_S)
@@ -301,16 +334,22 @@ class Ranks:
     # ---- the step ---------------------------------------------------------------------------
     def agree_finite(self, value: float) -> bool:
         """The finite-loss check of one micro-batch, agreed: False on every rank when any rank's
-        loss is not finite (then no rank runs its backward)."""
+        loss is not finite (then no rank runs its backward). Where `upcoming` is set, the same
+        all-reduce agrees on the next boundary's commands and stop votes: the boundary then
+        needs no collective of its own. A later check of the same step (micro-batches) adds
+        what was queued meanwhile; rank 0 sends the whole list each time."""
         if self._compute_s is None:
             self._compute_s = time.perf_counter() - self._synced_at
-        t = self._finite
-        t.fill_(self.world_size if math.isfinite(value) else self.rank)
-        self._collective("agreeing on the finite-loss check",
-                         lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
-        first = int(t.item())
-        if first < self.world_size:
-            self.nonfinite_rank = first
+        finite = math.isfinite(value)
+        carry = self.upcoming is not None
+        if carry:
+            self._carried_commands += self.upcoming()
+        mine = self._local_words(self._carried_commands if carry else [], finite=finite)
+        agreed = self._all_reduce(mine, "agreeing on the finite-loss check")
+        if carry:
+            self._carried = agreed
+        if agreed.words[NONFINITE]:
+            self.nonfinite_rank = self.world_size - agreed.words[NONFINITE]
             return False
         return True
 

@@ -740,10 +740,9 @@ class Monitor:
     def _boundary_commands(self) -> list[Command]:
         """The commands queued meanwhile; with several ranks, rank 0's on every rank, and a stop
         that a signal brought to any rank stops them all here."""
-        commands = self.commands.drain()
         if not self.ranks:
-            return commands
-        commands, stop = self.ranks.agree_commands(commands)
+            return self.commands.drain()
+        commands, stop = self.ranks.agree_commands(self.commands.drain)   # no loss check of ours carries them
         if stop is not None:
             self._checkpoint_on_stop = self._checkpoint_on_stop or stop.checkpoint
             self._stop_reason = self._stop_reason or stop.reason

@@ -97,6 +97,9 @@ class Run:
             underflow_every=config.underflow_every)
         if ranks:
             self.trainer.agree_finite = ranks.agree_finite
+            # Each step's loss check carries what applies at the boundary after it (the step
+            # counter has not moved on yet when the check runs).
+            ranks.upcoming = lambda: self._queued(self.step + 1)
         self.accumulate = setup.accumulate
         self.guard = PrecisionGuard(config.guard)
         self.local_fp32 = LocalFp32(setup.model, device.type)
@@ -420,15 +423,18 @@ class Run:
         """What applies at this step boundary: the `--at` commands of this step, then those
         queued meanwhile. With several ranks, rank 0's, on every rank, and a stop that a signal
         (or a full disk) brought to any rank stops them all here."""
-        commands = self._scheduled.pop(self.step, []) + self.commands.drain()
         if not self.ranks:
-            return commands
-        commands, stop = self.ranks.agree_commands(commands)
+            return self._queued(self.step)
+        commands, stop = self.ranks.agree_commands(lambda: self._queued(self.step))
         if stop is not None:
             self._checkpoint_on_stop = self._checkpoint_on_stop or stop.checkpoint
             self._stop_reason = self._stop_reason or stop.reason
             self._stop_requested.set()
         return commands
+
+    def _queued(self, step: int) -> list[Command]:
+        """The `--at` commands of boundary `step`, then those queued meanwhile."""
+        return self._scheduled.pop(step, []) + self.commands.drain()
 
     def _one_step(self) -> None:
         step = self.step
