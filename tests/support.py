@@ -345,10 +345,10 @@ def setup(ctx):
     xs = torch.randn(64, 8, generator=g)
     ys = xs.sum(1, keepdim=True)
     batches = [(xs[i:i + 16].clone(), ys[i:i + 16]) for i in range(0, 64, 16)]
-    if a.nan:
-        rank, batch = (int(v) for v in a.nan.split(":"))
-        if rank == ctx.rank:
-            batches[batch][0][0, 0] = float("nan")
+    if a.nan:   # RANK:BATCH[,BATCH...]
+        rank, chosen = a.nan.split(":")
+        for batch in (chosen.split(",") if int(rank) == ctx.rank else ()):
+            batches[int(batch)][0][0, 0] = float("nan")
     if a.params:
         def digest():
             h = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.parameters()))

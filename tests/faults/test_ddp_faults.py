@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from amp_tui.core.precision import short_name
 from amp_tui.recording.reader import read_session
 from amp_tui.training.checkpoint.io import read_header
 
@@ -161,3 +162,26 @@ def test_resume_refuses_another_world_size(write_script, tmp_path):
     assert len(lines) == 1, again.stderr
     assert "a run of 1 rank and this one has 2" in lines[0] and "without --nproc" in lines[0]
     assert (run_dir / "session.jsonl").read_bytes() == before   # nothing recorded is lost
+
+
+def test_the_fallback_guard_moves_every_rank_to_the_same_dtype_at_the_same_step(write_script, tmp_path):
+    """--on-nonfinite fallback decides on each rank from what the ranks agreed (the loss check,
+    the skips, the scale): rank 1's inputs alone hold NaNs (three batches in a row), and both
+    ranks still leave fp16 at the same step, with the same counts and the same parameters."""
+    script = write_script(DDP_SCRIPT)
+    run_dir, params = tmp_path / "run", tmp_path / "params"
+    params.mkdir()
+    done = train_ranks(script, run_dir, "--dtype", "fp16", "--steps", "14", "--on-nonfinite", "fallback",
+                       "--dist-timeout", "20", script_args=["--nan", "1:1,2,3", "--params", str(params)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    session = read_session(run_dir)
+    moved = [e for e in session.events if e["kind"] == "intervention" and e.get("source") == "fallback"]
+    assert moved, "the guard never fell back"
+    assert [(s, kind) for s, kind, _ in rank_events(run_dir) if kind == "intervention"] == \
+        [(e["step"], "intervention") for e in session.events if e["kind"] == "intervention"]
+    end = session.end
+    assert end["dtype"] != "float16"
+    assert rank_end(run_dir) == {"state": "finished", "step": 14, "updates": end["updates"],
+                                 "skipped": end["skipped_total"], "dtype": short_name(end["dtype"]),
+                                 "scale": end["scale"]}
+    assert (params / "rank0.txt").read_text() == (params / "rank1.txt").read_text()
