@@ -49,8 +49,8 @@ class MaxAbsPlan:
         singles: dict[tuple, list[int]] = {}
         stacks: dict[tuple, list[int]] = {}
         for pos, t in enumerate(tensors):
-            if t is None:
-                continue
+            if t is None or not t.is_floating_point():   # an integer tensor (a quantized weight) has
+                continue                                  # no range to measure against a float dtype
             n = t.numel()
             if n == 0:
                 continue
@@ -113,9 +113,11 @@ class MaxAbsPlan:
                 for p, lo_i, hi_i in zip(positions, lo_views, hi_views):
                     if done is None or not done[p]:
                         torch.aminmax(tensors[p], out=(lo_i, hi_i))
-                parts.append(torch.maximum(hi, lo.neg()).double())
+                # (abs: max(-0.0, 0.0) may be -0.0, and max |x| of zeros is 0)
+                parts.append(torch.maximum(hi, lo.neg()).abs_().double())
             for positions in self.stacks:
-                stacked = torch.stack([tensors[p] for p in positions]).view(len(positions), -1)
+                # reshape: a stack of channels-last tensors is not contiguous
+                stacked = torch.stack([tensors[p] for p in positions]).reshape(len(positions), -1)
                 parts.append(stacked.abs_().amax(dim=1).double())
         except (RuntimeError, TypeError) as exc:   # TypeError: None where a tensor was
             raise PlanMismatch(str(exc)) from None
@@ -138,7 +140,7 @@ class MaxAbsPlan:
                 for row, c in zip(rows, counts):
                     row.append(torch.stack(c))
             for positions in self.stacks:
-                a = torch.stack([tensors[p] for p in positions]).view(len(positions), -1).abs_()
+                a = torch.stack([tensors[p] for p in positions]).reshape(len(positions), -1).abs_()
                 rows[0].append(torch.count_nonzero(a, dim=1))
                 for k, limit in enumerate(thresholds):
                     rows[k + 1].append(torch.count_nonzero(a < limit, dim=1))

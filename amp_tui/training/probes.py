@@ -82,7 +82,7 @@ class _Slots:
 
     def maxima(self) -> torch.Tensor:
         n = len(self.layers)
-        return torch.maximum(self.hi[:n], self.lo[:n].neg()).double()
+        return torch.maximum(self.hi[:n], self.lo[:n].neg()).abs_().double()
 
 
 class LayerProbe:
@@ -141,7 +141,11 @@ class LayerProbe:
         self._calls: list[int] = []          # layer of every measured output, in call order
         self._kept: list[torch.Tensor] = []  # small outputs kept by the hooks, not measured yet
         self._kept_layers: list[int] = []
+        self._kept_versions: list[int] = []  # each kept output's version counter when kept
         self._kept_bytes = 0
+        # Layers whose small outputs a later in-place op changed before end_forward() (a
+        # ReLU(inplace=True), `out += x`): measured in their hook from then on.
+        self._measure_at_once: set[int] = set()
         self._ran = bytearray(n_layers)      # layers whose forward ran (their weights measured)
         self._weights_done = bytearray(len(self._params))
         self._act_parts: list[torch.Tensor] = []    # per-output maxima (device vectors) ...
@@ -170,6 +174,7 @@ class LayerProbe:
         self._calls.clear()
         self._kept.clear()
         self._kept_layers.clear()
+        self._kept_versions.clear()
         self._kept_bytes = 0
         self._ran = bytearray(len(self._modules))
         self._weights_done = bytearray(len(self._params))
@@ -191,6 +196,7 @@ class LayerProbe:
         self._armed = False
         self._kept.clear()   # a forward that raised leaves outputs unmeasured: let them go
         self._kept_layers.clear()
+        self._kept_versions.clear()
         self._kept_bytes = 0
         if not self.keep_hooks:
             self.detach()
@@ -204,7 +210,8 @@ class LayerProbe:
 
     # ---- activations ----------------------------------------------------------------------
     def _make_hook(self, index: int):
-        kept, kept_layers, calls = self._kept, self._kept_layers, self._calls
+        kept, kept_layers, versions, calls = self._kept, self._kept_layers, self._kept_versions, self._calls
+        at_once = self._measure_at_once
 
         def hook(_module, _inputs, output):
             if not self._armed:
@@ -221,12 +228,13 @@ class LayerProbe:
             if not output.is_floating_point():
                 return
             n = output.numel()
-            if n > SMALL_NUMEL or not n or self._kept_bytes > KEEP_TOTAL_BYTES:
+            if n > SMALL_NUMEL or not n or self._kept_bytes > KEEP_TOTAL_BYTES or index in at_once:
                 self._take(index, output)
                 return
             calls.append(index)   # the common case, inline: this runs for every module
             kept.append(output)
             kept_layers.append(index)
+            versions.append(output._version)
             self._kept_bytes += output.nbytes
         return hook
 
@@ -250,9 +258,10 @@ class LayerProbe:
         if self._kept_bytes > KEEP_TOTAL_BYTES:
             self.end_forward()
         self._calls.append(index)
-        if n <= SMALL_NUMEL:
+        if n <= SMALL_NUMEL and index not in self._measure_at_once:
             self._kept.append(t)
             self._kept_layers.append(index)
+            self._kept_versions.append(t._version)
             self._kept_bytes += t.nbytes
             return
         key = (t.dtype, t.device)
@@ -277,7 +286,7 @@ class LayerProbe:
             for t in found:
                 lo, hi = torch.aminmax(t.detach())
                 self._calls.append(index)
-                self._act_parts.append(torch.maximum(hi, lo.neg()).double().reshape(1))
+                self._act_parts.append(torch.maximum(hi, lo.neg()).abs_().double().reshape(1))
                 self._act_meta.append(([index], 1))
         return hook
 
@@ -287,9 +296,19 @@ class LayerProbe:
         if not self._kept:
             return
         outputs, layers = list(self._kept), list(self._kept_layers)
+        changed = [k for k, (t, v) in enumerate(zip(outputs, self._kept_versions)) if t._version != v]
         self._kept.clear()
         self._kept_layers.clear()
+        self._kept_versions.clear()
         self._kept_bytes = 0
+        if changed:
+            # What the module returned is gone: this step has no figure from those outputs
+            # (rather than another module's), and their hooks measure them at once from now on.
+            self._measure_at_once.update(layers[k] for k in changed)
+            keep = [k for k in range(len(outputs)) if k not in set(changed)]
+            outputs, layers = [outputs[k] for k in keep], [layers[k] for k in keep]
+            if not outputs:
+                return
         key = tuple(layers)
         with torch.no_grad():
             plan = self._act_plans.get(key)

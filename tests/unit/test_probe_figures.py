@@ -103,7 +103,9 @@ def same(a, b) -> bool:
 
 
 def run_and_compare(model, loss_fn, batches, *, dtype="fp32", opt_params=None, init_scale=1024.0,
-                    mutate=None):
+                    mutate=None, unmeasured_at_first=()):
+    """Every probed step's figures against the reference's. `unmeasured_at_first`: layers whose
+    activation the first step may leave unmeasured (None), never mismeasure."""
     torch.manual_seed(0)
     params = list(model.parameters()) if opt_params is None else opt_params
     opt = torch.optim.SGD([p for p in params if p.requires_grad], lr=1e-3)
@@ -124,6 +126,8 @@ def run_and_compare(model, loss_fn, batches, *, dtype="fp32", opt_params=None, i
             assert same(f.act, act) and f.order == ref.order and same(f.weight, ref.weights), k
             assert f.grad == [None] * len(f.grad) and f.underflow is None, k
             continue
+        if k == 0 and unmeasured_at_first:
+            act = [None if i in unmeasured_at_first and f.act[i] is None else v for i, v in enumerate(act)]
         assert same(f.act, act), (k, f.act, act)
         assert f.order == ref.order, k
         assert same(f.grad, grads), (k, f.grad, grads)
@@ -376,3 +380,62 @@ def test_a_model_cast_after_the_probe_was_made():
         x, y = batch
         return (m(x.to(m[0].weight.dtype)) - y.to(m[0].weight.dtype)).pow(2).mean()
     assert run_and_compare(model, loss, data, mutate=cast) == 3
+
+
+class InPlaceAfter(nn.Module):
+    """Small outputs that the next op changes in place: a ReLU(inplace=True) after a Linear, and a
+    residual `out += x` after another (as torchvision's blocks do)."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.first = nn.Linear(8, width)
+        self.relu = nn.ReLU(inplace=True)
+        self.second = nn.Linear(width, width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        h = self.relu(self.first(x))
+        out = self.second(h)
+        out += h
+        return self.head(out)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_outputs_changed_in_place_after_their_module_are_measured_as_the_module_returned_them(dtype):
+    """A kept small output measured after the forward would be the ReLU's or the sum's; from the
+    first step on such a layer is measured in its hook (that step leaves it unmeasured)."""
+    torch.manual_seed(0)
+    model = InPlaceAfter()
+    with torch.no_grad():
+        model.first.bias.fill_(-3.0)   # most of the first layer's output is negative: the ReLU changes its max
+    assert run_and_compare(model, mse, batches(n=5), dtype=dtype, unmeasured_at_first={0, 1}) == 5
+
+
+def test_channels_last_weights_of_the_same_shape_are_measured_together():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), nn.Flatten(),
+                          nn.Linear(16 * 4 * 4, 3)).to(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(2, 16, 4, 4, generator=g).to(memory_format=torch.channels_last),
+             torch.randn(2, 3, generator=g)) for _ in range(3)]
+    assert run_and_compare(model, mse, data) == 3
+
+
+def test_integer_parameters_are_not_measured_as_floats():
+    """A quantized (integer) weight has no float range: its layer's figure comes from its float
+    parameters only (-x of an int8 -128 or a uint8 would wrap around)."""
+    from amp_tui.training.extremes import MaxAbsPlan
+    ints = torch.tensor([3, 10], dtype=torch.uint8)
+    floats = torch.tensor([-2.0, 1.0])
+    plan = MaxAbsPlan([ints, floats], [[0, 1]])
+    with torch.no_grad():
+        assert plan.fold(plan.measure([ints, floats])).tolist() == [2.0]
+
+
+def test_a_layer_of_zeros_reads_plus_zero():
+    from amp_tui.training.extremes import MaxAbsPlan
+    zeros = torch.full((5000,), -0.0)
+    plan = MaxAbsPlan([zeros], [[0]])
+    with torch.no_grad():
+        value = plan.fold(plan.measure([zeros]))[0].item()
+    assert value == 0.0 and math.copysign(1.0, value) == 1.0
