@@ -39,6 +39,10 @@ def launch(args, *, dashboard: bool) -> int:
     nodes, endpoint = args.nnodes or 1, args.rdzv_endpoint
     if nodes > 1 and not endpoint:
         return error(f"--nnodes {nodes} needs --rdzv-endpoint HOST:PORT, the same on every machine")
+    if nodes > 1 and args.run_dir is None and args.resume is None:
+        # Each machine would name its own timestamped folder, and only rank 0's is written.
+        return error(f"--nnodes {nodes} needs --run-dir DIR, the same on every machine (rank 0's machine "
+                     "writes the session there; put it on a shared filesystem to watch it from the others)")
     if not args.script.is_file():
         return error(f"script not found: {args.script}")
     run_dir = args.resume or args.run_dir or default_run_dir(args.script)

@@ -15,6 +15,7 @@ from amp_tui.cli import argtypes
 from amp_tui.cli.terminal import error, interactive
 
 DETACH_WAIT_S = 60.0   # how long --detach waits for the background job to open its control socket
+MIN_DIST_TIMEOUT_S = 2.0  # a paused job's ranks meet about once a second (the heartbeat)
 
 
 def add_parser(sub) -> None:
@@ -104,6 +105,9 @@ def cmd_train(args) -> int:
         problem = tensorboard_problem(args.tensorboard)
         if problem:
             return error(problem)
+    if args.dist_timeout is not None and args.dist_timeout <= MIN_DIST_TIMEOUT_S:
+        return error(f"--dist-timeout {args.dist_timeout:g}: give more than {MIN_DIST_TIMEOUT_S:g} s "
+                     "(a paused job's ranks meet about once a second)")
     if distributed.is_rank():          # one process of a torchrun job (amp-tui train --nproc or torchrun)
         return distributed.train_rank(args)
     if args.detach:

@@ -213,8 +213,10 @@ class Ranks:
         """The model in DistributedDataParallel, unless the script wrapped it already (DDP or
         FSDP). DDP broadcasts rank 0's parameters and buffers here, so every replica starts the
         same."""
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
         from torch.nn.parallel import DistributedDataParallel
-        if isinstance(model, DistributedDataParallel) or type(model).__name__.startswith("FullyShardedDataParallel"):
+        # FSDPModule: a model given to fully_shard (FSDP2), whose class torch renames FSDP<Name>.
+        if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)):
             return model
         ids = [self.device.index] if self.device.type == "cuda" else None
         return self._collective("wrapping the model in DistributedDataParallel",

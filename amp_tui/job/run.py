@@ -478,6 +478,8 @@ class Run:
             return
         if move.rollback_before is not None:
             good = [c for c in self.checkpoints() if c.step is not None and c.step <= move.rollback_before]
+            if self.ranks:   # rank 0's listing for every rank: the restore is a collective
+                good = self.ranks.share(good[:1])
             if good:
                 self._apply(Command("restore", str(good[0].path), "fallback"))
             else:

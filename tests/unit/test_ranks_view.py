@@ -81,3 +81,14 @@ def test_the_commands_rank_0_sends_are_the_ones_every_rank_applies(commands):
         assert payload == b""   # one command without a value: the fixed-size words alone
     decoded = decode_commands(code, payload)
     assert [(c.action, c.value) for c in decoded] == [(c.action, c.value) for c in commands]
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--dist-timeout", "1"], "--dist-timeout 1: give more than 2 s"),
+    (["--nnodes", "2", "--rdzv-endpoint", "localhost:29555"], "--nnodes 2 needs --run-dir DIR"),
+], ids=["a timeout a pause would trip", "several machines without one run directory"])
+def test_a_job_of_several_ranks_that_could_not_work_is_refused_before_it_starts(tmp_path, capsys, flags, problem):
+    script = tmp_path / "train.py"
+    script.write_text("def setup(ctx):\n    raise AssertionError('never imported')\n")
+    assert main(["train", str(script), "--nproc", "2", "--headless", *flags]) == 2
+    assert problem in capsys.readouterr().err
