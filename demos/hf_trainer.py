@@ -26,6 +26,8 @@ Options: --steps (default 3000), --precision (fp16, bf16 or fp32; default fp16),
 """
 
 import argparse
+import atexit
+import shutil
 import tempfile
 
 import torch
@@ -70,8 +72,10 @@ def main() -> None:
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight.mul_(args.gain)
     gpu = torch.cuda.is_available()
+    output_dir = tempfile.mkdtemp(prefix="hf-trainer-demo-")   # the Trainer wants one; nothing is saved
+    atexit.register(shutil.rmtree, output_dir, ignore_errors=True)
     training = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hf-trainer-demo-"), max_steps=args.steps,
+        output_dir=output_dir, max_steps=args.steps,
         per_device_train_batch_size=args.batch_size, learning_rate=args.lr, lr_scheduler_type="constant",
         fp16=args.precision == "fp16", bf16=args.precision == "bf16", use_cpu=not gpu, logging_steps=50,
         save_strategy="no", report_to=[], disable_tqdm=True)

@@ -9,11 +9,6 @@ from types import ModuleType
 
 from amp_tui.job.monitor import Monitor
 
-# amp_tui.monitor's options that a callback passes on; the model, the optimizer, the scaler and
-# the scheduler are the framework's.
-DEFAULTS = {"run_dir": None, "probe_every": 1, "underflow_every": 10, "checkpoint_every": None,
-            "control": True, "announce": True, "tensorboard_dir": None}
-
 
 def require(module: str, *, package: str, extra: str, needed_by: str) -> ModuleType:
     """`module`, imported; when it is not installed, an ImportError naming what to pip install."""
@@ -27,11 +22,13 @@ def require(module: str, *, package: str, extra: str, needed_by: str) -> ModuleT
 
 
 def options(dtype: str | None, framework: str, setting: str, given: dict) -> dict:
-    """The monitor's options for a callback (`given` checked against amp_tui.monitor's)."""
+    """The monitor's options a callback passes on (`given`: amp_tui.monitor's, but for the model,
+    the optimizer, the scaler and the scheduler, which are the framework's; a test keeps the
+    callbacks' signatures equal to the monitor's). `dtype` is refused: the framework sets it."""
     if dtype is not None:
         raise TypeError(f"dtype= is {framework}'s choice here: set it with {setting}. The dashboard's d "
                         "switches it while the run goes on")
-    return {**DEFAULTS, **given}
+    return dict(given)
 
 
 def warn(monitor: Monitor, reason: str, message: str, *, cause: str, fix: str) -> None:
@@ -48,11 +45,17 @@ def loss_tensor(value):
 
 
 def refuse_engine_keys(monitor: Monitor, engine: str) -> None:
-    """An engine such as DeepSpeed scales the loss inside its own optimizer step and fixes the
-    dtype: the keys that would change them are refused, and the run says so once."""
+    """An engine such as DeepSpeed scales the loss inside its own optimizer step, fixes the dtype
+    and holds the optimizer's state in its own (partitioned) form: the keys that would change or
+    save them are refused, and the run says so once."""
     monitor.refuse("scale", f"scale change refused: {engine} owns the loss scale (its engine scales "
                    "inside its own optimizer step, with no torch GradScaler amp-tui can set)")
     monitor.refuse("dtype", f"dtype change refused: {engine} fixes the dtype in its engine")
-    warn(monitor, "scale_keys_off", f"{engine} owns this run's loss scale: the scale keys (s, S) "
-         "and d are off", cause=f"{engine} scales the loss inside its own optimizer step",
+    monitor.refuse("fp32", f"fp32 for a module refused: {engine} fixes the dtype in its engine")
+    for action in ("save", "restore"):
+        monitor.refuse(action, f"checkpoint {action} refused: {engine} keeps the optimizer state in its "
+                       "own form, which amp-tui's checkpoints can't restore; use the framework's own "
+                       "checkpointing")
+    warn(monitor, "scale_keys_off", f"{engine} owns this run's loss scale: the scale keys (s, S), "
+         "d and the checkpoint keys (c, r) are off", cause=f"{engine} scales the loss inside its own optimizer step",
          fix=f"set the loss scale in {engine}'s configuration")

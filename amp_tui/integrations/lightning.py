@@ -72,7 +72,7 @@ class AmpTuiCallback(_pl.Callback):
         self._close()
         plugin = trainer.precision_plugin
         dtype = _DTYPES.get(str(plugin.precision))
-        reason = _not_watched(trainer, dtype)
+        reason = _not_watched(trainer, pl_module, dtype)
         if reason:
             if trainer.is_global_zero:
                 print(f"amp-tui: not watching this run: {reason}", file=sys.stderr, flush=True)
@@ -156,8 +156,12 @@ class AmpTuiCallback(_pl.Callback):
         monitor.close()
 
 
-def _not_watched(trainer, dtype: str | None) -> str | None:
+def _not_watched(trainer, pl_module, dtype: str | None) -> str | None:
     """Why the callback leaves this run alone (None: it watches it)."""
+    if not getattr(pl_module, "automatic_optimization", True):
+        # training_step steps the optimizer itself: no batch hook sees its loss or its update.
+        return ("automatic_optimization is False (training_step steps the optimizer itself); "
+                "use amp_tui.monitor around the optimizer step there instead")
     if trainer.world_size > 1:
         return f"it trains in {trainer.world_size} processes, and AmpTuiCallback watches one"
     if dtype is None:

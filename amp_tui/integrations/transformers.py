@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import sys
 
+from amp_tui.core.precision import SHORT
 from amp_tui.integrations.common import options, refuse_engine_keys, require, warn
 from amp_tui.job.monitor import Monitor
 
@@ -83,7 +84,7 @@ class AmpTuiCallback(TrainerCallback):
         accelerator = trainer.accelerator
         engine = _engine_owning_the_scale(trainer)
         scaler = accelerator.scaler if isinstance(accelerator.scaler, torch.amp.GradScaler) else None
-        dtype = _dtype_in_force(accelerator, scaler)
+        dtype = _dtype_in_force(accelerator)
         self.monitor = Monitor(trainer.model, optimizer or trainer.optimizer, scaler=scaler,
                                scheduler=lr_scheduler or trainer.lr_scheduler, dtype=dtype, framework=FRAMEWORK,
                                **self.options)
@@ -95,7 +96,7 @@ class AmpTuiCallback(TrainerCallback):
         self.monitor.autocast_forward(trainer.model)
         if args.fp16 and dtype != "float16":
             warn(self.monitor, "fp16_without_scaler", "TrainingArguments(fp16=True), but Accelerate gave this run "
-                 f"no GradScaler and no fp16 autocast: it trains in {_SHORT[dtype]}",
+                 f"no GradScaler and no fp16 autocast: it trains in {SHORT[dtype]}",
                  cause=f"Accelerate runs fp16 only on a GPU (this run is on {accelerator.device.type})",
                  fix="fp16 on a GPU; here bf16=True, or d in the dashboard")
         elif dtype == "float16" and scaler is None:
@@ -205,10 +206,7 @@ class AmpTuiCallback(TrainerCallback):
         monitor.close()
 
 
-_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-
-
-def _dtype_in_force(accelerator, scaler) -> str:
+def _dtype_in_force(accelerator) -> str:
     """What the forward runs in: Accelerate's autocast when it wrapped the forward, else fp32."""
     if not accelerator.native_amp:
         return "float32"

@@ -212,7 +212,8 @@ def test_an_engine_that_owns_the_scale_turns_the_scale_keys_off_and_says_why(tmp
                               accumulate_grad_batches=1, should_stop=False)
     callback = AmpTuiCallback(run_dir=tmp_path / "run", announce=False)
     callback.on_train_start(trainer, module)
-    assert "DeepSpeed owns this run's loss scale: the scale keys (s, S) and d are off" in capsys.readouterr().err
+    said = "DeepSpeed owns this run's loss scale: the scale keys (s, S), d and the checkpoint keys (c, r) are off"
+    assert said in capsys.readouterr().err
     answers = []
     order = command("scale=half")
     order.on_done = answers.append
@@ -222,6 +223,21 @@ def test_an_engine_that_owns_the_scale_turns_the_scale_keys_off_and_says_why(tmp
     assert not answers[0].ok and "DeepSpeed owns the loss scale" in answers[0].message
     alert = [e for e in read_session(tmp_path / "run").events if e["kind"] == "alert"][0]
     assert alert["reason"] == "scale_keys_off"
+
+
+def test_manual_optimization_is_left_alone_and_said(tmp_path, capsys):
+    """training_step steps the optimizer itself: no batch hook sees its loss or its update, so the
+    run is not watched (rather than recorded as nothing)."""
+    module = lightning_module_class()()
+    module.automatic_optimization = False
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(precision="bf16-mixed"), strategy=object(),
+                              world_size=1, is_global_zero=True, optimizers=[optimizer], lr_scheduler_configs=[],
+                              accumulate_grad_batches=1, should_stop=False)
+    callback = AmpTuiCallback(run_dir=tmp_path / "run", announce=False)
+    callback.on_train_start(trainer, module)
+    assert "not watching this run: automatic_optimization is False" in capsys.readouterr().err
+    assert callback.monitor is None and not (tmp_path / "run").exists()
 
 
 def test_misuse_says_what_to_do(tmp_path):

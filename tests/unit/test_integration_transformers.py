@@ -201,16 +201,19 @@ def test_an_engine_that_owns_the_scale_turns_the_scale_keys_off_and_says_why(tmp
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     args, state, control = trainer.args, trainer.state, trainer.control
     callback.on_train_begin(args, state, control, model=model, optimizer=optimizer, lr_scheduler=None)
-    assert "DeepSpeed owns this run's loss scale: the scale keys (s, S) and d are off" in capsys.readouterr().err
+    said = "DeepSpeed owns this run's loss scale: the scale keys (s, S), d and the checkpoint keys (c, r) are off"
+    assert said in capsys.readouterr().err
     answers = []
-    for text in ("scale=1024", "dtype=fp32"):
+    for text in ("scale=1024", "dtype=fp32", "save"):
         order = command(text)
         order.on_done = answers.append
         callback.monitor.submit(order)
     callback.on_step_begin(args, state, control)
     callback.on_train_end(args, state, control)
-    assert [a.ok for a in answers] == [False, False]
+    assert [a.ok for a in answers] == [False, False, False]
     assert "DeepSpeed owns the loss scale" in answers[0].message and "DeepSpeed" in answers[1].message
+    assert "checkpoint save refused: DeepSpeed keeps the optimizer state" in answers[2].message
+    assert not list((tmp_path / "run").rglob("*.safetensors"))
     alert = [e for e in read_session(tmp_path / "run").events if e["kind"] == "alert"][0]
     assert alert["reason"] == "scale_keys_off"
 
