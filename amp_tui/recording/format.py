@@ -67,7 +67,7 @@ def compact_figure(x: float | None, digits: int = LAYER_DIGITS) -> float | int |
     return v
 
 
-class StepRecord(dict):
+class EncodedStep(dict):
     """A `step` record that carries its JSON line (`line`, without the newline), built from the
     same pieces as its values: the writer takes the line instead of encoding the dict again."""
 
@@ -99,7 +99,7 @@ def figures_json(values, digits: int = LAYER_DIGITS) -> str:
     return jsonsafe.dumps([compact_figure(v, digits) for v in values])
 
 
-def step_record(result) -> StepRecord:
+def step_record(result) -> EncodedStep:
     """A StepResult as a `step` record (per-layer figures as compact arrays in layer order), with
     its JSON line.
 
@@ -107,7 +107,7 @@ def step_record(result) -> StepRecord:
     after them.
     """
     enc = jsonsafe.encode_float
-    record = StepRecord(
+    record = EncodedStep(
         type="step",
         step=result.step,
         loss=enc(result.loss),

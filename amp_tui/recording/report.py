@@ -99,11 +99,12 @@ def digest_of(session: Session) -> RecordingDigest:
 
 
 def read_digest(target: str | Path) -> RecordingDigest:
-    """The digest of a recording in one pass through its replay index: the same counts and
-    records `read_session` gives, without holding the step records (a 100,000-step recording
-    needs a few MB, not GB). The header, the last step, the end and the error events are read
-    back whole and strictly, as `read_session` reads them, and a file that is no session is
-    refused with its words."""
+    """The digest of a recording in one pass through its replay index, without holding the step
+    records (a 100,000-step recording needs a few MB, not GB). The header, the last step, the end
+    and the error events are read back whole and strictly, as `read_session` reads them, and a
+    file that is no session is refused with its words. The counts are `read_session`'s on every
+    recording a writer made, torn or cut short; a step line damaged after its leading fields (by
+    hand) counts here as a step, where `read_session` would count it as damaged."""
     path = resolve_session_path(target)
     with open(path, "rb") as fh:
         first = next(read_lines(fh), b"")

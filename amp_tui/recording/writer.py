@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from amp_tui.core import jsonsafe
-from amp_tui.recording.format import FORMAT, VERSION, StepRecord
+from amp_tui.recording.format import FORMAT, VERSION, EncodedStep
 
 
 class SessionWriter:
@@ -53,7 +53,7 @@ class SessionWriter:
         return counts
 
     def _write(self, record: dict, *, flush: bool) -> None:
-        line = record.line if type(record) is StepRecord else jsonsafe.dumps(record)
+        line = record.line if type(record) is EncodedStep else jsonsafe.dumps(record)
         self._pending += (line + "\n").encode("utf-8")
         if flush or time.monotonic() - self._last_flush >= self.flush_interval:
             self.flush()
