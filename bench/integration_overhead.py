@@ -39,18 +39,14 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
+from bench.models import GptSpec  # noqa: E402
 
 TARGETS = {1: 0.95, 10: 0.99}
 
 
 @dataclass(frozen=True)
-class Gpt2Spec:
-    layers: int = 4
-    d_model: int = 128
-    heads: int = 4
-    vocab: int = 2048
-    seq: int = 64
-    batch: int = 8
+class Gpt2Spec(GptSpec):
+    """The sizes of the benchmark's GPT, built as Hugging Face's GPT2LMHeadModel."""
 
     @property
     def name(self) -> str:
