@@ -182,9 +182,12 @@ def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: 
     from amp_tui.job.run import Run
     run = Run(config, setup, device, feed, ranks=ranks)
     # After every precision policy is in place (--dtype, --fp32-modules, --at 0:...): the check
-    # is the first step's own forward.
+    # is the first step's own forward. Its batch is agreed on first: a rank with none must not
+    # leave the others inside the forward's collectives.
     with agreed(ranks):
-        run.preflight()
+        batch = run.preflight_batch()
+    with agreed(ranks):
+        run.preflight_forward(batch)
     return run, setup.warnings
 
 

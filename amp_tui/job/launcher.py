@@ -5,8 +5,8 @@ of its own, with its outcome in amp-tui's terms.
 calling process's SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers and never puts them back, so it gets a
 process of its own (whose signals torchrun sends on to every rank). Its exit status is rank 0's:
 the `exit_status` of the session's end record when rank 0 wrote one, else rank 0's own exit
-status, else that of the first rank that failed; a rank that died is named, with where its
-output went.
+status (unless torchrun's SIGTERM ended it after another rank failed), else that of the first
+rank that failed; a rank that died is named, with where its output went.
 """
 
 from __future__ import annotations
@@ -68,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         ended = _end_status(run_dir, started)
         if ended is not None:
             return ended or 1
-        code = failures[0].exitcode if 0 in failures else failures[first].exitcode
+        zero = failures.get(0)
+        # Rank 0 ended by the SIGTERM torchrun sent it because another rank failed first: that
+        # rank's status is the job's (an agreed check fails on every rank; one may end sooner).
+        stopped_by_torchrun = zero is not None and zero.exitcode == -signal.SIGTERM and first != 0
+        code = zero.exitcode if zero is not None and not stopped_by_torchrun else failures[first].exitcode
         return 128 - code if code < 0 else code
     except SignalException as exc:
         ended = _end_status(run_dir, started)

@@ -326,6 +326,12 @@ class Run:
         is called once per micro-batch, in training mode, with the RNG and any state of the
         script's own going on from there. A failure is a ScriptError (exit 2, no run directory).
         """
+        self.preflight_forward(self.preflight_batch())
+
+    def preflight_batch(self):
+        """The pre-flight's first part: the state it goes on from (--resume), the starting
+        precision, and the first batch. With several ranks this is agreed on apart from the
+        forward, whose DDP wrapper may already meet the other ranks (to broadcast buffers)."""
         script = self.config.script
         if self.config.resume_from is not None:
             try:
@@ -336,12 +342,16 @@ class Run:
         self._header = self.header()  # the starting precision, as the --at events record it
         self._apply_starting_precision()
         try:
-            batch = self.feed.peek()
+            return self.feed.peek()
         except ScriptError:
             raise ScriptError(f"'batches' from {script.name} is empty") from None
         except Exception as exc:  # noqa: BLE001 - the user's DataLoader or dataset failed
             raise ScriptError(f"'batches' from {script.name} failed on the first batch: "
                               f"{describe_exception(exc, script)}") from None
+
+    def preflight_forward(self, batch) -> None:
+        """The pre-flight's second part: the first step's forward, kept for that step."""
+        script = self.config.script
         try:
             self.trainer.start_step(batch)
         except LossError as exc:

@@ -185,3 +185,29 @@ def test_the_fallback_guard_moves_every_rank_to_the_same_dtype_at_the_same_step(
                                  "skipped": end["skipped_total"], "dtype": short_name(end["dtype"]),
                                  "scale": end["scale"]}
     assert (params / "rank0.txt").read_text() == (params / "rank1.txt").read_text()
+
+
+EMPTY_SHARD_SCRIPT = '''
+import torch
+from torch import nn
+
+def setup(ctx):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))   # buffers
+    xs = torch.randn(8, 8)
+    batches = [(xs[i:i + 4], xs[i:i + 4].sum(1, keepdim=True)) for i in range(0, 8, 4)]
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.01),
+            "loss_fn": lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]),
+            "batches": batches if ctx.rank == 0 else []}   # rank 1's shard is empty
+'''
+
+
+def test_a_rank_whose_first_batch_fails_stops_every_rank_with_its_words(write_script, tmp_path):
+    """Rank 1 has no batch while rank 0's first forward would start (DDP broadcasts the model's
+    buffers at each forward): the first batch is agreed on before any forward, so both ranks
+    stop at once with rank 1's problem, not in a collective that waits for the other."""
+    script = write_script(EMPTY_SHARD_SCRIPT)
+    done = train_ranks(script, tmp_path / "run", "--steps", "2", "--dist-timeout", "30")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "rank 1: 'batches' from" in done.stderr and "is empty" in done.stderr, done.stderr
+    assert not (tmp_path / "run" / "session.jsonl").exists()
