@@ -62,6 +62,7 @@ from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.job.checkpoints import RunCheckpoints
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
 from amp_tui.job.distributed import Ranks
+from amp_tui.job.handlers import SharedHandlers
 from amp_tui.job.recorder import Observers, RankEcho, Recorder
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.recording.report import describe_records
@@ -72,7 +73,7 @@ from amp_tui.training.devices import describe_device
 from amp_tui.training.engine import PrecisionRefused, StepResult
 from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
 from amp_tui.training.guards import GuardConfig, PrecisionGuard
-from amp_tui.training.local_fp32 import LocalFp32, ModuleMatchError, match_modules
+from amp_tui.training.local_fp32 import LocalFp32
 from amp_tui.training.probes import LayerProbe
 
 RUN_DIR_VARIABLE = "AMP_TUI_RUN_DIR"   # set by `amp-tui run`: where the monitor records
@@ -126,7 +127,7 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
                    tensorboard_dir=tensorboard_dir)
 
 
-class Monitor:
+class Monitor(SharedHandlers):
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
                  probe_every=1, underflow_every=10, checkpoint_every=None, control=True, announce=True,
                  tensorboard_dir=None, framework: str | None = None):
@@ -445,13 +446,6 @@ class Monitor:
         self.recorder.emit(record)
         return record
 
-    def intervention(self, command: Command, before: dict, after: dict, message: str) -> Outcome:
-        who = {"client": command.client} if command.client else {}
-        value = encode_float(command.value) if isinstance(command.value, float) else command.value
-        self.event("intervention", message, action=command.action, value=value, source=command.source,
-                   before=before, after=after, **who)
-        return Outcome(True, message)
-
     def _header(self) -> dict:
         return {
             "amp_tui_version": amp_tui.__version__,
@@ -762,10 +756,6 @@ class Monitor:
     def _command_failed(self, command: Command, message: str) -> None:
         self.event("error", message, during=command.action, source=command.source)
 
-    def _refused(self, command: Command, message: str) -> Outcome:
-        self.event("error", message, during=command.action, source=command.source)
-        return Outcome(False, message)
-
     def _set_dtype(self, command: Command) -> Outcome:
         new = precision.canonical(str(command.value))
         before = self.describe_precision()
@@ -819,30 +809,14 @@ class Monitor:
         return self.intervention(command, before, self.describe_precision(),
                                  f"loss scale {before['scale']:g} → {new:g}")
 
-    def _save(self, command: Command) -> Outcome:
-        info = self.checkpointing.save(source=command.source)
-        if info is None:
-            return Outcome(False, "checkpoint not saved (see the error event)")
-        path = self.checkpointing.relative(info.path)
-        return self.intervention(command, {}, {"checkpoint": path}, f"checkpoint saved: {path}")
+    def _save_checkpoint(self, *, source: str):
+        return self.checkpointing.save(source=source)
 
-    def _toggle_fp32(self, command: Command) -> Outcome:
-        pattern = str(command.value)
-        before = {"fp32_modules": self.local_fp32.names}
-        try:
-            already = set(match_modules(original_module(self.model), pattern)) & set(self.local_fp32.names)
-            changed = self.local_fp32.remove(pattern) if already else self.local_fp32.add(pattern)
-        except ModuleMatchError as exc:
-            return self._refused(command, str(exc))
-        verb = "back to autocast" if already else "now in fp32"
-        return self.intervention(command, before, {"fp32_modules": self.local_fp32.names},
-                                 f"{', '.join(changed) or pattern} {verb}")
+    def _fp32_root(self):
+        return original_module(self.model)
 
-    def _pause(self, command: Command) -> Outcome:
-        before = {"state": self.state}
-        self._single_steps = 0
-        self.state = "paused"
-        return self.intervention(command, before, {"state": self.state}, "paused")
+    def _fp32_changed(self) -> None:
+        """Nothing ran ahead: the next forward takes the new policy."""
 
     def _resume(self, command: Command) -> Outcome:
         before = {"state": self.state}

@@ -32,6 +32,7 @@ from amp_tui.job.checkpoints import RunCheckpoints
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
 from amp_tui.job.distributed import Ranks, RanksLost, communication_failure
 from amp_tui.job.feed import BatchFeed
+from amp_tui.job.handlers import SharedHandlers
 from amp_tui.job.recorder import Observers, RankEcho, Recorder
 from amp_tui.recording.format import SessionFormatError, event_record, step_record
 from amp_tui.recording.report import RunOutcome, describe_records
@@ -40,7 +41,7 @@ from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.devices import describe_device
 from amp_tui.training.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult
 from amp_tui.training.guards import GuardConfig, PrecisionGuard
-from amp_tui.training.local_fp32 import LocalFp32, ModuleMatchError, match_modules
+from amp_tui.training.local_fp32 import LocalFp32
 from amp_tui.training.script import ScriptError, TrainSetup, describe_exception
 
 NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback")
@@ -76,7 +77,7 @@ class RunConfig:
     resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)
 
 
-class Run:
+class Run(SharedHandlers):
     """Owns the trainer and the session; `run()` is the loop (call it on the training thread)."""
 
     def __init__(self, config: RunConfig, setup: TrainSetup, device: torch.device, feed: BatchFeed,
@@ -253,13 +254,6 @@ class Run:
         record = event_record(self.step if step is None else step, kind, message, **fields)
         self.recorder.emit(record)
         return record
-
-    def intervention(self, command: Command, before: dict, after: dict, message: str) -> Outcome:
-        """Record what a command changed, in the run's words; the command's answer."""
-        who = {"client": command.client} if command.client else {}
-        self.event("intervention", message, action=command.action, value=_json_value(command.value),
-                   source=command.source, before=before, after=after, **who)
-        return Outcome(True, message)
 
     def set_state(self, state: RunState) -> None:
         self.state = state
@@ -548,10 +542,6 @@ class Run:
     def _command_failed(self, command: Command, message: str) -> None:
         self.event("error", message, during=command.action, source=command.source)
 
-    def _refused(self, command: Command, message: str) -> Outcome:
-        self.event("error", message, during=command.action, source=command.source)
-        return Outcome(False, message)
-
     def _set_dtype(self, command: Command) -> Outcome:
         try:
             change = self.trainer.set_dtype(str(command.value))
@@ -575,32 +565,11 @@ class Run:
             text = f"fp16 loss scale {b['fp16_scale']:g} → {a['fp16_scale']:g} (used when fp16 is next entered)"
         return self.intervention(command, b, a, text)
 
-    def _save(self, command: Command) -> Outcome:
-        info = self._save_checkpoint(source=command.source)
-        if info is None:
-            return Outcome(False, "checkpoint not saved (see the error event)")
-        path = self.checkpointing.relative(info.path)
-        return self.intervention(command, {}, {"checkpoint": path}, f"checkpoint saved: {path}")
+    def _fp32_root(self):
+        return self.trainer.model
 
-    def _toggle_fp32(self, command: Command) -> Outcome:
-        pattern = str(command.value)
-        before = {"fp32_modules": self.local_fp32.names}
-        try:
-            already = set(match_modules(self.trainer.model, pattern)) & set(self.local_fp32.names)
-            changed = self.local_fp32.remove(pattern) if already else self.local_fp32.add(pattern)
-            if changed:
-                self.trainer.discard_started_step()  # it ran under the old autocast policy
-        except ModuleMatchError as exc:
-            return self._refused(command, str(exc))
-        verb = "back to autocast" if already else "now in fp32"
-        return self.intervention(command, before, {"fp32_modules": self.local_fp32.names},
-                                 f"{', '.join(changed) or pattern} {verb}")
-
-    def _pause(self, command: Command) -> Outcome:
-        before = {"state": self.state}
-        self._single_steps = 0
-        self.set_state("paused")
-        return self.intervention(command, before, {"state": self.state}, "paused")
+    def _fp32_changed(self) -> None:
+        self.trainer.discard_started_step()  # it ran under the old autocast policy
 
     def _resume_running(self, command: Command) -> Outcome:
         before = {"state": self.state}
@@ -763,10 +732,6 @@ class StepFailure(Exception):
 
 def _print_line(text: str) -> None:
     print(text, flush=True)
-
-
-def _json_value(v):
-    return encode_float(v) if isinstance(v, float) else v
 
 
 def _scale_note(after: dict) -> str:
