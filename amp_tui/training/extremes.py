@@ -6,7 +6,7 @@ the tensors of one list once:
 
 - tensors of up to SMALL_NUMEL elements that share a shape, dtype and device (biases, norms, the
   outputs of small layers: most of a model's tensors by count) are stacked, and reduced with
-  `abs_().amax(dim=1)`;
+  `abs_().amax(dim=1)` (fp16/bf16: the sign bit cleared and an integer max, HALF_BITS);
 - each larger tensor gets `aminmax` written in place into a buffer kept by the plan (one pair per
   dtype and device), so no 0-d result is allocated per tensor; max |x| = max(hi, -lo).
 
@@ -30,6 +30,10 @@ from typing import Sequence
 import torch
 
 SMALL_NUMEL = 4096
+# For fp16 and bf16, |x| orders like the bits without the sign read as an integer (inf above every
+# finite value, NaN above inf), and an integer max is cheaper than abs + a float max where the
+# CPU has no half-float arithmetic: 40 us against 75 for 50 bf16 tensors of 4096 (fp32: slower).
+HALF_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 class PlanMismatch(Exception):
@@ -96,29 +100,25 @@ class MaxAbsPlan:
         self.layer_index = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
                                         device=self.device).reshape(len(rows), width)
 
-    def slots(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Where `measure` writes the extremes of each single (larger) tensor: a caller may write
-        them earlier itself, with `torch.aminmax(t, out=slot)`, and tell `measure` (`done`)."""
-        return {p: (lo_i, hi_i) for positions, lo_views, hi_views, _, _ in self.singles
-                for p, lo_i, hi_i in zip(positions, lo_views, hi_views)}
-
-    def measure(self, tensors: Sequence[torch.Tensor | None], done: bytearray | None = None) -> torch.Tensor:
+    def measure(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """max |x| of the measured positions, in `order`, as float64 on the device, followed by
-        one 0 (the pad `fold` uses). Singles whose position is set in `done` were written into
-        their slot already. Call under no_grad(). Raises PlanMismatch when the tensors no longer
-        fit the plan."""
+        one 0 (the pad `fold` uses). Call under no_grad(). Raises PlanMismatch when the tensors
+        no longer fit the plan."""
         parts = []
         try:
             for positions, lo_views, hi_views, lo, hi in self.singles:
                 for p, lo_i, hi_i in zip(positions, lo_views, hi_views):
-                    if done is None or not done[p]:
-                        torch.aminmax(tensors[p], out=(lo_i, hi_i))
+                    torch.aminmax(tensors[p], out=(lo_i, hi_i))
                 # (abs: max(-0.0, 0.0) may be -0.0, and max |x| of zeros is 0)
                 parts.append(torch.maximum(hi, lo.neg()).abs_().double())
             for positions in self.stacks:
                 # reshape: a stack of channels-last tensors is not contiguous
                 stacked = torch.stack([tensors[p] for p in positions]).reshape(len(positions), -1)
-                parts.append(stacked.abs_().amax(dim=1).double())
+                bits = HALF_BITS.get(stacked.dtype)
+                if bits is not None:   # |x| of a half float is its bits without the sign
+                    parts.append(stacked.view(bits).bitwise_and_(0x7FFF).amax(dim=1).view(stacked.dtype).double())
+                else:
+                    parts.append(stacked.abs_().amax(dim=1).double())
         except (RuntimeError, TypeError) as exc:   # TypeError: None where a tensor was
             raise PlanMismatch(str(exc)) from None
         parts.append(self._pad())

@@ -172,7 +172,7 @@ def test_many_small_modules(dtype):
 
 def test_large_tensors_measured_one_by_one_and_small_ones_stacked(monkeypatch):
     """The same figures whichever way a tensor is grouped, and whether a hook measures an output
-    and its module's weights or leaves them for later."""
+    or leaves it for later."""
     from amp_tui.training import probes
 
     for small in (0, 100, 1 << 14, 1 << 30):
@@ -439,3 +439,22 @@ def test_a_layer_of_zeros_reads_plus_zero():
     with torch.no_grad():
         value = plan.fold(plan.measure([zeros]))[0].item()
     assert value == 0.0 and math.copysign(1.0, value) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_stacked_half_floats_read_as_their_magnitude_nan_and_inf_included(dtype):
+    """Stacks of half floats are reduced on their bits: every special value gives what abs and
+    max give (a NaN of either sign wins, -inf reads inf, -0 and subnormals keep their size)."""
+    from amp_tui.training.extremes import MaxAbsPlan
+    tiny = torch.finfo(dtype).tiny / 4   # a subnormal
+    rows = [[1.0, -2.5, 0.5], [-math.inf, 3.0, 1.0], [-0.0, -0.0, 0.0], [-tiny, tiny / 2, 0.0],
+            [1.0, -math.nan, 7.0], [math.nan, -math.inf, 2.0], [-65504.0, 4.0, 1.0]]
+    tensors = [torch.tensor(r, dtype=dtype) for r in rows]
+    plan = MaxAbsPlan(tensors)
+    assert len(plan.stacks) == 1 and not plan.singles
+    with torch.no_grad():
+        got = plan.measure(tensors)[:-1].tolist()
+    want = [maxabs(t.float()) for t in tensors]
+    assert [g != g for g in got] == [w != w for w in want]
+    assert [g for g in got if g == g] == [w for w in want if w == w]
+    assert math.copysign(1.0, got[2]) == 1.0
