@@ -11,8 +11,11 @@ alone can see is agreed here, each time with one collective of PyTorch's own pro
   a meeting point of its own ahead of DDP's all-reduce. Every rank runs that backward whatever
   its loss (a rank that skipped it alone would leave DDP's all-reduce of the others waiting for
   it until the timeout); where the first word, "the first rank whose loss is not finite", says
-  one was not, every rank throws the gradients away and skips the update, and the step's
-  remaining micro-batches are not run. The other words are the next step boundary's: rank
+  one was not, every rank throws the gradients away (a NaN/inf loss only made NaN/inf ones) and
+  skips the update without touching the scaler, and the step's remaining micro-batches are not
+  run. Every rank learns the answer at the same point, after the same micro-batch's backward,
+  and gloo matches the collectives in the order they were issued: the check before the
+  backward's bucket all-reduces, on every rank. The other words are the next step boundary's: rank
   0's command code and the length of its payload, and every rank's stop request (the other
   ranks add zeros to rank 0's words, so it is rank 0's broadcast, which also carries a stop that
   a signal brought to any rank). What reached rank 0 after step k's check applies at the
@@ -23,9 +26,9 @@ alone can see is agreed here, each time with one collective of PyTorch's own pro
   step. While the run is paused the tensor goes round about once a second (HEARTBEAT_S): the
   heartbeat that keeps the process group's timeout from firing.
 - **the figures**, once per probed step: one gather to rank 0 of a packed float vector from
-  every rank (its loss, its step time up to the start of the step's first loss check, its
-  per-layer maxima).
-  Rank 0 records the maximum over the ranks for each layer, and each rank's loss and step time.
+  every rank (its loss, its step time up to the start of the step's first loss check: its own
+  compute, before it waits for any other rank; and its per-layer maxima). Rank 0 records the
+  maximum over the ranks for each layer, and each rank's loss and step time.
 - **checkpoints**: every rank's RNG state is gathered into rank 0's file; a restore's file, and
   whether every rank could read it, are agreed before any rank loads it.
 
