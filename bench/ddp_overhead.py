@@ -1,6 +1,7 @@
 """What amp-tui's coordination of several ranks costs per step: the step's one all-reduce (the
 agreed finite-loss check, which carries the next boundary's commands and every rank's stop
-request) and the gather of a probed step's figures, over plain DDP running the same guarded step.
+request, and goes round while the backward runs) and the gather of a probed step's figures, over
+plain DDP running the same guarded step.
 
 Two copies of the model, each in its own DistributedDataParallel, train side by side in the same
 ranks; one step of each in turn (the order shuffled each round, the same on every rank). Both run

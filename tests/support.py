@@ -303,7 +303,8 @@ monitor.close()
 # A script for `amp-tui train --nproc 2`: each rank its own data (the same with --same-data, so
 # the ranks' losses must match to the bit while they are in step), NaN planted in one rank's
 # inputs (--nan RANK:BATCH), a pause per loss_fn call (--sleep S: a run to signal while it goes),
-# the model in a DistributedDataParallel of the script's own (--wrap), SIGTERM to this process
+# the model in a DistributedDataParallel of the script's own (--wrap), N micro-batches a step
+# (--accumulate N), SIGTERM to this process
 # on one rank's Nth loss_fn call (--term RANK:N), and at exit a digest of this rank's parameters
 # in DIR/rank<N>.txt (--params DIR) and the sequence of its loss_fn calls ("loss") and of the
 # torch.distributed collectives called from Python (their names) in DIR/rank<N>.calls (--calls DIR).
@@ -322,6 +323,7 @@ def setup(ctx):
     p.add_argument("--wrap", action="store_true")
     p.add_argument("--term", default=None)
     p.add_argument("--calls", default=None)
+    p.add_argument("--accumulate", type=int, default=1)
     a = p.parse_args(ctx.argv)
     calls = []
     if a.calls:
@@ -362,7 +364,7 @@ def setup(ctx):
             time.sleep(a.sleep)
         x, y = batch
         return nn.functional.mse_loss(model(x), y)
-    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches}
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches, "accumulate": a.accumulate}
 '''
 
 # A loop of the user's own under torchrun: DDP, a GradScaler, amp_tui.monitor. At the end each

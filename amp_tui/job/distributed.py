@@ -5,10 +5,17 @@ the gradients, so they are bitwise the same on every rank after backward: GradSc
 the skip, the new scale, clipping and the scheduler agree with nothing of ours. What one rank
 alone can see is agreed here, each time with one collective of PyTorch's own process group:
 
-- **the step's one collective**, the finite-loss check of each micro-batch before its backward:
-  an `all_reduce(MAX)` of a small fixed-size int64 tensor. Its first word is "the first rank
-  whose loss is not finite" (a rank that skipped backward alone would leave DDP's all-reduce of
-  the others waiting for it until the timeout); the others are the next step boundary's: rank
+- **the step's one collective**, the finite-loss check of each micro-batch: an
+  `all_reduce(MAX)` of a small fixed-size int64 tensor, started before the micro-batch's
+  backward and waited for after it, so it goes round while the backward runs instead of being
+  a meeting point of its own ahead of DDP's all-reduce. Every rank runs that backward whatever
+  its loss (a rank that skipped it alone would leave DDP's all-reduce of the others waiting for
+  it until the timeout); where the first word, "the first rank whose loss is not finite", says
+  one was not, every rank throws the gradients away (a NaN/inf loss only made NaN/inf ones) and
+  skips the update without touching the scaler, and the step's remaining micro-batches are not
+  run. Every rank learns the answer at the same point, after the same micro-batch's backward,
+  and gloo matches the collectives in the order they were issued: the check before the
+  backward's bucket all-reduces, on every rank. The other words are the next step boundary's: rank
   0's command code and the length of its payload, and every rank's stop request (the other
   ranks add zeros to rank 0's words, so it is rank 0's broadcast, which also carries a stop that
   a signal brought to any rank). What reached rank 0 after step k's check applies at the
@@ -19,8 +26,9 @@ alone can see is agreed here, each time with one collective of PyTorch's own pro
   step. While the run is paused the tensor goes round about once a second (HEARTBEAT_S): the
   heartbeat that keeps the process group's timeout from firing.
 - **the figures**, once per probed step: one gather to rank 0 of a packed float vector from
-  every rank (its loss, its step time up to the step's first collective, its per-layer maxima).
-  Rank 0 records the maximum over the ranks for each layer, and each rank's loss and step time.
+  every rank (its loss, its step time up to the start of the step's first loss check: its own
+  compute, before it waits for any other rank; and its per-layer maxima). Rank 0 records the
+  maximum over the ranks for each layer, and each rank's loss and step time.
 - **checkpoints**: every rank's RNG state is gathered into rank 0's file; a restore's file, and
   whether every rank could read it, are agreed before any rank loads it.
 
@@ -171,7 +179,7 @@ class Ranks:
         self.voting = True                   # stops are votes until the loop has ended
         self._vote: StopVote | None = None   # replaced whole, never mutated: a signal handler sets it
         self._synced_at = time.perf_counter()
-        self._compute_s: float | None = None  # this step's time up to its first collective
+        self._compute_s: float | None = None  # this step's time up to its first loss check
         self.nonfinite_rank: int | None = None  # of the last agreed loss check that failed
 
     # ---- joining ----------------------------------------------------------------------------
@@ -289,10 +297,19 @@ class Ranks:
         return _Agreed(local, payload, vote)
 
     def _all_reduce(self, mine: _Agreed, what: str) -> _Agreed:
+        return self._start_all_reduce(mine, what)()
+
+    def _start_all_reduce(self, mine: _Agreed, what: str) -> Callable[[], _Agreed]:
+        """The all-reduce of the step's words, started: the function returned waits for it.
+        Nothing else of ours runs meanwhile (the words' buffer is the all-reduce's until then)."""
         words = self._words
         words.copy_(torch.tensor(mine.words, dtype=torch.int64))
-        self._collective(what, lambda: dist.all_reduce(words, op=dist.ReduceOp.MAX))
-        return _Agreed(words.tolist(), mine.payload, mine.vote)
+        work = self._collective(what, lambda: dist.all_reduce(words, op=dist.ReduceOp.MAX, async_op=True))
+
+        def agreed() -> _Agreed:
+            self._collective(what, work.wait)
+            return _Agreed(words.tolist(), mine.payload, mine.vote)
+        return agreed
 
     def agree_commands(self, take: Callable[[], list[Command]]) -> tuple[list[Command], StopVote | None]:
         """Rank 0's commands on every rank (the others' are ignored), and the stop that any
@@ -334,12 +351,19 @@ class Ranks:
             commands.wait(HEARTBEAT_S)
 
     # ---- the step ---------------------------------------------------------------------------
-    def agree_finite(self, value: float) -> bool:
-        """The finite-loss check of one micro-batch, agreed: False on every rank when any rank's
-        loss is not finite (then no rank runs its backward). Where `upcoming` is set, the same
-        all-reduce agrees on the next boundary's commands and stop votes: the boundary then
+    def agree_finite(self, value: float) -> Callable[[], bool]:
+        """The finite-loss check of one micro-batch, started; the function returned waits for
+        its answer: False on every rank when any rank's loss is not finite. The step starts it
+        before the micro-batch's backward and asks after it, so the all-reduce goes round while
+        the backward runs (every rank runs it, whatever its loss: a step that is not finite
+        somewhere then throws its gradients away on every rank). Where `upcoming` is set, the
+        same all-reduce agrees on the next boundary's commands and stop votes: the boundary then
         needs no collective of its own. A later check of the same step (micro-batches) adds
-        what was queued meanwhile; rank 0 sends the whole list each time."""
+        what was queued meanwhile; rank 0 sends the whole list each time.
+
+        The rank's step time ends where the step's first check starts: its own compute since the
+        boundary (the forward), before anything that waits for another rank (this check's
+        answer, DDP's all-reduce in the backward)."""
         if self._compute_s is None:
             self._compute_s = time.perf_counter() - self._synced_at
         finite = math.isfinite(value)
@@ -347,13 +371,17 @@ class Ranks:
         if carry:
             self._carried_commands += self.upcoming()
         mine = self._local_words(self._carried_commands if carry else [], finite=finite)
-        agreed = self._all_reduce(mine, "agreeing on the finite-loss check")
-        if carry:
-            self._carried = agreed
-        if agreed.words[NONFINITE]:
-            self.nonfinite_rank = self.world_size - agreed.words[NONFINITE]
-            return False
-        return True
+        pending = self._start_all_reduce(mine, "agreeing on the finite-loss check")
+
+        def finite_everywhere() -> bool:
+            agreed = pending()
+            if carry:
+                self._carried = agreed
+            if agreed.words[NONFINITE]:
+                self.nonfinite_rank = self.world_size - agreed.words[NONFINITE]
+                return False
+            return True
+        return finite_everywhere
 
     def forward_done(self, *_args) -> None:
         """A forward hook on the user's DDP model (own loops): its step time ends here, before

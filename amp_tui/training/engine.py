@@ -4,6 +4,8 @@ Order of one iteration, as PyTorch's AMP recipe has it, with the guards around i
 zero_grad(set_to_none=True) -> autocast around loss_fn only -> finite-loss check ->
 scaler.scale(loss).backward() -> scaler.unscale_ -> gradient figures -> optional clipping ->
 scaler.step -> scaler.update -> scheduler only when the update was really applied.
+With several ranks the finite-loss check is agreed across them while the backward runs, and
+a step whose loss was not finite on any rank throws that backward's gradients away.
 """
 
 from __future__ import annotations
@@ -114,8 +116,10 @@ class GuardedTrainer:
         self.probe_every = max(1, int(probe_every))
         self.underflow_every = max(1, int(underflow_every))  # in probed steps
         self.diagnose_bad_steps = diagnose
-        # Several ranks: the finite-loss check agreed by all of them (loss -> finite everywhere).
-        self.agree_finite: Callable[[float], bool] | None = None
+        # Several ranks: the finite-loss check agreed by all of them. Called with the loss, it
+        # starts the check and returns its answer to wait for (True: finite on every rank),
+        # which the step asks for after the micro-batch's backward.
+        self.agree_finite: Callable[[float], Callable[[], bool]] | None = None
         if not (init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
         self.init_scale = float(init_scale)
@@ -334,8 +338,13 @@ class GuardedTrainer:
 
     def _forward_and_backward(self, micro_batches, first_loss: torch.Tensor | None):
         """Autocast forward and scaled backward of each micro-batch, stopping at the first whose
-        loss is not finite (no backward for it: it would only spread the inf/NaN). Returns the
-        losses seen and that batch, or None."""
+        loss is not finite. Returns the losses seen and that batch, or None.
+
+        One process: no backward for that batch (it would only spread the inf/NaN). Several
+        ranks (`agree_finite`): the check goes round while the backward runs on every rank
+        whatever its own loss, and is waited for after it; a non-finite loss only makes
+        non-finite gradients, which the skip then throws away. Waiting before the backward would
+        make the check a meeting point of its own, ahead of DDP's all-reduce in the backward."""
         n = len(micro_batches)
         losses: list[float] = []
         for i, batch in enumerate(micro_batches):
@@ -343,11 +352,20 @@ class GuardedTrainer:
                 loss = first_loss if i == 0 and first_loss is not None else self._forward(batch)
                 value = float(loss.detach().float())  # the one sync the finite-loss check needs
                 losses.append(value)
-                if not (math.isfinite(value) if self.agree_finite is None else self.agree_finite(value)):
-                    return losses, batch
-                scaled = loss / n if n > 1 else loss
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                if self.agree_finite is None:
+                    if not math.isfinite(value):
+                        return losses, batch
+                    self._backward(loss, n)
+                    continue
+                finite_everywhere = self.agree_finite(value)   # started; answered after the backward
+                self._backward(loss, n)
+                if not finite_everywhere():
+                    return losses, batch   # every rank learns it here and stops alike
         return losses, None
+
+    def _backward(self, loss: torch.Tensor, micro: int) -> None:
+        scaled = loss / micro if micro > 1 else loss
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
 
     def _gradient_sync(self, last: bool):
         """DistributedDataParallel all-reduces the gradients in the last micro-batch's backward
@@ -356,7 +374,8 @@ class GuardedTrainer:
         return no_sync() if no_sync is not None and not last else contextlib.nullcontext()
 
     def _skip_nonfinite_loss(self, bad_batch, mean_loss, used_scale, lr, probe, micro: int) -> StepResult:
-        """No backward, no update: then find where the forward went non-finite."""
+        """No update: the gradients (of the backward several ranks ran) go, and nothing of the
+        scaler moves (no unscale_, step or update). Then find where the forward went non-finite."""
         self._zero_grad()
         figures = probe.collect()[0] if probe else None
         diagnosis = self._diagnose([bad_batch], used_scale, backward=False)

@@ -89,6 +89,38 @@ def test_a_nan_in_rank_1s_inputs_only_is_skipped_by_both_ranks_without_a_hang(wr
                                  "scale": None}
 
 
+def test_a_nan_in_the_first_micro_batch_on_rank_1_only_skips_the_step_on_both_ranks(write_script, tmp_path):
+    """Two micro-batches a step (the 4 batches: two steps, then again); rank 1's first of step 1
+    holds a NaN. Both ranks learn it after that micro-batch's backward, neither runs the step's
+    second one, and both skip alike."""
+    script = write_script(DDP_SCRIPT)
+    run_dir, params, calls = tmp_path / "run", tmp_path / "params", tmp_path / "calls"
+    params.mkdir()
+    calls.mkdir()
+    done = train_ranks(script, run_dir, "--dtype", "bf16", "--steps", "3", "--dist-timeout", "20",
+                       script_args=["--accumulate", "2", "--nan", "1:2", "--params", str(params),
+                                    "--calls", str(calls)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    session = read_session(run_dir)
+    [event] = [e for e in session.events if e["kind"] == "nonfinite"]
+    assert event["step"] == 1 and event["where"] == "loss" and event["rank"] == 1 and "rank 1" in event["message"]
+    assert event["layer"] == "0" and event["origin"] == "0"
+    assert [r["micro_batches"] for r in session.steps] == [2] * 3
+    assert session.steps[1]["skipped"] and session.steps[1]["rank_loss"][1] == "NaN"
+    assert [s for s, kind, _ in rank_events(run_dir) if kind == "nonfinite"] == [1]
+    end = session.end
+    assert end["skipped_total"] == 1 and end["updates"] == 2
+    assert rank_end(run_dir) == {"state": "finished", "step": 3, "updates": 2, "skipped": 1, "dtype": "bf16",
+                                 "scale": None}
+    assert (params / "rank0.txt").read_text() == (params / "rank1.txt").read_text()
+    # The same calls in the same order on both ranks; step 1 (from step 0's figures gathered to
+    # its own) ran one loss check: its second micro-batch ran on neither rank.
+    sequences = [(calls / f"rank{r}.calls").read_text().split("\n") for r in (0, 1)]
+    assert sequences[0] == sequences[1]
+    gathers = [i for i, name in enumerate(sequences[0]) if name == "gather"]
+    assert len(gathers) == 3 and sequences[0][gathers[0] + 1:gathers[1]].count("all_reduce") == 1, sequences[0]
+
+
 def test_sigterm_to_one_worker_stops_both_at_the_same_step_with_a_checkpoint(write_script, tmp_path):
     script = write_script(DDP_SCRIPT)
     run_dir = tmp_path / "run"

@@ -124,6 +124,100 @@ def test_nonfinite_loss_skips_backward_and_names_the_first_overflowing_layer():
     assert trainer.step([torch.ones(4, 8)]).nonfinite is None
 
 
+def traced_loss(events: list, nan_at: set[int] = frozenset()):
+    """mse that logs each call ("loss") and each backward through it ("backward"); the loss of
+    the calls in `nan_at` (0-based) is NaN."""
+    def loss_fn(model, batch):
+        index = events.count("loss")
+        events.append("loss")
+        loss = mse(model, batch)
+        if index in nan_at:
+            loss = loss * float("nan")
+        loss.register_hook(lambda grad: events.append("backward"))
+        return loss
+    return loss_fn
+
+
+def agreed_check(events: list, answers: list[bool]):
+    """An agree_finite standing in for the ranks': logs when the check starts and when its
+    answer is asked for, and answers from `answers` in turn."""
+    def agree_finite(value):
+        events.append("check")
+
+        def finite_everywhere():
+            events.append("answer")
+            return answers.pop(0)
+        return finite_everywhere
+    return agree_finite
+
+
+def test_a_nonfinite_loss_of_one_process_runs_no_backward():
+    events = []
+    model = mlp()
+    trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), traced_loss(events, {0}),
+                             dtype="fp16")
+    result = trainer.step([regression_batch()])
+    assert result.nonfinite == "loss" and result.skipped
+    assert events[0] == "loss" and "backward" not in events
+
+
+def test_a_loss_check_of_several_ranks_is_answered_after_the_backward_and_a_no_discards_it():
+    """Another rank's loss was not finite: this rank's own loss is, its backward ran while the
+    check went round, and the answer throws the gradients away. Nothing of the scaler, the
+    weights or the optimizer moves, and the probes' figures are there as for any non-finite loss."""
+    events = []
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    trainer = GuardedTrainer(model, opt, traced_loss(events), dtype="fp16", init_scale=256.0)
+    answers = [False, True]
+    trainer.agree_finite = agreed_check(events, answers)
+    before, scaler_before = params_of(model), dict(trainer.scaler.state_dict())
+    result = trainer.step([regression_batch()])
+    assert events == ["loss", "check", "backward", "answer", "loss"]   # then the diagnosis's forward
+    assert math.isfinite(result.loss)
+    assert result.nonfinite == "loss" and result.skipped and result.skipped_total == 1
+    assert result.updates_applied == 0 and result.figures is not None
+    assert result.scale == 256.0 and result.next_scale == 256.0 and trainer.scale == 256.0
+    assert trainer.scaler.state_dict() == scaler_before
+    assert all(p.grad is None for p in model.parameters()), "the gradients are discarded"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt.state == {}
+    # The next step, agreed finite, trains as usual with the same scaler.
+    result = trainer.step([regression_batch()])
+    assert not result.skipped and result.updates_applied == 1 and not answers
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_loss_check_that_fails_in_the_first_micro_batch_skips_the_others():
+    """Every rank learns the answer after the same micro-batch's backward, and none runs the
+    step's remaining micro-batches."""
+    events = []
+    model = mlp()
+    trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), traced_loss(events),
+                             dtype="fp16")
+    trainer.agree_finite = agreed_check(events, [False])
+    before = params_of(model)
+    result = trainer.step([regression_batch(), regression_batch()])
+    assert events == ["loss", "check", "backward", "answer", "loss"]   # then the diagnosis's forward
+    assert result.nonfinite == "loss" and result.skipped and result.micro_batches == 2
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_nonfinite_loss_of_this_rank_still_runs_its_backward():
+    """The other ranks run their backward (with DDP's all-reduce in it) before they learn the
+    answer: this rank must too, whatever its own loss."""
+    events = []
+    model = mlp()
+    trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), traced_loss(events, {0}),
+                             dtype="bf16")
+    trainer.agree_finite = agreed_check(events, [False])
+    result = trainer.step([regression_batch()])
+    assert events == ["loss", "check", "backward", "answer", "loss"]   # then the diagnosis's forward
+    assert result.nonfinite == "loss" and not math.isfinite(result.loss) and result.skipped
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_unprobed_bad_step_is_diagnosed_with_a_second_pass():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
     with torch.no_grad():

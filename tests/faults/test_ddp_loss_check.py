@@ -1,0 +1,120 @@
+"""The agreed finite-loss check of several ranks goes round while the backward runs: 2 ranks on
+the CPU with gloo, the check started before each micro-batch's backward and waited for after it.
+
+A worker drives GuardedTrainer and Ranks as a `Run` does, under amp-tui's DistributedDataParallel,
+the script's own, `no_sync` micro-batches and torch.compile. Rank 1's inputs alone hold a NaN in
+one step: both ranks run that micro-batch's backward (the other rank's DDP all-reduce waits for
+it), then both throw the gradients away, skip the update and the step's remaining micro-batches,
+and leave the weights and the scaler as they were, identical across the ranks.
+
+Every job is bounded by a timeout (a hang fails the test), and the collectives' own timeout is
+below it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support import RANK_TIMEOUT_S
+
+pytestmark = pytest.mark.slow
+
+# (the wrapper, micro-batches per step, the micro-batch whose input holds the NaN on rank 1,
+# torch.compile): amp-tui's DistributedDataParallel or the script's own.
+SCENARIOS = [("amp-tui", 1, 0, False), ("own", 2, 0, False), ("own", 2, 1, False), ("amp-tui", 1, 0, True),
+             ("amp-tui", 2, 0, True)]
+
+WORKER = '''
+import datetime, hashlib, json, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from amp_tui.job.distributed import Ranks
+from amp_tui.training.engine import GuardedTrainer
+
+out, scenarios = Path(sys.argv[1]), json.loads(sys.argv[2])
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+ranks = Ranks(device=torch.device("cpu"), timeout_s=60, owns_group=False)
+ranks.upcoming = list   # as a Run: each loss check carries the next boundary's (no) commands
+
+def digest(module):
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in module.parameters())).hexdigest()
+
+def scenario(wrap, accumulate, nan_micro, compiled):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model = DistributedDataParallel(net) if wrap == "own" else ranks.replicate(net)
+    if compiled:
+        model = torch.compile(model, backend="aot_eager")
+    events = []
+    def loss_fn(m, batch):
+        events.append("loss")
+        x, y = batch
+        loss = nn.functional.mse_loss(m(x), y)
+        loss.register_hook(lambda grad: events.append("backward"))
+        return loss
+    trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), loss_fn, dtype="fp16",
+                             init_scale=256.0, diagnose=False)
+    trainer.agree_finite = ranks.agree_finite
+    g = torch.Generator().manual_seed(1 + rank)
+    def micro_batches():
+        xs = [torch.randn(16, 8, generator=g) for _ in range(accumulate)]
+        return [(x, x.sum(1, keepdim=True)) for x in xs]
+    def step(micro):
+        ranks.agree_commands(list)
+        return ranks.gather_step(trainer.step(micro), trainer.layer_names, details=True)
+    step(micro_batches())
+    bad = micro_batches()
+    if rank == 1:
+        bad[nan_micro][0][0, 0] = float("nan")
+    before, scaler_before = digest(net), dict(trainer.scaler.state_dict())
+    events.clear()
+    result = step(bad)
+    seen = {"events": list(events), "skipped": result.skipped, "nonfinite": result.nonfinite,
+            "scaler_unchanged": trainer.scaler.state_dict() == scaler_before, "scale": trainer.scale,
+            "weights_unchanged": digest(net) == before, "weights": digest(net),
+            "grads": [p.grad is not None for p in net.parameters()],
+            "nonfinite_rank": ranks.nonfinite_rank,
+            "per_rank": result.per_rank.nonfinite_rank if result.per_rank is not None else None}
+    after = step(micro_batches())
+    seen.update(after_skipped=after.skipped, weights_after=digest(net), updates=trainer.updates_applied)
+    trainer.close()
+    return seen
+
+results = [scenario(*s) for s in scenarios]
+(out / f"rank{rank}.json").write_text(json.dumps(results))
+dist.destroy_process_group()
+'''
+
+
+def test_a_nan_loss_on_one_rank_runs_every_ranks_backward_and_changes_nothing(tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER, encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(worker), str(tmp_path), json.dumps(SCENARIOS)],
+                          capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for index, (wrap, accumulate, nan_micro, compiled) in enumerate(SCENARIOS):
+        case = f"{wrap} DDP, {accumulate} micro-batches, NaN in micro-batch {nan_micro}" + \
+            (", torch.compile" if compiled else "")
+        r0, r1 = ranks[0][index], ranks[1][index]
+        for seen in (r0, r1):
+            # Each micro-batch up to the bad one ran its forward and its backward; none after it.
+            assert seen["events"] == ["loss", "backward"] * (nan_micro + 1), (case, seen)
+            assert seen["skipped"] and seen["nonfinite"] == "loss", (case, seen)
+            assert seen["nonfinite_rank"] == 1, (case, seen)
+            assert seen["scaler_unchanged"] and seen["scale"] == 256.0, (case, seen)
+            assert seen["weights_unchanged"] and not any(seen["grads"]), (case, seen)
+            assert not seen["after_skipped"] and seen["updates"] == 2, (case, seen)
+        assert r0["per_rank"] == 1, case   # rank 0's record names rank 1
+        assert r0["weights"] == r1["weights"] and r0["weights_after"] == r1["weights_after"], case
