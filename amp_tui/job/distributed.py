@@ -28,7 +28,12 @@ alone can see is agreed here, each time with one collective of PyTorch's own pro
 - **the figures**, once per probed step: one gather to rank 0 of a packed float vector from
   every rank (its loss, its step time up to the start of the step's first loss check: its own
   compute, before it waits for any other rank; and its per-layer maxima). Rank 0 records the
-  maximum over the ranks for each layer, and each rank's loss and step time.
+  maximum over the ranks for each layer, and each rank's loss and step time. A `Run` starts the
+  gather at the end of the step and goes on (`gather_later`); it waits for it during the next
+  step, once that step's loss check has been answered (every rank issued the gather before
+  it), so the gather is no meeting point at the end of the step. Rank 0 holds the step's record,
+  and every record after it, until then (job/run.py). A non-finite step's gather, and a loop of
+  one's own under `amp_tui.monitor`, wait for it at once (`gather_step`).
 - **checkpoints**: every rank's RNG state is gathered into rank 0's file; a restore's file, and
   whether every rank could read it, are agreed before any rank loads it.
 
