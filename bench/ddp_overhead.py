@@ -1,13 +1,17 @@
 """What amp-tui's coordination of several ranks costs per step: the step's one all-reduce (the
 agreed finite-loss check, which carries the next boundary's commands and every rank's stop
-request, and goes round while the backward runs) and the gather of a probed step's figures, over
-plain DDP running the same guarded step.
+request, and goes round while the backward runs) and the gather of a probed step's figures
+(started at the end of the step, waited for one step later), over plain DDP running the same
+guarded step.
 
 Two copies of the model, each in its own DistributedDataParallel, train side by side in the same
 ranks; one step of each in turn (the order shuffled each round, the same on every rank). Both run
 amp-tui's GuardedTrainer with the same probes; only the coordinated copy adds the collectives of
-job/distributed.py, as a `Run` does (the boundary's own all-reduce runs only where no loss check
-came before it: the first round). Before each timed step every rank meets in a barrier (not
+job/distributed.py, as a `Run` does: the boundary's own all-reduce runs only where no loss check
+came before it (the first round); a probed step starts the gather of its figures and goes on, and
+the coordinated copy's next step waits for it (and rank 0 merges the ranks' figures) once its
+own `trainer.step` is done, which is where a `Run` waits for it (a non-finite step's gather, with
+its details, is waited for at once, as there). Before each timed step every rank meets in a barrier (not
 timed), so a step's time on rank 0 is the step itself. Reported: the median step
 time of each, the difference in ms and as a share of the plain step, with probes every step and
 every 10 steps (a step of each kind weighted by how often it occurs). Targets: <= 3% and <= 1%.
@@ -72,6 +76,7 @@ def worker(args) -> None:
                 trainer.agree_finite = ranks.agree_finite
                 ranks.upcoming = list   # as a Run: each loss check carries the next boundary's (no) commands
             copies[name] = (trainer, batches)
+        due = None   # the coordinated copy's last probed figures, on their way to rank 0
         times = {name: [] for name in copies}
         probed = {name: [] for name in copies}
         order = random.Random(every)   # the same sequence on every rank: they run the same copy
@@ -86,11 +91,19 @@ def worker(args) -> None:
                     ranks.agree_commands(list)
                 result = trainer.step([batches[i % len(batches)]])
                 if name == "coordinated":
-                    ranks.gather_step(result, trainer.layer_names, details=True)
+                    if due is not None:
+                        due()   # as a Run: after the next step, when every rank has long sent them
+                    if result.nonfinite is None:
+                        due = ranks.gather_later(result, trainer.layer_names)
+                    else:
+                        due = None
+                        ranks.gather_step(result, trainer.layer_names, details=True)
                 t1 = clock()
                 if i >= args.warmup:
                     times[name].append(t1 - t0)
                     probed[name].append(result.figures is not None)
+        if due is not None:
+            due()
         plain = common.stratified_median(times["plain"], probed["plain"], every)
         coordinated = common.stratified_median(times["coordinated"], probed["coordinated"], every)
         results[every] = {"plain_ms": plain * 1e3, "coordinated_ms": coordinated * 1e3,

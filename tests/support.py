@@ -305,7 +305,10 @@ monitor.close()
 # inputs (--nan RANK:BATCH), a pause per loss_fn call (--sleep S: a run to signal while it goes),
 # the model in a DistributedDataParallel of the script's own (--wrap), N micro-batches a step
 # (--accumulate N), SIGTERM to this process
-# on one rank's Nth loss_fn call (--term RANK:N), and at exit a digest of this rank's parameters
+# on one rank's Nth loss_fn call (--term RANK:N), one rank held at the end of step S, in its
+# optimizer's step, until rank 0 has begun step S + 1's forward (--linger RANK:S:DIR[:kill]: at
+# most LINGER_S; it writes DIR/rank<N>.linger, "ahead" if rank 0 did, "behind" if not, then with
+# kill SIGKILLs itself), and at exit a digest of this rank's parameters
 # in DIR/rank<N>.txt (--params DIR) and the sequence of its loss_fn calls ("loss") and of the
 # torch.distributed collectives called from Python (their names) in DIR/rank<N>.calls (--calls DIR).
 DDP_SCRIPT = '''
@@ -313,6 +316,8 @@ import argparse, atexit, hashlib, os, signal, time
 from pathlib import Path
 import torch
 from torch import nn
+
+LINGER_S = 60   # an upper bound: rank 0 begins its next step at once, or never while it waits
 
 def setup(ctx):
     p = argparse.ArgumentParser()
@@ -324,6 +329,7 @@ def setup(ctx):
     p.add_argument("--term", default=None)
     p.add_argument("--calls", default=None)
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--linger", default=None)
     a = p.parse_args(ctx.argv)
     calls = []
     if a.calls:
@@ -343,6 +349,21 @@ def setup(ctx):
     if a.wrap:   # the script's own DistributedDataParallel (amp-tui has set up the process group)
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    linger_rank, linger_step, linger_dir, *linger_then = a.linger.split(":") if a.linger else (-1, -1, "")
+    linger_rank, linger_step = int(linger_rank), int(linger_step)
+    if ctx.rank == linger_rank:
+        plain_step = opt.step
+        def lingering_step(*args, **kwargs):
+            if calls.count("loss") == linger_step + 1:   # step S's forward was its (S + 1)th call
+                ahead = Path(linger_dir, "ahead")
+                until = time.monotonic() + LINGER_S
+                while not ahead.exists() and time.monotonic() < until:
+                    time.sleep(0.01)
+                Path(linger_dir, f"rank{ctx.rank}.linger").write_text("ahead" if ahead.exists() else "behind")
+                if linger_then == ["kill"]:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return plain_step(*args, **kwargs)
+        opt.step = lingering_step
     g = torch.Generator().manual_seed(0 if a.same_data else 1 + ctx.rank)
     xs = torch.randn(64, 8, generator=g)
     ys = xs.sum(1, keepdim=True)
@@ -358,6 +379,8 @@ def setup(ctx):
         atexit.register(digest)
     def loss_fn(model, batch):
         calls.append("loss")
+        if a.linger and ctx.rank == 0 and calls.count("loss") == linger_step + 2:
+            Path(linger_dir, "ahead").write_text("")
         if ctx.rank == term_rank and calls.count("loss") == term_call:
             os.kill(os.getpid(), signal.SIGTERM)
         if a.sleep:

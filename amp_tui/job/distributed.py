@@ -28,7 +28,12 @@ alone can see is agreed here, each time with one collective of PyTorch's own pro
 - **the figures**, once per probed step: one gather to rank 0 of a packed float vector from
   every rank (its loss, its step time up to the start of the step's first loss check: its own
   compute, before it waits for any other rank; and its per-layer maxima). Rank 0 records the
-  maximum over the ranks for each layer, and each rank's loss and step time.
+  maximum over the ranks for each layer, and each rank's loss and step time. A `Run` starts the
+  gather at the end of the step and goes on (`gather_later`); it waits for it during the next
+  step, once that step's loss check has been answered (every rank issued the gather before
+  it), so the gather is no meeting point at the end of the step. Rank 0 holds the step's record,
+  and every record after it, until then (job/run.py). A non-finite step's gather, and a loop of
+  one's own under `amp_tui.monitor`, wait for it at once (`gather_step`).
 - **checkpoints**: every rank's RNG state is gathered into rank 0's file; a restore's file, and
   whether every rank could read it, are agreed before any rank loads it.
 
@@ -394,21 +399,53 @@ class Ranks:
         step whose loss check or gradients every rank judged alike) to rank 0, which gets the
         result to record: each layer's maximum over the ranks, each rank's loss and step time,
         and where a value went non-finite, the first rank that saw it with its layer and
-        diagnosis. The other ranks get `result` back."""
+        diagnosis. The other ranks get `result` back. Rank 0 waits here for every rank's end of
+        the step; `gather_later` does not."""
+        if details and result.nonfinite is not None:
+            return self._gather_details(result, names)
+        due = self.gather_later(result, names)
+        return due() if due is not None else result
+
+    def gather_later(self, result: StepResult, names: list[str]) -> Callable[[], StepResult] | None:
+        """The gather of a probed step's figures, started (None: an unprobed step has none): the
+        function returned waits for it and gives what `gather_step` would have. Waited for once
+        the next step's loss check has been answered, it is long done: every rank issued it at
+        the end of this step, before that check. Issued at once, waited for later, it keeps
+        gloo's rule (every rank issues the same collectives in the same order) and rank 0 no
+        longer waits at the end of each probed step for the slowest rank to finish it. Not for a
+        non-finite step that needs `details`."""
+        compute_s = self._take_compute_s(result)
+        if result.figures is None:
+            return None
+        packed = pack_figures(result, compute_s).to(self._comm)
+        rows = [torch.empty_like(packed) for _ in range(self.world_size)] if self.is_main else None
+        what = "gathering the step's figures"
+        loss_rank = self.nonfinite_rank if result.nonfinite == "loss" else None   # reset at the boundary
+        work = self._collective(what, lambda: dist.gather(packed, gather_list=rows, dst=0, async_op=True))
+
+        def figures() -> StepResult:
+            self._collective(what, work.wait)
+            if not self.is_main:
+                return result
+            return merge_figures(result, torch.stack(rows).cpu(), names, None, loss_rank=loss_rank)
+        return figures
+
+    def _take_compute_s(self, result: StepResult) -> float:
         compute_s = self._compute_s if self._compute_s is not None else result.duration
         self._compute_s = None
-        if result.figures is None and not (details and result.nonfinite is not None):
-            return result
-        packed = pack_figures(result, compute_s).to(self._comm)
+        return compute_s
+
+    def _gather_details(self, result: StepResult, names: list[str]) -> StepResult:
+        """A non-finite step's figures, and where each rank saw it go non-finite (rare: waited
+        for at once)."""
+        packed = pack_figures(result, self._take_compute_s(result)).to(self._comm)
         rows = [torch.empty_like(packed) for _ in range(self.world_size)] if self.is_main else None
         self._collective("gathering the step's figures",
                          lambda: dist.gather(packed, gather_list=rows, dst=0))
-        seen = None
-        if details and result.nonfinite is not None:
-            mine = {"loss": result.loss, "layer": result.first_nonfinite_layer, "diagnosis": result.diagnosis}
-            seen = [None] * self.world_size if self.is_main else None
-            self._collective("gathering where the step went non-finite",
-                             lambda: dist.gather_object(mine, seen, dst=0))
+        mine = {"loss": result.loss, "layer": result.first_nonfinite_layer, "diagnosis": result.diagnosis}
+        seen = [None] * self.world_size if self.is_main else None
+        self._collective("gathering where the step went non-finite",
+                         lambda: dist.gather_object(mine, seen, dst=0))
         if not self.is_main:
             return result
         return merge_figures(result, torch.stack(rows).cpu(), names, seen,

@@ -6,6 +6,10 @@ on. A write the disk refuses is kept (the writer holds the bytes) and reported t
 `on_refused(message, first)`, which decides whether to pause or stop (`first`: the disk took the
 write before this one); records made before the file is opened (by the pre-flight) are kept and
 written after the header.
+
+A run of several ranks records a probed step once its figures have come from every rank, which
+is a step later: meanwhile `hold()` keeps every later record back, and `release(step)` writes the
+step's record, then those, in the order they were made.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Recorder:
         self._writer: SessionWriter | None = None
         self._early: list[dict] = []   # records made before the file exists
         self._refusing = False         # the last write failed
+        # Records made while a step's record waits to be made (hold/release): (record, flush, kept).
+        self._held: list[tuple[dict, bool, bool]] | None = None
 
     @property
     def opened(self) -> bool:
@@ -57,8 +63,33 @@ class Recorder:
         for record in early:
             self.emit(record)
 
+    @property
+    def holding(self) -> bool:
+        return self._held is not None
+
+    def hold(self) -> None:
+        """Keep every record from now on back, in order, until `release`: they come after a step
+        whose record is not made yet (its figures are still on their way from the other ranks)."""
+        if self._held is None:
+            self._held = []
+
+    def release(self, step: dict | None, *, flush: bool = False) -> None:
+        """Write `step` (the record held for; None: it could not be made), then every record
+        kept back behind it, in order."""
+        held, self._held = self._held or [], None
+        if step is not None:
+            self.emit(step, flush=flush)
+        for record, flush_it, kept in held:
+            if kept:
+                self.keep(record)
+            else:
+                self.emit(record, flush=flush_it)
+
     def emit(self, record: dict, *, flush: bool = False) -> None:
         """To the file (flushed now with `flush`), then to every observer."""
+        if self._held is not None:
+            self._held.append((record, flush, False))
+            return
         if self._writer is None:
             self._early.append(record)
             return
@@ -75,7 +106,11 @@ class Recorder:
 
     def keep(self, record: dict) -> None:
         """Hold `record` for the file even while the disk refuses it (the file will say why it
-        stopped taking records, once it can), and show it to the observers now."""
+        stopped taking records, once it can), and show it to the observers now (after what is
+        held, while a step's record waits)."""
+        if self._held is not None:
+            self._held.append((record, False, True))
+            return
         if self._writer is not None and not self._writer.closed:
             try:
                 self._writer.write(record)
@@ -90,11 +125,13 @@ class Recorder:
     def finish(self, end: dict) -> None:
         """Write the end record and everything kept, and close the file. Raises OSError with
         nothing given up when the disk still refuses them (try again, or `give_up`)."""
+        self.release(None)   # what a step still held for had behind it, if the run could not wait
         self._writer.finish(end)
         self.observers.notify({"type": "end", **end})
 
     def give_up(self, end: dict) -> dict[str, int]:
         """Close without what the disk refused; returns the records lost, by type."""
+        self.release(None)
         lost = self._writer.abandon()
         self.observers.notify({"type": "end", **end, "unwritten": dict(lost)})
         return lost

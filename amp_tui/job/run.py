@@ -3,6 +3,12 @@ its batches (job/feed.py), its recording (job/recorder.py) and its checkpoints (
 
 The dashboard and the headless CLI both drive a `Run`; the run knows nothing of either. Observers
 get every record (header, step, event, end) on the training thread and must be quick.
+
+With several ranks a probed step's figures come from every rank a step later (its gather is
+waited for once the next step's loss check has been answered): until then rank 0 holds the step's
+record and every record after it, and writes them in order. The run waits for them at once where
+something must see the step recorded first: a pause, a stop, a checkpoint saved or restored, the
+end of the run (job/distributed.py, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -118,10 +124,13 @@ class Run(SharedHandlers):
         self.checkpointing = RunCheckpoints(self)
         self._handlers: dict[str, Handler] = {
             "dtype": self._set_dtype, "scale": self._set_scale, "save": self._save,
-            "restore": self.checkpointing.restore, "fp32": self._toggle_fp32, "pause": self._pause,
+            "restore": self._restore, "fp32": self._toggle_fp32, "pause": self._pause,
             "resume": self._resume_running, "step": self._single_step, "stop": self._stop,
         }
         self._scheduled: dict[int, list[Command]] = {}
+        # Several ranks: the last probed step's figures on their way to rank 0 (what waits for
+        # them, and the step's own result), its record held until then.
+        self._figures_due: tuple[Callable[[], StepResult], StepResult] | None = None
         for step, command in config.at:
             self._scheduled.setdefault(step, []).append(command)
         self._header: dict | None = None    # taken before the pre-flight's --at actions apply
@@ -291,6 +300,9 @@ class Run(SharedHandlers):
         self._halt_for_io(message)
 
     def _save_checkpoint(self, *, source: str) -> ckpt.CheckpointInfo | None:
+        # The session holds every step the checkpoint has in it (a resume goes on from the
+        # session's last step).
+        self._settle_figures()
         info = self.checkpointing.save(source=source)
         if info is not None:
             self._checkpoint_due = None
@@ -381,11 +393,13 @@ class Run(SharedHandlers):
         self.set_state("running")
         try:
             self._loop()
+            self._settle_figures()   # the last probed step, before the end record
         except BaseException as exc:  # noqa: BLE001 - recorded, then the session is closed cleanly
-            self._record_failure(exc)
+            self._record_failure(exc)   # held behind a step whose figures are due, if one is
             if not isinstance(exc, Exception):
                 raise
         finally:
+            self._settle_figures(failed=True)
             if self.ranks:
                 self.ranks.voting = False   # no collective after the loop: stops are this rank's own
             self.close()
@@ -397,6 +411,7 @@ class Run(SharedHandlers):
             for command in self._boundary_commands():
                 self._apply(command)
             if self._stop_requested.is_set():
+                self._settle_figures()
                 if self._stop_reason:
                     self.event("stopping", f"stopping: {self._stop_reason}", reason=self._stop_reason)
                 if self._checkpoint_on_stop or self._checkpoint_due is not None:
@@ -412,6 +427,7 @@ class Run(SharedHandlers):
                 self.set_state("finished")
                 return
             if self.state == "paused" and self._single_steps == 0:
+                self._settle_figures()   # the paused dashboard, ctl and attach show the last step
                 if self.ranks:
                     self.ranks.hold(self.commands)   # the next boundary is the heartbeat
                 else:
@@ -442,11 +458,18 @@ class Run(SharedHandlers):
 
     def _one_step(self) -> None:
         step = self.step
+        due = None
         try:
             micro = self.feed.take(self.accumulate)  # the user's DataLoader or dataset may raise too
             result = self.trainer.step(micro)
             if self.ranks:
-                result = self.ranks.gather_step(result, self.trainer.layer_names, details=True)
+                # The last probed step's gather: every rank issued it before this step's loss
+                # check, which has been answered, so it is in (or as good as).
+                self._settle_figures()
+                if result.nonfinite is None and self.state != "paused":
+                    due = self.ranks.gather_later(result, self.trainer.layer_names)
+                else:   # rare, and the details need every rank's words; a single step is shown at once
+                    result = self.ranks.gather_step(result, self.trainer.layer_names, details=True)
         except (LossError, ScriptError) as exc:
             raise StepFailure(step, f"step {step}: {exc}", exc) from exc
         except Exception as exc:  # noqa: BLE001
@@ -456,9 +479,16 @@ class Run(SharedHandlers):
             where = describe_exception(exc, self.config.script)
             raise StepFailure(step, f"step {step}: the script raised {where}", exc) from exc
         self.last_result = result
-        # A single step while paused: no later record comes to push it to the file, where
-        # `ctl`, `attach` and `replay --follow` look for it.
-        self.recorder.emit(step_record(result), flush=self.state == "paused")
+        if due is not None:
+            # Recorded once every rank's figures are in; what comes meanwhile is held behind it.
+            # What decides from this step (the guards below) uses what the ranks agreed on, the
+            # same in this rank's own result.
+            self._figures_due = (due, result)
+            self.recorder.hold()
+        else:
+            # A single step while paused: no later record comes to push it to the file, where
+            # `ctl`, `attach` and `replay --follow` look for it.
+            self.recorder.emit(step_record(result), flush=self.state == "paused")
         if self.trainer.act_unmeasured and not self._act_unmeasured_said:
             self._act_unmeasured_said = True
             self.event("alert", self.trainer.act_unmeasured, step=result.step, reason="act_not_measured",
@@ -467,6 +497,27 @@ class Run(SharedHandlers):
         if result.nonfinite:
             self._on_nonfinite(result)
         self._apply_guards(result)
+
+    def _settle_figures(self, *, failed: bool = False, flush: bool = False) -> None:
+        """Record the probed step whose figures were on their way from every rank, then what was
+        held behind it. Where they can't come (a rank is gone), that step goes unrecorded, as when
+        its gather was waited for at once, and what came after it is written all the same; after
+        a failure (`failed`, the error already recorded) that is said no more. `flush`: in the
+        file now, for whoever reads it next (as while paused)."""
+        due, self._figures_due = self._figures_due, None
+        if due is None:
+            return
+        figures, own = due
+        try:
+            result = figures()
+        except Exception:
+            self.recorder.release(None)
+            if failed:
+                return
+            raise
+        if self.last_result is own:
+            self.last_result = result
+        self.recorder.release(step_record(result), flush=flush or self.state == "paused")
 
     def _apply_guards(self, result: StepResult) -> None:
         t = self.trainer
@@ -570,6 +621,15 @@ class Run(SharedHandlers):
 
     def _fp32_changed(self) -> None:
         self.trainer.discard_started_step()  # it ran under the old autocast policy
+
+    def _restore(self, command: Command) -> Outcome:
+        self._settle_figures()   # the steps the restore undoes are recorded before it
+        return self.checkpointing.restore(command)
+
+    def _pause(self, command: Command) -> Outcome:
+        # The paused state (ctl status, attach) comes with the last step in the file.
+        self._settle_figures(flush=True)
+        return super()._pause(command)
 
     def _resume_running(self, command: Command) -> Outcome:
         before = {"state": self.state}

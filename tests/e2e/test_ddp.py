@@ -245,3 +245,44 @@ def test_each_unprobed_step_meets_once_and_what_its_loss_check_carries_lands_on_
         assert "gather" not in per_step[step]
     assert [s for s in range(1, 7) if per_step[s] != ["all_reduce"]] == [3]
     assert per_step[3] == ["all_reduce", "broadcast"]
+
+
+def test_a_probed_steps_record_comes_a_step_later_in_its_place_before_the_boundary_after_it(write_script, tmp_path):
+    """Rank 0 gathers a probed step's figures without waiting for the other ranks to finish the
+    step: rank 1, held at the end of step 6 until rank 0 has begun step 7's forward, is let go.
+    Each step's record still has every rank's figures and comes before what the boundary after
+    it recorded (a save, a dtype switch, a pause, a resume); while paused the last step is in the
+    file; the last step comes before the end."""
+    script = write_script(DDP_SCRIPT)
+    run_dir, linger = tmp_path / "run", tmp_path / "linger"
+    linger.mkdir()
+    job = subprocess.Popen(
+        rank_command(script, run_dir, "--steps", "9", "--dtype", "bf16",
+                     "--at", "2:save", "--at", "3:dtype=fp32", "--at", "5:pause",
+                     script_args=["--linger", f"1:6:{linger}"]),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        assert wait_for(lambda: status(run_dir, job).get("state") == "paused", RANK_TIMEOUT_S), "never paused"
+        held = read_session(run_dir)
+        assert held.steps[-1]["step"] == 4 and len(held.steps[-1]["rank_loss"]) == 2
+        assert send(run_dir, "resume")["ok"]
+        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out
+    assert (linger / "rank1.linger").read_text() == "ahead"
+    records = read_session(run_dir).records
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r["step"] for r in steps] == list(range(9))
+    for r in steps:
+        assert len(r["rank_loss"]) == 2 and len(r["rank_step_time"]) == 2, r
+    position = {r["step"]: i for i, r in enumerate(records) if r["type"] == "step"}
+    boundary = [(r["step"], r["kind"], r.get("action")) for r in records
+                if r["type"] == "event" and r["kind"] in ("intervention", "checkpoint_saved")]
+    assert boundary == [(2, "checkpoint_saved", None), (2, "intervention", "save"), (3, "intervention", "dtype"),
+                        (5, "intervention", "pause"), (5, "intervention", "resume")]
+    for i, r in enumerate(records):
+        if r["type"] == "event" and r["kind"] in ("intervention", "checkpoint_saved"):
+            assert position[r["step"] - 1] < i < position[r["step"]], (i, r)
+    assert records[-1]["type"] == "end" and records[-2] is steps[-1]

@@ -243,3 +243,28 @@ def test_a_rank_whose_first_batch_fails_stops_every_rank_with_its_words(write_sc
     assert done.returncode == 2, done.stdout + done.stderr
     assert "rank 1: 'batches' from" in done.stderr and "is empty" in done.stderr, done.stderr
     assert not (tmp_path / "run" / "session.jsonl").exists()
+
+
+def test_a_rank_killed_while_rank_0_waits_for_its_figures_ends_the_run_with_every_step_before(write_script,
+                                                                                            tmp_path):
+    """Rank 1 is held at the end of step 3, before its figures go to rank 0, until rank 0 has
+    begun step 4 (rank 0 no longer waits for them there), then killed: step 3's figures never
+    come. Rank 0 stops within the bound, far below --dist-timeout, and the session reads back
+    with steps 0-2, whose figures came, and the error after them."""
+    script = write_script(DDP_SCRIPT)
+    run_dir, linger = tmp_path / "run", tmp_path / "linger"
+    linger.mkdir()
+    done = train_ranks(script, run_dir, "--dtype", "bf16", "--steps", "50", "--dist-timeout", str(3 * RANK_TIMEOUT_S),
+                       script_args=["--linger", f"1:3:{linger}:kill"])
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert (linger / "rank1.linger").read_text() == "ahead"
+    session = read_session(run_dir)
+    assert [r["step"] for r in session.steps] == [0, 1, 2] and session.skipped_lines == 0
+    assert all(len(r["rank_loss"]) == 2 for r in session.steps)
+    assert session.end is not None and session.end["status"] == "error", session.end
+    [lost] = [e for e in session.events if e["kind"] == "error"]
+    assert "another rank is gone" in lost["message"] and not lost.get("traceback")
+    kinds = [r["type"] for r in session.records]
+    assert kinds[-3:] == ["step", "event", "end"]
+    out = done.stdout + done.stderr
+    assert "killed by SIGKILL" in out and "Traceback" not in out
