@@ -417,17 +417,14 @@ class Ranks:
         compute_s = self._take_compute_s(result)
         if result.figures is None:
             return None
-        packed = pack_figures(result, compute_s).to(self._comm)
-        rows = [torch.empty_like(packed) for _ in range(self.world_size)] if self.is_main else None
-        what = "gathering the step's figures"
         loss_rank = self.nonfinite_rank if result.nonfinite == "loss" else None   # reset at the boundary
-        work = self._collective(what, lambda: dist.gather(packed, gather_list=rows, dst=0, async_op=True))
+        arrived = self._start_gather(result, compute_s)
 
         def figures() -> StepResult:
-            self._collective(what, work.wait)
-            if not self.is_main:
+            rows = arrived()
+            if rows is None:
                 return result
-            return merge_figures(result, torch.stack(rows).cpu(), names, None, loss_rank=loss_rank)
+            return merge_figures(result, rows, names, None, loss_rank=loss_rank)
         return figures
 
     def _take_compute_s(self, result: StepResult) -> float:
@@ -435,20 +432,30 @@ class Ranks:
         self._compute_s = None
         return compute_s
 
+    def _start_gather(self, result: StepResult, compute_s: float) -> Callable[[], torch.Tensor | None]:
+        """This rank's packed figures of `result` on their way to rank 0: the function returned
+        waits for them and gives rank 0 every rank's row, on the host (None on the others)."""
+        packed = pack_figures(result, compute_s).to(self._comm)
+        rows = [torch.empty_like(packed) for _ in range(self.world_size)] if self.is_main else None
+        what = "gathering the step's figures"
+        work = self._collective(what, lambda: dist.gather(packed, gather_list=rows, dst=0, async_op=True))
+
+        def arrived() -> torch.Tensor | None:
+            self._collective(what, work.wait)
+            return torch.stack(rows).cpu() if rows is not None else None
+        return arrived
+
     def _gather_details(self, result: StepResult, names: list[str]) -> StepResult:
         """A non-finite step's figures, and where each rank saw it go non-finite (rare: waited
         for at once)."""
-        packed = pack_figures(result, self._take_compute_s(result)).to(self._comm)
-        rows = [torch.empty_like(packed) for _ in range(self.world_size)] if self.is_main else None
-        self._collective("gathering the step's figures",
-                         lambda: dist.gather(packed, gather_list=rows, dst=0))
+        rows = self._start_gather(result, self._take_compute_s(result))()
         mine = {"loss": result.loss, "layer": result.first_nonfinite_layer, "diagnosis": result.diagnosis}
         seen = [None] * self.world_size if self.is_main else None
         self._collective("gathering where the step went non-finite",
                          lambda: dist.gather_object(mine, seen, dst=0))
-        if not self.is_main:
+        if rows is None:
             return result
-        return merge_figures(result, torch.stack(rows).cpu(), names, seen,
+        return merge_figures(result, rows, names, seen,
                              loss_rank=self.nonfinite_rank if result.nonfinite == "loss" else None)
 
     # ---- checkpoints ------------------------------------------------------------------------
