@@ -53,6 +53,21 @@ def status(run_dir, job=None) -> dict:
         return {}
 
 
+def resumed_after_pause(job, run_dir, while_paused) -> str:
+    """Wait until the job is paused, check `while_paused()`, resume it with `ctl resume` and
+    let it finish (exit 0): its output. A job that never gets there is killed."""
+    try:
+        assert wait_for(lambda: status(run_dir, job).get("state") == "paused", RANK_TIMEOUT_S), "never paused"
+        while_paused()
+        assert send(run_dir, "resume")["ok"]
+        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out
+    return out
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_nproc_2_trains_one_run_with_per_rank_figures_and_identical_replicas(write_script, tmp_path, dtype):
     script = write_script(DDP_SCRIPT)
@@ -95,17 +110,13 @@ def test_at_commands_land_at_the_same_step_on_both_ranks(write_script, tmp_path)
                      "--at", "6:dtype=fp16", "--at", "7:pause",
                      script_args=["--same-data", "--params", str(params)]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    try:
-        assert wait_for(lambda: status(run_dir, job).get("state") == "paused", RANK_TIMEOUT_S), "never paused"
+
+    def while_paused():
         # Held at least 2.5 timeouts: without the heartbeat rank 1's wait would fail meanwhile.
         assert not wait_for(lambda: job.poll() is not None, 2.5 * timeout_s)
         assert status(run_dir)["state"] == "paused" and status(run_dir)["step"] == 7
-        assert send(run_dir, "resume")["ok"]
-        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    assert job.returncode == 0, out
+
+    resumed_after_pause(job, run_dir, while_paused)
     session = read_session(run_dir)
     for r in session.steps:
         assert r["rank_loss"][0] == r["rank_loss"][1], r
@@ -261,16 +272,12 @@ def test_a_probed_steps_record_comes_a_step_later_in_its_place_before_the_bounda
                      "--at", "2:save", "--at", "3:dtype=fp32", "--at", "5:pause",
                      script_args=["--linger", f"1:6:{linger}"]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    try:
-        assert wait_for(lambda: status(run_dir, job).get("state") == "paused", RANK_TIMEOUT_S), "never paused"
+
+    def while_paused():
         held = read_session(run_dir)
         assert held.steps[-1]["step"] == 4 and len(held.steps[-1]["rank_loss"]) == 2
-        assert send(run_dir, "resume")["ok"]
-        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    assert job.returncode == 0, out
+
+    resumed_after_pause(job, run_dir, while_paused)
     assert (linger / "rank1.linger").read_text() == "ahead"
     records = read_session(run_dir).records
     steps = [r for r in records if r["type"] == "step"]
