@@ -347,6 +347,7 @@ class GuardedTrainer:
         make the check a meeting point of its own, ahead of DDP's all-reduce in the backward."""
         n = len(micro_batches)
         losses: list[float] = []
+        first_bad = None   # this rank's first micro-batch whose loss was not finite
         for i, batch in enumerate(micro_batches):
             with self._gradient_sync(i == n - 1):
                 loss = first_loss if i == 0 and first_loss is not None else self._forward(batch)
@@ -357,10 +358,15 @@ class GuardedTrainer:
                         return losses, batch
                     self._backward(loss, n)
                     continue
+                if first_bad is None and not math.isfinite(value):
+                    first_bad = batch
                 finite_everywhere = self.agree_finite(value)   # started; answered after the backward
                 self._backward(loss, n)
                 if not finite_everywhere():
-                    return losses, batch   # every rank learns it here and stops alike
+                    # Every rank learns it here and stops alike. An answer can come a micro-batch
+                    # or more after the loss that caused it (one carried by the gradients' own
+                    # all-reduce comes with the last): the batch diagnosed is the one that failed.
+                    return losses, first_bad if first_bad is not None else batch
         return losses, None
 
     def _backward(self, loss: torch.Tensor, micro: int) -> None:
