@@ -303,7 +303,8 @@ monitor.close()
 # A script for `amp-tui train --nproc 2`: each rank its own data (the same with --same-data, so
 # the ranks' losses must match to the bit while they are in step), NaN planted in one rank's
 # inputs (--nan RANK:BATCH), a pause per loss_fn call (--sleep S: a run to signal while it goes),
-# the model in a DistributedDataParallel of the script's own (--wrap), N micro-batches a step
+# the model in a DistributedDataParallel of the script's own (--wrap; --own-hook: with a
+# communication hook of the script's, DDP's default all-reduce written in Python), N micro-batches a step
 # (--accumulate N), SIGTERM to this process
 # on one rank's Nth loss_fn call (--term RANK:N), one rank held at the end of step S, in its
 # optimizer's step, until rank 0 has begun step S + 1's forward (--linger RANK:S:DIR[:kill]: at
@@ -326,6 +327,7 @@ def setup(ctx):
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--params", default=None)
     p.add_argument("--wrap", action="store_true")
+    p.add_argument("--own-hook", action="store_true")
     p.add_argument("--term", default=None)
     p.add_argument("--calls", default=None)
     p.add_argument("--accumulate", type=int, default=1)
@@ -346,8 +348,11 @@ def setup(ctx):
     term_rank, term_call = (int(v) for v in a.term.split(":")) if a.term else (-1, -1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    if a.wrap:   # the script's own DistributedDataParallel (amp-tui has set up the process group)
+    if a.wrap or a.own_hook:   # the script's own DistributedDataParallel (amp-tui set up the process group)
         model = nn.parallel.DistributedDataParallel(model)
+    if a.own_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     linger_rank, linger_step, linger_dir, *linger_then = a.linger.split(":") if a.linger else (-1, -1, "")
     linger_rank, linger_step = int(linger_rank), int(linger_step)

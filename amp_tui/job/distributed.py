@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from amp_tui.core.commands import ACTIONS, Command
 from amp_tui.core.text import one_line
+from amp_tui.job.gradient_channel import GradientChannel, Received, unsuitable
 from amp_tui.training.checkpoint.live import cuda_ready
 from amp_tui.training.engine import StepResult
 
@@ -78,6 +79,10 @@ NONFINITE, COMMAND, PAYLOAD, STOP, CHECKPOINT, SIGNAL = range(6)
 WORDS = 6
 MANY = 1 + len(ACTIONS)     # the command code of a payload holding a list of commands
 UNMEASURED = -1.0           # a figure not measured (None), in the packed vector: below any |x|
+ALL_KINDS = ("act", "grad", "weight")
+# What differs between the ranks in a probed step: the outputs. DDP leaves the same gradients on
+# every rank, and the replicas hold the same weights, so rank 0's own figures of those are all.
+OWN_KINDS = ("act",)
 
 
 class RanksLost(RuntimeError):
@@ -186,6 +191,16 @@ class Ranks:
         self._synced_at = time.perf_counter()
         self._compute_s: float | None = None  # this step's time up to its first loss check
         self.nonfinite_rank: int | None = None  # of the last agreed loss check that failed
+        # Where DDP's own gradient all-reduce carries the step's words and figures
+        # (carry_in_gradients): the hook, this step's losses so far (a no_sync micro-batch sends
+        # nothing), this rank's figures of the last probed step until they go, and once they came,
+        # (that row, every rank's).
+        self._channel: GradientChannel | None = None
+        self._step_finite = True
+        self._rows_out: torch.Tensor | None = None
+        self._rows_in: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # How the words go round, once carry_in_gradients decided: for the session's header.
+        self.coordination: str | None = None
 
     # ---- joining ----------------------------------------------------------------------------
     @classmethod
@@ -235,8 +250,33 @@ class Ranks:
         return self._collective("wrapping the model in DistributedDataParallel",
                                 lambda: DistributedDataParallel(model, device_ids=ids))
 
+    def carry_in_gradients(self, model: torch.nn.Module, layers: int) -> str | None:
+        """Have each step's words (the loss check, the next boundary's commands, the stop votes)
+        and the last probed step's figures ride on DDP's own gradient all-reduce instead of
+        collectives of their own (job/gradient_channel.py), where every rank's model allows it.
+        Returns why they can't (None: they ride). A collective: every rank calls it."""
+        problem = unsuitable(model)
+        channel = None
+        if problem is None:
+            channel = GradientChannel(model, layers)
+            problem = channel.install()
+            if problem is not None:
+                channel = None
+        agreed = self.first_problem(problem)
+        if agreed is not None:
+            if channel is not None:
+                channel.enabled = False   # another rank's can't: this one's hook reduces as DDP's does
+            self.coordination = f"collectives: {agreed}"
+            return agreed
+        self._channel = channel
+        self.coordination = "gradients"
+        return None
+
     def header_fields(self) -> dict:
-        return {"world_size": self.world_size}
+        fields: dict[str, Any] = {"world_size": self.world_size}
+        if self.coordination is not None:
+            fields["coordination"] = self.coordination
+        return fields
 
     def describe(self) -> str:
         return f"rank {self.rank}/{self.world_size}"
@@ -335,6 +375,7 @@ class Ranks:
             self._collective("sending a command to every rank", lambda: dist.broadcast(buffer, src=0))
             payload = bytes(buffer.cpu().tolist())
         self._synced_at, self._compute_s, self.nonfinite_rank = time.perf_counter(), None, None
+        self._step_finite = True
         if not self.is_main:
             commands = decode_commands(code, payload)
         if not stop:
@@ -375,6 +416,8 @@ class Ranks:
         carry = self.upcoming is not None
         if carry:
             self._carried_commands += self.upcoming()
+        if self._channel is not None:
+            return self._finite_by_gradients(finite, carry)
         mine = self._local_words(self._carried_commands if carry else [], finite=finite)
         pending = self._start_all_reduce(mine, "agreeing on the finite-loss check")
 
@@ -387,6 +430,59 @@ class Ranks:
                 return False
             return True
         return finite_everywhere
+
+    def _finite_by_gradients(self, finite: bool, carry: bool) -> Callable[[], bool]:
+        """agree_finite where DDP's all-reduce carries the words. A `no_sync` micro-batch sends
+        nothing: its loss is told with the step's last one, whose backward all-reduces the
+        gradients, so a loss that is not finite skips the step after all its micro-batches ran
+        (their backward is all that can go round). The last probed step's figures go with it."""
+        channel = self._channel
+        self._step_finite = self._step_finite and finite
+        if not channel.syncs():
+            return lambda: True
+        mine = self._local_words(self._carried_commands if carry else [], finite=self._step_finite)
+        self._step_finite = True
+        row, self._rows_out = self._rows_out, None
+        vote = mine.vote
+        channel.send(rank=self.rank, code=mine.words[COMMAND], payload_bytes=mine.words[PAYLOAD],
+                     finite=not mine.words[NONFINITE],
+                     stop=(True, vote.checkpoint, vote.signum) if vote is not None else None, row=row)
+
+        def finite_everywhere() -> bool:
+            got = channel.take()
+            if got is None:
+                # The backward all-reduced no gradients of this model (a loss_fn that calls its
+                # inner module, say), on every rank alike: from now on, collectives of our own.
+                self._channel, self._rows_out = None, row
+                agreed = self._all_reduce(mine, "agreeing on the finite-loss check")
+            else:
+                agreed = self._agreed_from(got, mine)
+                if row is not None:
+                    self._rows_in = (row, got.rows)
+            if carry:
+                self._carried = agreed
+            if agreed.words[NONFINITE]:
+                self.nonfinite_rank = self.world_size - agreed.words[NONFINITE]
+                return False
+            return True
+        return finite_everywhere
+
+    def _agreed_from(self, got: Received, mine: _Agreed) -> _Agreed:
+        """The all-reduced words (as the MAX of the step's tensor gives them) from what came in
+        the gradients: the first rank whose loss was not finite, and the first that asked to
+        stop, with its own signal."""
+        w = self.world_size
+        words = [0] * WORDS
+        words[COMMAND], words[PAYLOAD] = got.code, got.payload_bytes
+        bad = [r for r, flag in enumerate(got.nonfinite) if flag]
+        if bad:
+            words[NONFINITE] = w - bad[0]
+        stopping = [r for r, (asked, _, _) in enumerate(got.stops) if asked]
+        if stopping:
+            words[STOP] = w - stopping[0]
+            words[CHECKPOINT] = int(any(got.stops[r][1] for r in stopping))
+            words[SIGNAL] = got.stops[stopping[0]][2]
+        return _Agreed(words, mine.payload, mine.vote)
 
     def forward_done(self, *_args) -> None:
         """A forward hook on the user's DDP model (own loops): its step time ends here, before
@@ -418,13 +514,38 @@ class Ranks:
         if result.figures is None:
             return None
         loss_rank = self.nonfinite_rank if result.nonfinite == "loss" else None   # reset at the boundary
-        arrived = self._start_gather(result, compute_s)
+        if self._channel is not None:
+            return self._figures_by_gradients(result, compute_s, names, loss_rank)
+        arrived = self._start_gather(pack_figures(result, compute_s))
 
-        def figures() -> StepResult:
+        def figures(*, failed: bool = False) -> StepResult:
             rows = arrived()
             if rows is None:
                 return result
             return merge_figures(result, rows, names, None, loss_rank=loss_rank)
+        return figures
+
+    def _figures_by_gradients(self, result: StepResult, compute_s: float, names: list[str],
+                              loss_rank: int | None) -> Callable[..., StepResult]:
+        """gather_later where DDP's all-reduce carries the figures: this rank's row goes with the
+        next step's gradients. Where they are asked for first (a pause, a stop, a save, a restore,
+        the end: every rank at the same boundary) it goes on its own, in a gather. After a
+        failure (`failed`) no collective is started: a row still here never comes."""
+        row = pack_figures(result, compute_s, kinds=OWN_KINDS)
+        self._rows_out, self._rows_in = row, None
+
+        def figures(*, failed: bool = False) -> StepResult:
+            came = self._rows_in
+            if came is not None and came[0] is row:
+                rows = came[1]
+            elif self._rows_out is row and not failed:
+                self._rows_out = None
+                rows = self._start_gather(row)()
+            else:
+                raise RanksLost("the other ranks' figures of the step never came")
+            if not self.is_main or rows is None:
+                return result
+            return merge_figures(result, rows, names, None, loss_rank=loss_rank, kinds=OWN_KINDS)
         return figures
 
     def _take_compute_s(self, result: StepResult) -> float:
@@ -432,10 +553,10 @@ class Ranks:
         self._compute_s = None
         return compute_s
 
-    def _start_gather(self, result: StepResult, compute_s: float) -> Callable[[], torch.Tensor | None]:
-        """This rank's packed figures of `result` on their way to rank 0: the function returned
-        waits for them and gives rank 0 every rank's row, on the host (None on the others)."""
-        packed = pack_figures(result, compute_s).to(self._comm)
+    def _start_gather(self, packed: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+        """This rank's packed figures on their way to rank 0: the function returned waits for
+        them and gives rank 0 every rank's row, on the host (None on the others)."""
+        packed = packed.to(self._comm)
         rows = [torch.empty_like(packed) for _ in range(self.world_size)] if self.is_main else None
         what = "gathering the step's figures"
         work = self._collective(what, lambda: dist.gather(packed, gather_list=rows, dst=0, async_op=True))
@@ -448,7 +569,7 @@ class Ranks:
     def _gather_details(self, result: StepResult, names: list[str]) -> StepResult:
         """A non-finite step's figures, and where each rank saw it go non-finite (rare: waited
         for at once)."""
-        rows = self._start_gather(result, self._take_compute_s(result))()
+        rows = self._start_gather(pack_figures(result, self._take_compute_s(result)))()
         mine = {"loss": result.loss, "layer": result.first_nonfinite_layer, "diagnosis": result.diagnosis}
         seen = [None] * self.world_size if self.is_main else None
         self._collective("gathering where the step went non-finite",
@@ -473,20 +594,22 @@ class Ranks:
 
 # ---- the packed figures ----------------------------------------------------------------------
 
-def pack_figures(result: StepResult, compute_s: float) -> torch.Tensor:
-    """[loss, step time, act..., grad..., weight...] as float64; UNMEASURED for a figure not
-    measured, NaN and inf as they are (the maximum over the ranks keeps them)."""
+def pack_figures(result: StepResult, compute_s: float, kinds: tuple[str, ...] = ALL_KINDS) -> torch.Tensor:
+    """[loss, step time, then each of `kinds` per layer: act..., grad..., weight...] as float64;
+    UNMEASURED for a figure not measured, NaN and inf as they are (the maximum over the ranks
+    keeps them)."""
     values = [result.loss, compute_s]
     f = result.figures
     if f is not None:
-        for kind in (f.act, f.grad, f.weight):
-            values += [UNMEASURED if v is None else v for v in kind]
+        for kind in kinds:
+            values += [UNMEASURED if v is None else v for v in getattr(f, kind)]
     return torch.tensor(values, dtype=torch.float64)
 
 
 def merge_figures(result: StepResult, rows: torch.Tensor, names: list[str], seen: list | None,
-                  *, loss_rank: int | None) -> StepResult:
-    """Rank 0's result with every rank's figures in it (`rows`: one packed vector per rank)."""
+                  *, loss_rank: int | None, kinds: tuple[str, ...] = ALL_KINDS) -> StepResult:
+    """Rank 0's result with every rank's figures in it (`rows`: one packed vector per rank, of
+    `kinds`; rank 0's own figures of the others)."""
     losses = rows[:, 0].tolist()
     times = rows[:, 1].tolist()
     figures = result.figures
@@ -494,7 +617,7 @@ def merge_figures(result: StepResult, rows: torch.Tensor, names: list[str], seen
         n = len(figures.act)
         top = rows[:, 2:].amax(dim=0).tolist() if rows.shape[0] else []   # amax keeps NaN
         merged = [None if v == UNMEASURED else v for v in top]
-        figures = dataclasses.replace(figures, act=merged[:n], grad=merged[n:2 * n], weight=merged[2 * n:3 * n])
+        figures = dataclasses.replace(figures, **{kind: merged[k * n:(k + 1) * n] for k, kind in enumerate(kinds)})
     update: dict[str, Any] = {"figures": figures}
     nonfinite = result.nonfinite
     bad_losses = [r for r, v in enumerate(losses) if not math.isfinite(v)]

@@ -107,6 +107,8 @@ class Run(SharedHandlers):
             # Each step's loss check carries what applies at the boundary after it (the step
             # counter has not moved on yet when the check runs).
             ranks.upcoming = lambda: self._queued(self.step + 1)
+            # ... in DDP's own gradient all-reduce where it can, with the figures.
+            ranks.carry_in_gradients(self.trainer.model, len(self.trainer.layer_names))
         self.accumulate = setup.accumulate
         self.guard = PrecisionGuard(config.guard)
         self.local_fp32 = LocalFp32(setup.model, device.type)
@@ -509,7 +511,7 @@ class Run(SharedHandlers):
             return
         figures, own = due
         try:
-            result = figures()
+            result = figures(failed=failed)
         except Exception:
             self.recorder.release(None)
             if failed:

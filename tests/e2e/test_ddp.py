@@ -221,19 +221,25 @@ def test_amp_tui_run_follows_a_torchrun_loop_with_a_monitor(write_script, tmp_pa
     assert f"({switch['step']}, 'torch.bfloat16')" in ends["0"]
 
 
-def test_each_unprobed_step_meets_once_and_what_its_loss_check_carries_lands_on_both_ranks(write_script, tmp_path):
+@pytest.mark.parametrize("words", ["gradients", "collectives"])
+def test_each_step_meets_once_and_what_its_loss_check_carries_lands_on_both_ranks(write_script, tmp_path, words):
     """The loss check of step k carries what applies at boundary k + 1: rank 0's `--at` command
     (with its value, broadcast only then) and rank 1's stop vote (a SIGTERM to rank 1 alone in
-    step 7's forward). Both land at the same step on both ranks, and no unprobed step runs an
-    all-reduce of ours besides its loss check."""
+    step 7's forward). Both land at the same step on both ranks. In DDP's own gradient
+    all-reduce, no step after the first runs a collective of ours (the probed step's figures come
+    with the next step's gradients); where the script's DDP has a communication hook of its own,
+    each step's loss check is the one collective of ours, and the probed step's figures a gather."""
     script = write_script(DDP_SCRIPT)
     run_dir, calls = tmp_path / "run", tmp_path / "calls"
     calls.mkdir()
     # loss_fn's 1st call is step 0's forward (the pre-flight's, kept), its 8th step 7's.
     done = train_ranks(script, run_dir, "--dtype", "bf16", "--steps", "20", "--probe-every", "100",
-                       "--at", "4:dtype=fp32", script_args=["--same-data", "--term", "1:8", "--calls", str(calls)])
+                       "--at", "4:dtype=fp32",
+                       script_args=["--same-data", "--term", "1:8", "--calls", str(calls)]
+                       + (["--own-hook"] if words == "collectives" else []))
     assert done.returncode == 0, done.stdout + done.stderr
     session = read_session(run_dir)
+    assert session.header["coordination"].startswith(words), session.header
     stopping = next(e for e in session.events if e["kind"] == "stopping")
     assert "SIGTERM on rank 1" in stopping["message"] and stopping["step"] == 8
     assert session.end["status"] == "stopped" and session.end["step"] == 8
@@ -241,21 +247,31 @@ def test_each_unprobed_step_meets_once_and_what_its_loss_check_carries_lands_on_
     switch = next(e for e in session.events if e.get("action") == "dtype")
     assert switch["step"] == 4 and (4, "intervention") in [(s, k) for s, k, _ in rank_events(run_dir)]
     assert [r["dtype"] for r in session.steps] == ["bfloat16"] * 4 + ["float32"] * 4
+    assert len(session.steps[0]["rank_loss"]) == 2   # step 0 is probed: every rank's figures
     for r in session.steps:   # the same data and the same commands: the same losses to the bit
         if "rank_loss" in r:
             assert r["rank_loss"][0] == r["rank_loss"][1], r
     sequences = [(calls / f"rank{r}.calls").read_text().split("\n") for r in (0, 1)]
     assert sequences[0] == sequences[1]
-    # What each step's forward is followed by, up to the next step's forward.
+    # What each step's forward is followed by, up to the next step's forward: the collectives
+    # called from Python, which are DDP's gradient all-reduce too where a hook makes it (ours, or
+    # the script's own).
     steps = "\n".join(sequences[0]).split("loss")[1:]
     per_step = [s.split() for s in steps]
     assert len(per_step) == 8
-    assert per_step[0].count("gather") == 1   # step 0 is probed: its figures are gathered
-    for step in range(1, 8):   # unprobed: the loss check alone (and the command's value, once)
-        assert per_step[step][0] == "all_reduce" and per_step[step].count("all_reduce") == 1, (step, per_step)
+    if words == "gradients":
+        # After the pre-flight's forward: every rank's word on it, the first boundary's own
+        # all-reduce, then the gradients' (with step 0's loss check).
+        assert per_step[0] == ["all_reduce", "all_reduce", "all_reduce"], per_step
+        alone = ["all_reduce"]
+    else:
+        assert per_step[0].count("gather") == 1, per_step   # step 0's figures, gathered
+        alone = ["all_reduce", "all_reduce"]   # the loss check, then the gradients
+    for step in range(1, 8):
+        assert per_step[step][:len(alone)] == alone, (step, per_step)
         assert "gather" not in per_step[step]
-    assert [s for s in range(1, 7) if per_step[s] != ["all_reduce"]] == [3]
-    assert per_step[3] == ["all_reduce", "broadcast"]
+    assert [s for s in range(1, 7) if per_step[s] != alone] == [3]
+    assert per_step[3] == alone + ["broadcast"]   # the command's value, once
 
 
 def test_a_probed_steps_record_comes_a_step_later_in_its_place_before_the_boundary_after_it(write_script, tmp_path):

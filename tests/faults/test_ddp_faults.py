@@ -89,17 +89,20 @@ def test_a_nan_in_rank_1s_inputs_only_is_skipped_by_both_ranks_without_a_hang(wr
                                  "scale": None}
 
 
-def test_a_nan_in_the_first_micro_batch_on_rank_1_only_skips_the_step_on_both_ranks(write_script, tmp_path):
+@pytest.mark.parametrize("words", ["gradients", "collectives"])
+def test_a_nan_in_the_first_micro_batch_on_rank_1_only_skips_the_step_on_both_ranks(write_script, tmp_path, words):
     """Two micro-batches a step (the 4 batches: two steps, then again); rank 1's first of step 1
-    holds a NaN. Both ranks learn it after that micro-batch's backward, neither runs the step's
-    second one, and both skip alike."""
+    holds a NaN. Both ranks skip the step alike. Carried by DDP's gradient all-reduce, the answer
+    comes with the second micro-batch's backward (the first is `no_sync`), so both ran it; in an
+    all-reduce of its own (the script's DDP has a communication hook of its own), after the first
+    micro-batch's backward, and neither runs the second."""
     script = write_script(DDP_SCRIPT)
     run_dir, params, calls = tmp_path / "run", tmp_path / "params", tmp_path / "calls"
     params.mkdir()
     calls.mkdir()
     done = train_ranks(script, run_dir, "--dtype", "bf16", "--steps", "3", "--dist-timeout", "20",
                        script_args=["--accumulate", "2", "--nan", "1:2", "--params", str(params),
-                                    "--calls", str(calls)])
+                                    "--calls", str(calls)] + (["--own-hook"] if words == "collectives" else []))
     assert done.returncode == 0, done.stdout + done.stderr
     session = read_session(run_dir)
     [event] = [e for e in session.events if e["kind"] == "nonfinite"]
@@ -113,10 +116,17 @@ def test_a_nan_in_the_first_micro_batch_on_rank_1_only_skips_the_step_on_both_ra
     assert rank_end(run_dir) == {"state": "finished", "step": 3, "updates": 2, "skipped": 1, "dtype": "bf16",
                                  "scale": None}
     assert (params / "rank0.txt").read_text() == (params / "rank1.txt").read_text()
-    # The same calls in the same order on both ranks; step 1 (from step 0's figures gathered to
-    # its own) ran one loss check: its second micro-batch ran on neither rank.
+    assert session.header["coordination"].startswith(words)
+    # The same calls in the same order on both ranks.
     sequences = [(calls / f"rank{r}.calls").read_text().split("\n") for r in (0, 1)]
     assert sequences[0] == sequences[1]
+    if words == "gradients":
+        # Every micro-batch of the 3 steps, and the diagnosis's forward of the bad one.
+        assert sequences[0].count("loss") == 7, sequences[0]
+        return
+    # Step 1 (from step 0's figures gathered to its own) ran one loss check: its second
+    # micro-batch ran on neither rank.
+    assert sequences[0].count("loss") == 6, sequences[0]   # (5 micro-batches and the diagnosis's)
     gathers = [i for i, name in enumerate(sequences[0]) if name == "gather"]
     assert len(gathers) == 3 and sequences[0][gathers[0] + 1:gathers[1]].count("all_reduce") == 1, sequences[0]
 

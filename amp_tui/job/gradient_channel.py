@@ -1,0 +1,153 @@
+"""The ranks' words carried in DistributedDataParallel's own gradient all-reduce.
+
+A collective of its own, however small, costs a DDP step on the CPU about a millisecond (gloo's
+threads wake, meet and hand the result back while the backward computes; measured in
+bench/ddp_overhead.py: some 4-5% of a 25 ms step), while a few more elements in an all-reduce
+that runs anyway cost nothing that shows. So where the model's DDP lets us, a communication hook
+appends a short float vector to the first bucket's gradients (the bucket DDP all-reduces first,
+at most 1 MB once the buckets are rebuilt after the first step), all-reduces both at once (a sum,
+gradients divided by the world size first, as DDP's own hook does) and splits them again.
+
+The sum carries what the ranks agree on because each value is written by one rank only, in its
+own slot, with zeros from every other rank (x + 0 is x exactly, inf and NaN included):
+
+    [command code, payload bytes]             rank 0's (the others write 0)
+    [not finite] x W                          1 where that rank's loss was not finite
+    [stop, checkpoint, signal] x W            that rank's stop vote
+    [present, loss, step time, act...] x W    that rank's figures of the last probed step
+
+Every value is an integer below 2**24, a figure that fp32 holds exactly (a loss, a maximum of
+fp16, bf16 or fp32 outputs) or a step time (to fp32's seven digits), so the vector travels in the
+gradients' dtype, fp32 or fp64. A model whose gradients are in another dtype (or whose DDP has a
+hook of its own, or reduces in Python) keeps the collectives of job/distributed.py.
+
+The vector has the same length on every rank at every backward (its slots are zeros when there
+is nothing to send), and only a backward that `send()` prepared keeps what came back: another
+one (a diagnosis re-running a bad step) only all-reduces its gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+HEAD = 2             # rank 0's command code and payload length
+VOTE = 3             # each rank's stop, checkpoint and signal number
+ROW_HEAD = 3         # present, loss, step time: then one maximum per layer
+
+
+def ddp_of(model: torch.nn.Module):
+    """The DistributedDataParallel in `model` (a compiled model's too), or None."""
+    from torch.nn.parallel import DistributedDataParallel
+    inner = getattr(model, "_orig_mod", model)   # torch.compile's OptimizedModule
+    return inner if isinstance(inner, DistributedDataParallel) else None
+
+
+def unsuitable(model: torch.nn.Module) -> str | None:
+    """Why the words can't ride on this model's gradient all-reduce (None: they can)."""
+    ddp = ddp_of(model)
+    if ddp is None:
+        return "the model is not in DistributedDataParallel"
+    if getattr(ddp, "_comm_hooks", None):
+        return "its DistributedDataParallel has a communication hook of its own"
+    if getattr(ddp, "mixed_precision", None) is not None:
+        return "its DistributedDataParallel reduces in a mixed precision of its own"
+    if getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_delay_all_reduce_all_params", False):
+        return "its DistributedDataParallel reduces the gradients in its own way"
+    dtypes = {p.dtype for p in ddp.parameters() if p.requires_grad}
+    if not dtypes or not dtypes <= {torch.float32, torch.float64}:
+        return f"its gradients are {', '.join(sorted(str(d) for d in dtypes)) or 'none'} (fp32 or fp64 carry the words)"
+    return None
+
+
+@dataclass(frozen=True)
+class Received:
+    """What every rank sent, summed: read back per rank."""
+
+    code: int
+    payload_bytes: int
+    nonfinite: list[bool]
+    stops: list[tuple[bool, bool, int]]      # per rank: stop asked, with a checkpoint, signal number
+    rows: torch.Tensor | None                # per rank [loss, step time, act...]; None: not every rank sent one
+
+
+class GradientChannel:
+    """The communication hook on one DDP model, and what its next backward sends and brought."""
+
+    def __init__(self, model: torch.nn.Module, row_size: int):
+        self._ddp = ddp_of(model)
+        self._group = self._ddp.process_group
+        self.world_size = self._group.size()
+        self.row_size = ROW_HEAD + row_size
+        self.size = HEAD + (1 + VOTE) * self.world_size + self.world_size * self.row_size
+        self.enabled = True      # False: the hook only all-reduces the gradients (DDP's own way)
+        self._outbox: torch.Tensor | None = None
+        self._inbox: torch.Tensor | None = None
+
+    def install(self) -> str | None:
+        """Register the hook; why it could not be (None: it is)."""
+        try:
+            self._ddp.register_comm_hook(self._group, self._hook)
+        except (RuntimeError, ValueError) as exc:   # a built-in hook registered already
+            return f"its DistributedDataParallel refused a communication hook ({exc})"
+        return None
+
+    def syncs(self) -> bool:
+        """The next backward all-reduces the gradients (not a `no_sync` micro-batch)."""
+        return bool(self._ddp.require_backward_grad_sync) and torch.is_grad_enabled()
+
+    def send(self, *, rank: int, code: int, payload_bytes: int, finite: bool,
+             stop: tuple[bool, bool, int] | None, row: torch.Tensor | None) -> None:
+        """What this rank's next synchronising backward carries."""
+        w = self.world_size
+        out = torch.zeros(self.size, dtype=torch.float64)
+        if rank == 0:
+            out[0], out[1] = code, payload_bytes
+        out[HEAD + rank] = 0.0 if finite else 1.0
+        if stop is not None:
+            base = HEAD + w + VOTE * rank
+            out[base:base + VOTE] = torch.tensor([float(stop[0]), float(stop[1]), float(stop[2])])
+        if row is not None:
+            base = HEAD + (1 + VOTE) * w + rank * self.row_size
+            out[base] = 1.0
+            out[base + 1:base + 1 + row.numel()] = row
+        self._outbox, self._inbox = out, None
+
+    def take(self) -> Received | None:
+        """What the last prepared backward brought back (None: no such backward ran)."""
+        got, self._inbox = self._inbox, None
+        if got is None:
+            return None
+        values = got.double().cpu()
+        w = self.world_size
+        head = values[:HEAD].tolist()
+        nonfinite = (values[HEAD:HEAD + w] != 0).tolist()
+        votes = values[HEAD + w:HEAD + (1 + VOTE) * w].reshape(w, VOTE).tolist()
+        rows = values[HEAD + (1 + VOTE) * w:].reshape(w, self.row_size)
+        present = bool((rows[:, 0] == 1.0).all())
+        return Received(code=int(head[0]), payload_bytes=int(head[1]), nonfinite=nonfinite,
+                        stops=[(s != 0, c != 0, int(n)) for s, c, n in votes],
+                        rows=rows[:, 1:] if present else None)
+
+    def _hook(self, group, bucket):   # (DDP checks a return annotation by identity: none given)
+        buffer = bucket.buffer()
+        buffer.div_(self.world_size)
+        if not self.enabled or bucket.index() != 0:
+            work = dist.all_reduce(buffer, group=group, async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+        extra, self._outbox = self._outbox, None
+        keep = extra is not None
+        if extra is None:
+            extra = torch.zeros(self.size, dtype=buffer.dtype, device=buffer.device)
+        joined = torch.cat([buffer, extra.to(device=buffer.device, dtype=buffer.dtype)])
+        n = buffer.numel()
+        work = dist.all_reduce(joined, group=group, async_op=True)
+
+        def split(fut) -> torch.Tensor:
+            summed = fut.value()[0]
+            if keep:
+                self._inbox = summed[n:]
+            return summed[:n]
+        return work.get_future().then(split)
