@@ -28,6 +28,7 @@ one (a diagnosis re-running a bad step) only all-reduces its gradients.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -77,8 +78,13 @@ class GradientChannel:
     """The communication hook on one DDP model, and what its next backward sends and brought."""
 
     def __init__(self, model: torch.nn.Module, row_size: int):
-        self._ddp = ddp_of(model)
-        self._group = self._ddp.process_group
+        ddp = ddp_of(model)
+        # DDP's reducer holds the hook, and so this channel: a strong reference back to the DDP
+        # would make a cycle through C++ that Python's collector can't see, and the DDP would
+        # outlive its process group, to be torn down as the interpreter exits (where gloo's
+        # threads abort the process).
+        self._ddp = weakref.ref(ddp)
+        self._group = ddp.process_group
         self.world_size = self._group.size()
         self.row_size = ROW_HEAD + row_size
         self.size = HEAD + (1 + VOTE) * self.world_size + self.world_size * self.row_size
@@ -89,14 +95,15 @@ class GradientChannel:
     def install(self) -> str | None:
         """Register the hook; why it could not be (None: it is)."""
         try:
-            self._ddp.register_comm_hook(self._group, self._hook)
+            self._ddp().register_comm_hook(self._group, self._hook)
         except (RuntimeError, ValueError) as exc:   # a built-in hook registered already
             return f"its DistributedDataParallel refused a communication hook ({exc})"
         return None
 
     def syncs(self) -> bool:
         """The next backward all-reduces the gradients (not a `no_sync` micro-batch)."""
-        return bool(self._ddp.require_backward_grad_sync) and torch.is_grad_enabled()
+        ddp = self._ddp()
+        return ddp is not None and bool(ddp.require_backward_grad_sync) and torch.is_grad_enabled()
 
     def send(self, *, rank: int, code: int, payload_bytes: int, finite: bool,
              stop: tuple[bool, bool, int] | None, row: torch.Tensor | None) -> None:
@@ -120,16 +127,15 @@ class GradientChannel:
         got, self._inbox = self._inbox, None
         if got is None:
             return None
-        values = got.double().cpu()
-        w = self.world_size
-        head = values[:HEAD].tolist()
-        nonfinite = (values[HEAD:HEAD + w] != 0).tolist()
-        votes = values[HEAD + w:HEAD + (1 + VOTE) * w].reshape(w, VOTE).tolist()
-        rows = values[HEAD + (1 + VOTE) * w:].reshape(w, self.row_size)
-        present = bool((rows[:, 0] == 1.0).all())
-        return Received(code=int(head[0]), payload_bytes=int(head[1]), nonfinite=nonfinite,
-                        stops=[(s != 0, c != 0, int(n)) for s, c, n in votes],
-                        rows=rows[:, 1:] if present else None)
+        values = got.tolist()   # one transfer; the rest in Python (a few dozen values)
+        w, r = self.world_size, self.row_size
+        votes = values[HEAD + w:HEAD + (1 + VOTE) * w]
+        rows = [values[HEAD + (1 + VOTE) * w + k * r:HEAD + (1 + VOTE) * w + (k + 1) * r] for k in range(w)]
+        present = all(row[0] == 1.0 for row in rows)
+        return Received(code=int(values[0]), payload_bytes=int(values[1]),
+                        nonfinite=[v != 0 for v in values[HEAD:HEAD + w]],
+                        stops=[(votes[k] != 0, votes[k + 1] != 0, int(votes[k + 2])) for k in range(0, VOTE * w, VOTE)],
+                        rows=torch.tensor([row[1:] for row in rows], dtype=torch.float64) if present else None)
 
     def _hook(self, group, bucket):   # (DDP checks a return annotation by identity: none given)
         buffer = bucket.buffer()

@@ -28,7 +28,7 @@ from support import RANK_TIMEOUT_S
 pytestmark = pytest.mark.slow
 
 WORKER = '''
-import datetime, hashlib, json, sys
+import datetime, gc, hashlib, json, sys, weakref
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -96,6 +96,12 @@ def scenario(kind):
     seen["weights"] = digest(net)
     seen["steps"] = trainer.updates_applied
     trainer.close()
+    # Nothing of ours keeps the DDP alive: one left to the interpreter's exit outlives its
+    # process group, and gloo's threads may abort the process as it goes.
+    ddp = weakref.ref(trainer.model)
+    del net, ranks, trainer, due, result
+    gc.collect()
+    seen["ddp_freed"] = ddp() is None
     return seen
 
 kinds = json.loads(sys.argv[2])
@@ -124,6 +130,7 @@ def test_the_words_ride_on_the_gradients_where_ddp_lets_them_and_go_on_their_own
     for kind in KINDS:
         a, b = r0[kind], r1[kind]
         assert a["steps"] == b["steps"] == 4, kind
+        assert a["ddp_freed"] and b["ddp_freed"], kind
         if kind != "bypass":   # (the inner module's gradients are never all-reduced: they differ)
             assert a["weights"] == b["weights"], kind
         assert len(a["merged"]) == 4, kind
