@@ -3,7 +3,16 @@
 Every rank runs the same loop and the same guarded step on its own batches, and DDP all-reduces
 the gradients, so they are bitwise the same on every rank after backward: GradScaler's found_inf,
 the skip, the new scale, clipping and the scheduler agree with nothing of ours. What one rank
-alone can see is agreed here, each time with one collective of PyTorch's own process group:
+alone can see is agreed here.
+
+Under `amp-tui train`, where the model's DDP allows it (`carry_in_gradients`), each step's words
+and the last probed step's figures ride on DDP's own gradient all-reduce, in slots that a
+communication hook appends to its first bucket (job/gradient_channel.py): no step runs a
+collective of ours. The answer to the loss check comes with the backward of the step's last
+micro-batch (the others are `no_sync`), and the probed step's figures with the next step's; where
+they are wanted before that (a pause, a stop, a save, a restore, the end) they go in a gather of
+their own. Otherwise (FSDP, a DDP with a hook of its own, fp16/bf16 gradients, a loop of one's
+own under `amp_tui.monitor`), each with one collective of PyTorch's own process group:
 
 - **the step's one collective**, the finite-loss check of each micro-batch: an
   `all_reduce(MAX)` of a small fixed-size int64 tensor, started before the micro-batch's
