@@ -452,6 +452,23 @@ def train_ranks(script, run_dir, *flags: str, script_args=(), nproc: int = 2, wi
     return subprocess.run(command, capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=Path(script).parent)
 
 
+def run_rank_worker(tmp_path: Path, source: str, argument) -> list:
+    """A worker script of 2 ranks under torch.distributed.run, given `tmp_path` and `argument`
+    (JSON) on its command line; what each rank wrote to tmp_path/rank<N>.json, in rank order.
+    Bounded by RANK_TIMEOUT_S: a hang fails the test."""
+    import os
+    import subprocess
+    import sys
+    worker = tmp_path / "worker.py"
+    worker.write_text(source, encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(worker), str(tmp_path), json.dumps(argument)],
+                          capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
 def rank_lines(run_dir, rank: int = 1) -> list[str]:
     try:
         return (Path(run_dir) / f"rank{rank}.log").read_text(encoding="utf-8").splitlines()

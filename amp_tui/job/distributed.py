@@ -430,15 +430,17 @@ class Ranks:
         mine = self._local_words(self._carried_commands if carry else [], finite=finite)
         pending = self._start_all_reduce(mine, "agreeing on the finite-loss check")
 
-        def finite_everywhere() -> bool:
-            agreed = pending()
-            if carry:
-                self._carried = agreed
-            if agreed.words[NONFINITE]:
-                self.nonfinite_rank = self.world_size - agreed.words[NONFINITE]
-                return False
-            return True
-        return finite_everywhere
+        return lambda: self._answer(pending(), carry)
+
+    def _answer(self, agreed: _Agreed, carry: bool) -> bool:
+        """The loss check's answer from its agreed words (True: finite on every rank); the
+        next boundary's words kept for it where they came with the check."""
+        if carry:
+            self._carried = agreed
+        if agreed.words[NONFINITE]:
+            self.nonfinite_rank = self.world_size - agreed.words[NONFINITE]
+            return False
+        return True
 
     def _finite_by_gradients(self, finite: bool, carry: bool) -> Callable[[], bool]:
         """agree_finite where DDP's all-reduce carries the words. A `no_sync` micro-batch sends
@@ -468,12 +470,7 @@ class Ranks:
                 agreed = self._agreed_from(got, mine)
                 if row is not None:
                     self._rows_in = (row, got.rows)
-            if carry:
-                self._carried = agreed
-            if agreed.words[NONFINITE]:
-                self.nonfinite_rank = self.world_size - agreed.words[NONFINITE]
-                return False
-            return True
+            return self._answer(agreed, carry)
         return finite_everywhere
 
     def _agreed_from(self, got: Received, mine: _Agreed) -> _Agreed:

@@ -17,14 +17,9 @@ below it.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from support import RANK_TIMEOUT_S
+from support import run_rank_worker
 
 pytestmark = pytest.mark.slow
 
@@ -105,14 +100,7 @@ dist.destroy_process_group()
 
 
 def test_a_nan_loss_on_one_rank_runs_every_ranks_backward_and_changes_nothing(tmp_path):
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER, encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(worker), str(tmp_path), json.dumps(SCENARIOS)],
-                          capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout + done.stderr
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = run_rank_worker(tmp_path, WORKER, SCENARIOS)
     for index, (wrap, accumulate, nan_micro, compiled, carried) in enumerate(SCENARIOS):
         case = f"{wrap} DDP, {accumulate} micro-batches, NaN in micro-batch {nan_micro}" + \
             (", torch.compile" if compiled else "") + (", in the gradients" if carried else ", on its own")

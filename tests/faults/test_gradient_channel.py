@@ -16,14 +16,9 @@ Every job is bounded by a timeout (a hang fails the test), and the collectives' 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from support import RANK_TIMEOUT_S
+from support import run_rank_worker
 
 pytestmark = pytest.mark.slow
 
@@ -113,14 +108,7 @@ KINDS = ["fp32", "bf16", "own hook", "rank 0 hook", "bypass"]
 
 
 def test_the_words_ride_on_the_gradients_where_ddp_lets_them_and_go_on_their_own_where_not(tmp_path):
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER, encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(worker), str(tmp_path), json.dumps(KINDS)],
-                          capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout + done.stderr
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = run_rank_worker(tmp_path, WORKER, KINDS)
     assert r0["fp32"]["problem"] is None and r0["fp32"]["carried"] and r1["fp32"]["carried"]
     assert "torch.bfloat16" in r0["bf16"]["problem"]
     assert "communication hook of its own" in r0["own hook"]["problem"]
