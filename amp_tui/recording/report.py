@@ -31,6 +31,7 @@ class Summary:
     script: str
     device: str
     world_size: int            # ranks of the job (rank 0 recorded them: one run, one session)
+    coordination: str | None   # how the ranks' words went round (the header's; None: not said)
     status: str                # finished / stopped / error / running-or-crashed
     steps: int                 # iterations recorded
     updates_applied: int       # updates the weights went through (a restore or resume brings a
@@ -156,6 +157,7 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         script=str(header.get("script", "")),
         device=f"{device.get('backend', '?')} {device.get('name', '')}".strip(),
         world_size=world_size_of(header),
+        coordination=header.get("coordination") if isinstance(header.get("coordination"), str) else None,
         status=(end or {}).get("status", "incomplete"),
         steps=d.steps,
         updates_applied=updates,
@@ -195,6 +197,13 @@ def _final_scale(end: dict | None, last: dict | None) -> float | None:
     return read_float(last.get("scale")) if last else None
 
 
+def _coordination_words(coordination: str) -> str:
+    """The header's `coordination`, for a person: where the ranks' words went round."""
+    if coordination == "gradients":
+        return "in DDP's gradient all-reduce"
+    return f"in collectives of their own: {coordination.removeprefix('collectives: ')}"
+
+
 def summary_lines(s: Summary) -> list[tuple[str, str]]:
     scale = "none (no scaler)" if s.final_scale is None else f"{s.final_scale:g}"
     rows = [
@@ -206,6 +215,8 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
     ]
     if s.world_size > 1:
         rows.insert(3, ("ranks", f"{s.world_size}, recorded by rank 0"))
+        if s.coordination:
+            rows.insert(4, ("ranks' words", _coordination_words(s.coordination)))
     if s.unwritten:
         # The file can't say how the run ended: say both, and what is missing from the file.
         rows[-2:] = [

@@ -376,6 +376,7 @@ def two_rank_session(run_dir):
         record = json.loads(line)
         if record["type"] == "header":
             record["world_size"] = 2
+            record["coordination"] = "gradients"
         elif record["type"] == "step" and "layers" in record:
             layers = record.pop("layers")
             step = record["step"]
@@ -408,9 +409,17 @@ def test_a_run_of_several_ranks_exports_each_ranks_loss_and_step_time(tmp_path, 
         assert all(same(read_float(gathered[s]["rank_loss"][rank]), v) for s, v in losses.items())
     assert math.isnan(scalars(acc, "ranks/1/loss")[25])
     assert main(["report", str(tmp_path)]) == 0
-    assert "2, recorded by rank 0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2, recorded by rank 0" in out and "ranks' words       in DDP's gradient all-reduce" in out
 
 
 def test_a_one_process_run_exports_no_rank_columns(demo_run, tmp_path):
     export(demo_run, csv=tmp_path / "steps.csv")
     assert not [c for c in pd.read_csv(tmp_path / "steps.csv").columns if c.startswith("rank_")]
+
+
+def test_the_report_says_where_the_ranks_words_went_round():
+    from amp_tui.recording.report import _coordination_words
+    assert _coordination_words("gradients") == "in DDP's gradient all-reduce"
+    assert _coordination_words("collectives: its gradients are torch.bfloat16 (fp32 or fp64 carry the words)") == \
+        "in collectives of their own: its gradients are torch.bfloat16 (fp32 or fp64 carry the words)"
