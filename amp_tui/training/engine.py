@@ -337,12 +337,13 @@ class GuardedTrainer:
                             figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis)
 
     def _forward_and_backward(self, micro_batches, first_loss: torch.Tensor | None):
-        """Autocast forward and scaled backward of each micro-batch, stopping at the first whose
-        loss is not finite. Returns the losses seen and that batch, or None.
+        """Autocast forward and scaled backward of each micro-batch, stopping once a loss is
+        known not to be finite. Returns the losses seen and the batch whose loss was not, or None.
 
-        One process: no backward for that batch (it would only spread the inf/NaN). Several
-        ranks (`agree_finite`): the check goes round while the backward runs on every rank
-        whatever its own loss, and is waited for after it; a non-finite loss only makes
+        One process: it is known at once, and that batch gets no backward (it would only spread
+        the inf/NaN). Several ranks (`agree_finite`): the check goes round while the backward runs
+        on every rank whatever its own loss, and is answered after it (where DDP's gradient
+        all-reduce carries it, after the step's last micro-batch); a non-finite loss only makes
         non-finite gradients, which the skip then throws away. Waiting before the backward would
         make the check a meeting point of its own, ahead of DDP's all-reduce in the backward."""
         n = len(micro_batches)
