@@ -74,10 +74,48 @@ class Received:
     rows: torch.Tensor | None                # per rank [loss, step time, act...]; None: not every rank sent one
 
 
+class Slots:
+    """Where each rank writes its words in the vector (the module docstring has the layout)."""
+
+    def __init__(self, world_size: int, layers: int):
+        self.world_size = world_size
+        self.row_size = ROW_HEAD + layers
+        self._rows_at = HEAD + (1 + VOTE) * world_size
+        self.size = self._rows_at + world_size * self.row_size
+
+    def pack(self, *, rank: int, code: int, payload_bytes: int, finite: bool,
+             stop: tuple[bool, bool, int] | None, row: torch.Tensor | None) -> torch.Tensor:
+        """This rank's vector: its own slots written, zeros in every other rank's."""
+        values = [0.0] * self.size
+        if rank == 0:
+            values[0], values[1] = float(code), float(payload_bytes)
+        values[HEAD + rank] = 0.0 if finite else 1.0
+        if stop is not None:
+            base = HEAD + self.world_size + VOTE * rank
+            values[base:base + VOTE] = [float(stop[0]), float(stop[1]), float(stop[2])]
+        if row is not None:
+            base = self._rows_at + rank * self.row_size
+            values[base] = 1.0   # present
+            values[base + 1:base + 1 + row.numel()] = row.tolist()
+        return torch.tensor(values, dtype=torch.float64)
+
+    def read(self, summed: torch.Tensor) -> Received:
+        """Every rank's words from the summed vector (one transfer; the rest in Python)."""
+        values = summed.tolist()
+        w, r = self.world_size, self.row_size
+        votes = values[HEAD + w:self._rows_at]
+        rows = [values[self._rows_at + k * r:self._rows_at + (k + 1) * r] for k in range(w)]
+        present = all(row[0] == 1.0 for row in rows)
+        return Received(code=int(values[0]), payload_bytes=int(values[1]),
+                        nonfinite=[v != 0 for v in values[HEAD:HEAD + w]],
+                        stops=[(votes[k] != 0, votes[k + 1] != 0, int(votes[k + 2])) for k in range(0, VOTE * w, VOTE)],
+                        rows=torch.tensor([row[1:] for row in rows], dtype=torch.float64) if present else None)
+
+
 class GradientChannel:
     """The communication hook on one DDP model, and what its next backward sends and brought."""
 
-    def __init__(self, model: torch.nn.Module, row_size: int):
+    def __init__(self, model: torch.nn.Module, layers: int):
         ddp = ddp_of(model)
         # DDP's reducer holds the hook, and so this channel: a strong reference back to the DDP
         # would make a cycle through C++ that Python's collector can't see, and the DDP would
@@ -86,8 +124,7 @@ class GradientChannel:
         self._ddp = weakref.ref(ddp)
         self._group = ddp.process_group
         self.world_size = self._group.size()
-        self.row_size = ROW_HEAD + row_size
-        self.size = HEAD + (1 + VOTE) * self.world_size + self.world_size * self.row_size
+        self.slots = Slots(self.world_size, layers)
         self.enabled = True      # False: the hook only all-reduces the gradients (DDP's own way)
         self._outbox: torch.Tensor | None = None
         self._inbox: torch.Tensor | None = None
@@ -105,37 +142,14 @@ class GradientChannel:
         ddp = self._ddp()
         return ddp is not None and bool(ddp.require_backward_grad_sync) and torch.is_grad_enabled()
 
-    def send(self, *, rank: int, code: int, payload_bytes: int, finite: bool,
-             stop: tuple[bool, bool, int] | None, row: torch.Tensor | None) -> None:
-        """What this rank's next synchronising backward carries."""
-        w = self.world_size
-        out = torch.zeros(self.size, dtype=torch.float64)
-        if rank == 0:
-            out[0], out[1] = code, payload_bytes
-        out[HEAD + rank] = 0.0 if finite else 1.0
-        if stop is not None:
-            base = HEAD + w + VOTE * rank
-            out[base:base + VOTE] = torch.tensor([float(stop[0]), float(stop[1]), float(stop[2])])
-        if row is not None:
-            base = HEAD + (1 + VOTE) * w + rank * self.row_size
-            out[base] = 1.0
-            out[base + 1:base + 1 + row.numel()] = row
-        self._outbox, self._inbox = out, None
+    def send(self, **words) -> None:
+        """What this rank's next synchronising backward carries (`Slots.pack`'s words)."""
+        self._outbox, self._inbox = self.slots.pack(**words), None
 
     def take(self) -> Received | None:
         """What the last prepared backward brought back (None: no such backward ran)."""
         got, self._inbox = self._inbox, None
-        if got is None:
-            return None
-        values = got.tolist()   # one transfer; the rest in Python (a few dozen values)
-        w, r = self.world_size, self.row_size
-        votes = values[HEAD + w:HEAD + (1 + VOTE) * w]
-        rows = [values[HEAD + (1 + VOTE) * w + k * r:HEAD + (1 + VOTE) * w + (k + 1) * r] for k in range(w)]
-        present = all(row[0] == 1.0 for row in rows)
-        return Received(code=int(values[0]), payload_bytes=int(values[1]),
-                        nonfinite=[v != 0 for v in values[HEAD:HEAD + w]],
-                        stops=[(votes[k] != 0, votes[k + 1] != 0, int(votes[k + 2])) for k in range(0, VOTE * w, VOTE)],
-                        rows=torch.tensor([row[1:] for row in rows], dtype=torch.float64) if present else None)
+        return self.slots.read(got) if got is not None else None
 
     def _hook(self, group, bucket):   # (DDP checks a return annotation by identity: none given)
         buffer = bucket.buffer()
@@ -146,7 +160,7 @@ class GradientChannel:
         extra, self._outbox = self._outbox, None
         keep = extra is not None
         if extra is None:
-            extra = torch.zeros(self.size, dtype=buffer.dtype, device=buffer.device)
+            extra = torch.zeros(self.slots.size, dtype=buffer.dtype, device=buffer.device)
         joined = torch.cat([buffer, extra.to(device=buffer.device, dtype=buffer.dtype)])
         n = buffer.numel()
         work = dist.all_reduce(joined, group=group, async_op=True)
