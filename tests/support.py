@@ -452,6 +452,18 @@ def train_ranks(script, run_dir, *flags: str, script_args=(), nproc: int = 2, wi
     return subprocess.run(command, capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=Path(script).parent)
 
 
+def steer_to_its_end(job, steer) -> str:
+    """Call `steer()` while `job` (a Popen with its output piped) runs, then let it end, within
+    RANK_TIMEOUT_S: its output. A job still running when something failed is killed."""
+    try:
+        steer()
+        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    return out
+
+
 def run_rank_worker(tmp_path: Path, source: str, argument) -> list:
     """A worker script of 2 ranks under torch.distributed.run, given `tmp_path` and `argument`
     (JSON) on its command line; what each rank wrote to tmp_path/rank<N>.json, in rank order.

@@ -28,6 +28,7 @@ from support import (
     rank_end,
     rank_events,
     run_async,
+    steer_to_its_end,
     step_count,
     toasts,
     train_ranks,
@@ -56,14 +57,11 @@ def status(run_dir, job=None) -> dict:
 def resumed_after_pause(job, run_dir, while_paused) -> str:
     """Wait until the job is paused, check `while_paused()`, resume it with `ctl resume` and
     let it finish (exit 0): its output. A job that never gets there is killed."""
-    try:
+    def steer():
         assert wait_for(lambda: status(run_dir, job).get("state") == "paused", RANK_TIMEOUT_S), "never paused"
         while_paused()
         assert send(run_dir, "resume")["ok"]
-        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
-    finally:
-        if job.poll() is None:
-            job.kill()
+    out = steer_to_its_end(job, steer)
     assert job.returncode == 0, out
     return out
 
@@ -143,27 +141,24 @@ def test_ctl_and_attach_steer_rank_0_of_a_2_process_job(write_script, tmp_path):
     run_dir = tmp_path / "run"
     job = subprocess.Popen(rank_command(script, run_dir, script_args=["--sleep", "0.05"]),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    try:
+    @run_async
+    async def from_the_dashboard():
+        source = AttachedSource(run_dir)
+        app = create_app(source)
+        async with app.run_test(size=(120, 40), notifications=True) as pilot:
+            await until(pilot, lambda: "ranks 2" in str(app.dashboard.query_one("#status").render()),
+                        "the world size in the status bar", timeout=30)
+            await pilot.press("d")
+            await until(pilot, lambda: "dtype fp16 → bf16" in toasts(app), "rank 0's answer", timeout=30)
+            await pilot.press("Q")
+            await until(pilot, lambda: not app.is_running, "the app to exit", timeout=30)
+
+    def steer():
         assert wait_for(lambda: status(run_dir, job).get("step", 0) >= 2, RANK_TIMEOUT_S)
         answer = status(run_dir)
         assert answer["state"] == "running" and answer["world_size"] == 2
-
-        @run_async
-        async def steer():
-            source = AttachedSource(run_dir)
-            app = create_app(source)
-            async with app.run_test(size=(120, 40), notifications=True) as pilot:
-                await until(pilot, lambda: "ranks 2" in str(app.dashboard.query_one("#status").render()),
-                            "the world size in the status bar", timeout=30)
-                await pilot.press("d")
-                await until(pilot, lambda: "dtype fp16 → bf16" in toasts(app), "rank 0's answer", timeout=30)
-                await pilot.press("Q")
-                await until(pilot, lambda: not app.is_running, "the app to exit", timeout=30)
-        steer()
-        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
-    finally:
-        if job.poll() is None:
-            job.kill()
+        from_the_dashboard()
+    out = steer_to_its_end(job, steer)
     assert job.returncode == 0, out
     session = read_session(run_dir)
     switch = next(e for e in session.events if e.get("action") == "dtype")
@@ -201,16 +196,13 @@ def test_amp_tui_run_follows_a_torchrun_loop_with_a_monitor(write_script, tmp_pa
                             str(script)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
+    def steer():
         assert wait_for(lambda: step_count(run_dir / "session.jsonl") >= 3, RANK_TIMEOUT_S)
         assert send(run_dir, "dtype=bf16")["ok"]
         assert wait_for(lambda: any(r.get("dtype") == "bfloat16" for r in read_session(run_dir).steps),
                         RANK_TIMEOUT_S)
         assert send(run_dir, "stop")["ok"]
-        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
-    finally:
-        if job.poll() is None:
-            job.kill()
+    out = steer_to_its_end(job, steer)
     assert job.returncode == 0, out
     session = read_session(run_dir)
     assert session.header["world_size"] == 2 and len(list(tmp_path.rglob("session.jsonl"))) == 1

@@ -28,6 +28,7 @@ from support import (
     rank_end,
     rank_events,
     rank_pid,
+    steer_to_its_end,
     step_count,
     train_ranks,
     wait_for,
@@ -135,13 +136,10 @@ def test_sigterm_to_one_worker_stops_both_at_the_same_step_with_a_checkpoint(wri
     script = write_script(DDP_SCRIPT)
     run_dir = tmp_path / "run"
     job = start(script, run_dir, "--steps", "300", "--dist-timeout", "60", script_args=["--sleep", "0.05"])
-    try:
+    def steer():
         assert wait_for(lambda: running(job, run_dir, 3), RANK_TIMEOUT_S), "the job never got going"
         os.kill(rank_pid(run_dir), signal.SIGTERM)
-        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
-    finally:
-        if job.poll() is None:
-            job.kill()
+    out = steer_to_its_end(job, steer)
     assert job.returncode == 0, out
     session = read_session(run_dir)
     assert session.end["status"] == "stopped"
@@ -169,14 +167,14 @@ def test_kill_9_of_one_worker_ends_the_other_with_the_session_kept(write_script,
     script = write_script(DDP_SCRIPT)
     run_dir = tmp_path / "run"
     job = start(script, run_dir, "--dist-timeout", str(3 * RANK_TIMEOUT_S), script_args=["--sleep", "0.05"])
-    try:
+    before_kill = {}
+
+    def steer():
         assert wait_for(lambda: running(job, run_dir, 3), RANK_TIMEOUT_S), "the job never got going"
-        recorded = step_count(run_dir / "session.jsonl")
+        before_kill["recorded"] = step_count(run_dir / "session.jsonl")
         os.kill(rank_pid(run_dir), signal.SIGKILL)
-        out, _ = job.communicate(timeout=RANK_TIMEOUT_S)
-    finally:
-        if job.poll() is None:
-            job.kill()
+    out = steer_to_its_end(job, steer)
+    recorded = before_kill["recorded"]
     assert job.returncode != 0, out
     session = read_session(run_dir)   # reads back: every step recorded before the kill is there
     assert len(session.steps) >= recorded and session.skipped_lines == 0
