@@ -18,20 +18,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from amp_tui.core import precision
-from amp_tui.training.autocast import autocast, unsupported_reason
+from amp_tui.training.autocast import autocast
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.diagnose import Diagnosis, diagnose
+from amp_tui.training.precision_state import OwnedScaling, PrecisionRefused
 from amp_tui.training.probes import LayerFigures, LayerProbe
+
+__all__ = ["GuardedTrainer", "LossError", "PrecisionRefused", "StepResult", "check_loss"]
 
 ACT_UNMEASURED_UNDER_COMPILE = (
     "act not measured under torch.compile: the compiled graph runs without amp-tui's hooks (it was "
     "compiled before they were attached, e.g. by a call in setup()); gradients and weights are "
     "measured")
-
-
-class PrecisionRefused(Exception):
-    """A dtype or scale change that can't be applied; the run goes on unchanged."""
 
 
 class LossError(Exception):
@@ -120,18 +118,7 @@ class GuardedTrainer:
         # starts the check and returns its answer to wait for (True: finite on every rank),
         # which the step asks for after the micro-batch's backward.
         self.agree_finite: Callable[[float], Callable[[], bool]] | None = None
-        if not (init_scale > 0 and math.isfinite(init_scale)):
-            raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
-        self.init_scale = float(init_scale)
-        self._fp16_scale = float(init_scale)   # where fp16 starts the next time it is entered
-        self._scale_value: float | None = None  # host copy of the live scaler's scale
-        self.scaler: torch.amp.GradScaler | None = None
-        self.dtype = precision.canonical(dtype)
-        reason = unsupported_reason(self.device, self.dtype)
-        if reason:
-            raise PrecisionRefused(reason)
-        if precision.uses_scaler(self.dtype):
-            self._enter_fp16()
+        self.precision = OwnedScaling(self.device, dtype, init_scale)
         self.step_index = 0
         self.updates_applied = 0
         self.skipped_total = 0
@@ -163,81 +150,48 @@ class GuardedTrainer:
         return self.probe.names if self.probe else []
 
     @property
-    def scale(self) -> float | None:
-        return self._scale_value if self.scaler is not None else None
+    def dtype(self) -> str:
+        return self.precision.dtype
 
     @property
-    def next_fp16_scale(self) -> float:
-        return self._scale_value if self.scaler is not None else self._fp16_scale
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self.precision.scaler
 
-    def _enter_fp16(self) -> None:
-        # A fresh scaler: a disabled scaler's state_dict() is {} and can't be loaded back.
-        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=self._fp16_scale)
-        self._scale_value = self._fp16_scale
+    @property
+    def scale(self) -> float | None:
+        return self.precision.scale
+
+    @property
+    def init_scale(self) -> float:
+        return self.precision.starting_scale
 
     def set_dtype(self, dtype: str) -> dict:
         """Switch autocast dtype at a step boundary; returns {"before", "after"} for the record."""
-        new = precision.canonical(dtype)
-        before = self.describe_precision()
-        if new == self.dtype:
-            return {"before": before, "after": before}
-        reason = unsupported_reason(self.device, new)
-        if reason:
-            raise PrecisionRefused(reason)
-        if self.scaler is not None:
-            self._fp16_scale = self._scale_value
-            self.scaler = None
-            self._scale_value = None
-        self.dtype = new
-        self.discard_started_step()  # it ran under the old dtype
-        if precision.uses_scaler(new):
-            self._enter_fp16()
-        return {"before": before, "after": self.describe_precision()}
+        change = self.precision.set_dtype(dtype)
+        if change["before"] != change["after"]:
+            self.discard_started_step()  # it ran under the old dtype
+        return change
 
     def set_scale(self, value: float | str) -> dict:
         """Set the loss scale (a number, or "half"); also the init_scale for the next fp16 entry."""
-        before = self.describe_precision()
-        current = self.next_fp16_scale
-        new = current / 2.0 if value == "half" else float(value)
-        if not (math.isfinite(new) and new > 0):
-            raise PrecisionRefused(f"scale must be a positive finite number, got {value!r}")
-        self.init_scale = new
-        self._fp16_scale = new
-        if self.scaler is not None:
-            self._load_scaler_state({**self.scaler.state_dict(), "scale": new, "_growth_tracker": 0})
-        return {"before": before, "after": self.describe_precision()}
-
-    def _load_scaler_state(self, state: dict) -> None:
-        self.scaler.load_state_dict(state)
-        self._scale_value = float(state["scale"])
+        return self.precision.set_scale(value)
 
     def clamp_scale(self, value: float) -> None:
-        """Hold the live scaler at `value` (a --min-scale guard), keeping its growth tracker."""
-        if self.scaler is not None:
-            self._load_scaler_state({**self.scaler.state_dict(), "scale": float(value)})
+        self.precision.clamp(value)
 
     def describe_precision(self) -> dict:
-        return {"dtype": self.dtype, "scale": self.scale, "init_scale": self.init_scale,
-                "fp16_scale": self.next_fp16_scale}
+        return self.precision.describe()
 
     # ---- checkpoint state ---------------------------------------------------------------
     def scaler_state(self) -> dict | None:
-        if self.scaler is None:
-            return None
-        return dict(self.scaler.state_dict())
+        return self.precision.scaler_state()
 
     def checkpoint_extra(self) -> dict:
-        return {"init_scale": self.init_scale, "fp16_scale": self.next_fp16_scale,
+        return {**self.precision.checkpoint_fields(),
                 "updates_applied": self.updates_applied, "skipped_total": self.skipped_total}
 
     def restore_scaler(self, state: dict | None) -> None:
-        """After weights/optimizer were restored: put the checkpoint's scale where it belongs."""
-        if state is None:
-            return
-        if self.scaler is not None:
-            self._load_scaler_state(dict(state))
-        else:
-            self._fp16_scale = float(state["scale"])  # carried until fp16 is entered again
+        self.precision.restore_scaler(state)
 
     # ---- the guarded step ---------------------------------------------------------------
     def probing_next(self) -> bool:
@@ -307,7 +261,7 @@ class GuardedTrainer:
 
     def _step(self, micro_batches, probe: LayerProbe | None, first_loss: torch.Tensor | None) -> StepResult:
         """One update attempt, in the order of PyTorch's AMP recipe (see the module docstring)."""
-        used_scale = self._scale_value if self.scaler is not None else None
+        used_scale = self.precision.scale
         lr = self._lr_in_use()
         self._zero_grad()
         losses, bad_batch = self._forward_and_backward(micro_batches, first_loss)
@@ -420,7 +374,7 @@ class GuardedTrainer:
         figures, host = probe.collect([self.scaler._scale, *extra]) if probe \
             else (None, _to_host([self.scaler._scale, *extra]))
         new_scale = host.pop(0)
-        self._scale_value = new_scale
+        self.precision.observed_scale(new_scale)
         return new_scale < used_scale, figures, host
 
     def _update_unscaled(self, probe, found_inf, extra: list):
