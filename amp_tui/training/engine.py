@@ -24,7 +24,7 @@ from amp_tui.training.diagnose import Diagnosis, diagnose
 from amp_tui.training.precision_state import OwnedScaling, PrecisionRefused
 from amp_tui.training.probes import LayerFigures, LayerProbe
 
-__all__ = ["GuardedTrainer", "LossError", "PrecisionRefused", "StepResult", "check_loss"]
+__all__ = ["GuardedTrainer", "LossError", "PrecisionRefused", "StepResult", "check_loss", "to_host"]
 
 ACT_UNMEASURED_UNDER_COMPILE = (
     "act not measured under torch.compile: the compiled graph runs without amp-tui's hooks (it was "
@@ -372,7 +372,7 @@ class GuardedTrainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         figures, host = probe.collect([self.scaler._scale, *extra]) if probe \
-            else (None, _to_host([self.scaler._scale, *extra]))
+            else (None, to_host([self.scaler._scale, *extra]))
         new_scale = host.pop(0)
         self.precision.observed_scale(new_scale)
         return new_scale < used_scale, figures, host
@@ -381,7 +381,7 @@ class GuardedTrainer:
         """bf16/fp32: nothing skips for us, so a non-finite gradient is checked before stepping,
         from the probes' figures or the flag, in the same one transfer."""
         flags = [found_inf] if found_inf is not None else []
-        figures, host = probe.collect(flags + extra) if probe else (None, _to_host(flags + extra))
+        figures, host = probe.collect(flags + extra) if probe else (None, to_host(flags + extra))
         skipped = (found_inf is not None and host.pop(0) > 0) or bool(figures and figures.grads_nonfinite)
         if not skipped:
             self.optimizer.step()
@@ -447,8 +447,14 @@ class GuardedTrainer:
             return self.loss_fn(self.model if model is None else model, batch)
 
 
-def _to_host(scalars: list[torch.Tensor]) -> list[float]:
-    return torch.stack([t.reshape(()).float() for t in scalars]).tolist()
+def to_host(tensors: list[torch.Tensor]) -> list[float]:
+    """One-element tensors (a loss in any float dtype, the float32 scale, flags) as floats. On
+    an accelerator in one transfer (cat promotes them to the widest dtype among them, which holds
+    each exactly); on the CPU, where reading a value is no transfer, one by one, cheaper than
+    building the cat."""
+    if len(tensors) == 1 or tensors[0].device.type == "cpu":
+        return [t.item() for t in tensors]
+    return torch.cat([t.reshape(1) for t in tensors]).tolist()
 
 
 def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
