@@ -67,7 +67,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,7 @@ import torch.distributed as dist
 from amp_tui.core.commands import ACTIONS, Command
 from amp_tui.core.text import one_line
 from amp_tui.job.gradient_channel import GradientChannel, Received, unsuitable
+from amp_tui.job.rank_output import rank_log_path
 from amp_tui.training.checkpoint.live import cuda_ready
 from amp_tui.training.engine import StepResult
 
@@ -134,11 +135,6 @@ def launched_by_torchrun(environ=os.environ) -> bool:
         return int(environ["WORLD_SIZE"]) > 1
     except ValueError:
         return False
-
-
-def rank_log_path(run_dir: Path, rank: int) -> Path:
-    """Where a rank other than 0 writes its own output (rank 0's is the terminal's)."""
-    return Path(run_dir) / f"rank{rank}.log"
 
 
 def _signal_number(reason: str | None) -> int:
@@ -723,28 +719,3 @@ def saved_world_size(extra: dict | None) -> int:
     """The world size a checkpoint was saved by (1 for a run without ranks)."""
     value = (extra or {}).get("world_size", 1)
     return value if isinstance(value, int) and value > 0 else 1
-
-
-# ---- a rank's own output ---------------------------------------------------------------------
-
-@contextlib.contextmanager
-def output_to(path: Path) -> Iterator[None]:
-    """This process's stdout and stderr (file descriptors 1 and 2) appended to `path`."""
-    import sys
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for f in (fd, *saved):
-            os.close(f)
-
