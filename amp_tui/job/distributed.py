@@ -55,7 +55,6 @@ session kept. docs/distributed.md tells the whole story.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 import datetime
@@ -76,7 +75,7 @@ from amp_tui.core.commands import ACTIONS, Command
 from amp_tui.core.text import one_line
 from amp_tui.job.gradient_channel import GradientChannel, Received, unsuitable
 from amp_tui.job.rank_output import rank_log_path
-from amp_tui.training.checkpoint.live import cuda_ready
+from amp_tui.job.rng_states import rng_state
 from amp_tui.training.engine import StepResult
 
 DEFAULT_TIMEOUT_S = 300.0   # init_process_group's timeout: how long a collective waits for a rank
@@ -665,57 +664,3 @@ def decode_commands(code: int, payload: bytes) -> list[Command]:
     if code != MANY:
         return [Command(ACTIONS[code - 1], None, source)]
     return [Command(action, value, source) for action, value in json.loads(payload.decode("utf-8"))]
-
-
-# ---- RNG states ------------------------------------------------------------------------------
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(bytes(t.cpu().tolist())).decode("ascii")
-
-
-def _bytes_tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def rng_state(device: torch.device) -> dict:
-    """This rank's RNG states: the CPU's, and its own GPU's where CUDA is in use."""
-    state = {"cpu": _b64(torch.get_rng_state())}
-    if device.type == "cuda" and cuda_ready():
-        state["cuda"] = _b64(torch.cuda.get_rng_state(device))
-    return state
-
-
-def rng_problem(extra: dict, rank: int) -> str | None:
-    """Why this rank's RNG state in a checkpoint's `extra` can't be set (None: it can, or the
-    checkpoint has none for this rank)."""
-    states = extra.get("rank_rng")
-    if states is None:
-        return None
-    if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
-        return "its per-rank RNG states are malformed"
-    if rank >= len(states):
-        return None
-    try:
-        cpu = _bytes_tensor(states[rank]["cpu"])
-    except (KeyError, TypeError, ValueError):
-        return f"the RNG state of rank {rank} is malformed"
-    if cpu.numel() != torch.get_rng_state().numel():
-        return f"the CPU RNG state of rank {rank} has the wrong size"
-    return None
-
-
-def restore_rng(extra: dict, rank: int, device: torch.device) -> None:
-    """Set this rank's own RNG states from a checkpoint's `extra` (checked by rng_problem)."""
-    states = extra.get("rank_rng")
-    if not isinstance(states, list) or rank >= len(states):
-        return
-    state = states[rank]
-    torch.set_rng_state(_bytes_tensor(state["cpu"]))
-    if "cuda" in state and device.type == "cuda" and cuda_ready():
-        torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]), device)
-
-
-def saved_world_size(extra: dict | None) -> int:
-    """The world size a checkpoint was saved by (1 for a run without ranks)."""
-    value = (extra or {}).get("world_size", 1)
-    return value if isinstance(value, int) and value > 0 else 1
