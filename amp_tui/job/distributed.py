@@ -59,7 +59,6 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-import json
 import math
 import os
 import signal
@@ -71,8 +70,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from amp_tui.core.commands import ACTIONS, Command
+from amp_tui.core.commands import Command
 from amp_tui.core.text import one_line
+from amp_tui.job.command_codec import decode_commands, encode_commands
 from amp_tui.job.gradient_channel import GradientChannel, Received, unsuitable
 from amp_tui.job.rank_output import rank_log_path
 from amp_tui.job.rng_states import rng_state
@@ -86,7 +86,6 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")   # what torchrun sets in 
 # NONFINITE is world_size - rank on a rank whose loss is not finite, so the maximum names the first).
 NONFINITE, COMMAND, PAYLOAD, STOP, CHECKPOINT, SIGNAL = range(6)
 WORDS = 6
-MANY = 1 + len(ACTIONS)     # the command code of a payload holding a list of commands
 UNMEASURED = -1.0           # a figure not measured (None), in the packed vector: below any |x|
 ALL_KINDS = ("act", "grad", "weight")
 # What differs between the ranks in a probed step: the outputs. DDP leaves the same gradients on
@@ -644,23 +643,3 @@ def merge_figures(result: StepResult, rows: torch.Tensor, names: list[str], seen
                     update["first_nonfinite_layer"] = names[index]
     update["per_rank"] = RankFigures(loss=losses, step_time=times, nonfinite_rank=first)
     return dataclasses.replace(result, **update)
-
-
-# ---- the commands ----------------------------------------------------------------------------
-
-def encode_commands(commands: list[Command]) -> tuple[int, bytes]:
-    """A command code, and the payload: none for one command without a value, else the list."""
-    if not commands:
-        return 0, b""
-    if len(commands) == 1 and commands[0].value is None and commands[0].action in ACTIONS:
-        return 1 + ACTIONS.index(commands[0].action), b""
-    return MANY, json.dumps([[c.action, c.value] for c in commands]).encode("utf-8")
-
-
-def decode_commands(code: int, payload: bytes) -> list[Command]:
-    source = "rank 0"
-    if code == 0:
-        return []
-    if code != MANY:
-        return [Command(ACTIONS[code - 1], None, source)]
-    return [Command(action, value, source) for action, value in json.loads(payload.decode("utf-8"))]
