@@ -56,7 +56,6 @@ session kept. docs/distributed.md tells the whole story.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import gc
 import math
@@ -74,6 +73,7 @@ from amp_tui.core.commands import Command
 from amp_tui.core.text import one_line
 from amp_tui.job.command_codec import decode_commands, encode_commands
 from amp_tui.job.gradient_channel import GradientChannel, Received, unsuitable
+from amp_tui.job.rank_figures import OWN_KINDS, merge_figures, pack_figures
 from amp_tui.job.rank_output import rank_log_path
 from amp_tui.job.rng_states import rng_state
 from amp_tui.training.engine import StepResult
@@ -86,11 +86,6 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")   # what torchrun sets in 
 # NONFINITE is world_size - rank on a rank whose loss is not finite, so the maximum names the first).
 NONFINITE, COMMAND, PAYLOAD, STOP, CHECKPOINT, SIGNAL = range(6)
 WORDS = 6
-UNMEASURED = -1.0           # a figure not measured (None), in the packed vector: below any |x|
-ALL_KINDS = ("act", "grad", "weight")
-# What differs between the ranks in a probed step: the outputs. DDP leaves the same gradients on
-# every rank, and the replicas hold the same weights, so rank 0's own figures of those are all.
-OWN_KINDS = ("act",)
 
 
 class RanksLost(RuntimeError):
@@ -113,16 +108,6 @@ class _Agreed:
     words: list[int]
     payload: bytes
     vote: StopVote | None
-
-
-@dataclass
-class RankFigures:
-    """Each rank's loss and step time in one probed (or non-finite) step, and the first rank
-    that saw a non-finite value in it."""
-
-    loss: list[float]
-    step_time: list[float]
-    nonfinite_rank: int | None = None
 
 
 def launched_by_torchrun(environ=os.environ) -> bool:
@@ -590,56 +575,3 @@ class Ranks:
 
     def checkpoint_extra(self, states: list[dict]) -> dict:
         return {"world_size": self.world_size, "rank_rng": states}
-
-
-# ---- the packed figures ----------------------------------------------------------------------
-
-def pack_figures(result: StepResult, compute_s: float, kinds: tuple[str, ...] = ALL_KINDS) -> torch.Tensor:
-    """[loss, step time, then each of `kinds` per layer: act..., grad..., weight...] as float64;
-    UNMEASURED for a figure not measured, NaN and inf as they are (the maximum over the ranks
-    keeps them)."""
-    values = [result.loss, compute_s]
-    f = result.figures
-    if f is not None:
-        for kind in kinds:
-            values += [UNMEASURED if v is None else v for v in getattr(f, kind)]
-    return torch.tensor(values, dtype=torch.float64)
-
-
-def merge_figures(result: StepResult, rows: torch.Tensor, names: list[str], seen: list | None,
-                  *, loss_rank: int | None, kinds: tuple[str, ...] = ALL_KINDS) -> StepResult:
-    """Rank 0's result with every rank's figures in it (`rows`: one packed vector per rank, of
-    `kinds`; rank 0's own figures of the others)."""
-    losses = rows[:, 0].tolist()
-    times = rows[:, 1].tolist()
-    figures = result.figures
-    if figures is not None:
-        n = len(figures.act)
-        top = rows[:, 2:].amax(dim=0).tolist() if rows.shape[0] else []   # amax keeps NaN
-        merged = [None if v == UNMEASURED else v for v in top]
-        figures = dataclasses.replace(figures, **{kind: merged[k * n:(k + 1) * n] for k, kind in enumerate(kinds)})
-    update: dict[str, Any] = {"figures": figures}
-    nonfinite = result.nonfinite
-    bad_losses = [r for r, v in enumerate(losses) if not math.isfinite(v)]
-    if nonfinite is None and bad_losses:
-        nonfinite = "loss"   # an own loop: a rank's loss went non-finite (its backward ran all the same)
-    first = None
-    if nonfinite == "loss":
-        first = loss_rank if loss_rank is not None else (bad_losses[0] if bad_losses else 0)
-    elif nonfinite is not None:
-        located = [r for r, s in enumerate(seen or []) if s and s.get("layer")]
-        first = located[0] if located else 0
-    if nonfinite is not None:
-        update["nonfinite"] = nonfinite
-        if seen is not None and seen[first] is not None:
-            update.update(loss=seen[first]["loss"] if nonfinite == "loss" else result.loss,
-                          first_nonfinite_layer=seen[first]["layer"], diagnosis=seen[first]["diagnosis"])
-        else:
-            if nonfinite == "loss":
-                update["loss"] = losses[first]
-            if figures is not None:
-                index = figures.first_nonfinite("act" if nonfinite == "loss" else "grad")
-                if index is not None:
-                    update["first_nonfinite_layer"] = names[index]
-    update["per_rank"] = RankFigures(loss=losses, step_time=times, nonfinite_rank=first)
-    return dataclasses.replace(result, **update)
