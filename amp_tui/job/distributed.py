@@ -71,8 +71,9 @@ import torch.distributed as dist
 
 from amp_tui.core.commands import Command
 from amp_tui.core.text import one_line
+from amp_tui.job.boundary_words import BoundaryWords
 from amp_tui.job.command_codec import decode_commands, encode_commands
-from amp_tui.job.gradient_channel import GradientChannel, Received, unsuitable
+from amp_tui.job.gradient_channel import GradientChannel, unsuitable
 from amp_tui.job.rank_figures import OWN_KINDS, merge_figures, pack_figures
 from amp_tui.job.rank_output import rank_log_path
 from amp_tui.job.rng_states import rng_state
@@ -81,11 +82,6 @@ from amp_tui.training.engine import StepResult
 DEFAULT_TIMEOUT_S = 300.0   # init_process_group's timeout: how long a collective waits for a rank
 HEARTBEAT_S = 1.0           # while paused, the boundary's own all-reduce runs at least this often
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")   # what torchrun sets in every worker
-
-# The words of the step's tensor (int64, all_reduce MAX: every word rank 0 alone writes is >= 0;
-# NONFINITE is world_size - rank on a rank whose loss is not finite, so the maximum names the first).
-NONFINITE, COMMAND, PAYLOAD, STOP, CHECKPOINT, SIGNAL = range(6)
-WORDS = 6
 
 
 class RanksLost(RuntimeError):
@@ -105,7 +101,7 @@ class StopVote:
 class _Agreed:
     """The step's words (this rank's, or all-reduced), rank 0's payload and the vote sent."""
 
-    words: list[int]
+    words: BoundaryWords
     payload: bytes
     vote: StopVote | None
 
@@ -168,7 +164,7 @@ class Ranks:
         self.run_dir: Path | None = None     # where the other ranks' output goes, once agreed
         # NCCL reduces tensors on the GPU, gloo on the CPU.
         self._comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self._words = torch.zeros(WORDS, dtype=torch.int64, device=self._comm)
+        self._words = torch.zeros(BoundaryWords.SIZE, dtype=torch.int64, device=self._comm)
         # Set by a run whose loss checks carry the next boundary's words: the commands queued for
         # it so far (taken on every rank, encoded on rank 0 alone).
         self.upcoming: Callable[[], list[Command]] | None = None
@@ -324,9 +320,12 @@ class Ranks:
         """This rank's words of the step's tensor, before the all-reduce."""
         code, payload = encode_commands(commands) if self.is_main else (0, b"")
         vote = self._vote   # read once: a signal may replace it meanwhile, the next collective has it
-        local = [0 if finite else self.world_size - self.rank, code, len(payload), 0, 0, 0]
-        if vote is not None:
-            local[STOP:] = [self.world_size - self.rank, int(vote.checkpoint), vote.signum]
+        nonfinite = None if finite else self.rank
+        if vote is None:
+            local = BoundaryWords(nonfinite_rank=nonfinite, command=code, payload_bytes=len(payload))
+        else:
+            local = BoundaryWords(nonfinite_rank=nonfinite, command=code, payload_bytes=len(payload),
+                                  stop_rank=self.rank, checkpoint=vote.checkpoint, signum=vote.signum)
         return _Agreed(local, payload, vote)
 
     def _all_reduce(self, mine: _Agreed, what: str) -> _Agreed:
@@ -336,12 +335,12 @@ class Ranks:
         """The all-reduce of the step's words, started: the function returned waits for it.
         Nothing else of ours runs meanwhile (the words' buffer is the all-reduce's until then)."""
         words = self._words
-        words.copy_(torch.tensor(mine.words, dtype=torch.int64))
+        words.copy_(mine.words.pack(self.world_size))
         work = self._collective(what, lambda: dist.all_reduce(words, op=dist.ReduceOp.MAX, async_op=True))
 
         def agreed() -> _Agreed:
             self._collective(what, work.wait)
-            return _Agreed(words.tolist(), mine.payload, mine.vote)
+            return _Agreed(BoundaryWords.unpack(words, self.world_size), mine.payload, mine.vote)
         return agreed
 
     def agree_commands(self, take: Callable[[], list[Command]]) -> tuple[list[Command], StopVote | None]:
@@ -355,8 +354,8 @@ class Ranks:
             commands = take()
             agreed = self._all_reduce(self._local_words(commands),
                                       "agreeing on the commands at a step boundary")
-        _, code, size, stop, checkpoint, signum = agreed.words
-        payload = agreed.payload
+        words, payload = agreed.words, agreed.payload
+        size = words.payload_bytes
         if size:
             buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._comm) if self.is_main
                       else torch.empty(size, dtype=torch.uint8, device=self._comm))
@@ -365,18 +364,18 @@ class Ranks:
         self._synced_at, self._compute_s, self.nonfinite_rank = time.perf_counter(), None, None
         self._step_finite = True
         if not self.is_main:
-            commands = decode_commands(code, payload)
-        if not stop:
+            commands = decode_commands(words.command, payload)
+        first = words.stop_rank
+        if first is None:
             return commands, None
-        first = self.world_size - stop
         vote = agreed.vote
         if vote is not None and self.rank == first and vote.reason:
             reason = vote.reason
-        elif signum:
-            reason = f"{_signal_name(signum)} on rank {first}"
+        elif words.signum:
+            reason = f"{_signal_name(words.signum)} on rank {first}"
         else:
             reason = f"a stop asked for on rank {first}"
-        return commands, StopVote(checkpoint=bool(checkpoint), reason=reason, signum=signum)
+        return commands, StopVote(checkpoint=words.checkpoint, reason=reason, signum=words.signum)
 
     def hold(self, commands) -> None:
         """Paused: rank 0 waits for a command at most HEARTBEAT_S, then the boundary's tensor goes
@@ -416,8 +415,8 @@ class Ranks:
         next boundary's words kept for it where they came with the check."""
         if carry:
             self._carried = agreed
-        if agreed.words[NONFINITE]:
-            self.nonfinite_rank = self.world_size - agreed.words[NONFINITE]
+        if agreed.words.nonfinite_rank is not None:
+            self.nonfinite_rank = agreed.words.nonfinite_rank
             return False
         return True
 
@@ -434,8 +433,8 @@ class Ranks:
         self._step_finite = True
         row, self._rows_out = self._rows_out, None
         vote = mine.vote
-        channel.send(rank=self.rank, code=mine.words[COMMAND], payload_bytes=mine.words[PAYLOAD],
-                     finite=not mine.words[NONFINITE],
+        channel.send(rank=self.rank, code=mine.words.command, payload_bytes=mine.words.payload_bytes,
+                     finite=mine.words.nonfinite_rank is None,
                      stop=(True, vote.checkpoint, vote.signum) if vote is not None else None, row=row)
 
         def finite_everywhere() -> bool:
@@ -446,28 +445,11 @@ class Ranks:
                 self._channel, self._rows_out = None, row
                 agreed = self._all_reduce(mine, "agreeing on the finite-loss check")
             else:
-                agreed = self._agreed_from(got, mine)
+                agreed = _Agreed(BoundaryWords.from_received(got), mine.payload, mine.vote)
                 if row is not None:
                     self._rows_in = (row, got.rows)
             return self._answer(agreed, carry)
         return finite_everywhere
-
-    def _agreed_from(self, got: Received, mine: _Agreed) -> _Agreed:
-        """The all-reduced words (as the MAX of the step's tensor gives them) from what came in
-        the gradients: the first rank whose loss was not finite, and the first that asked to
-        stop, with its own signal."""
-        w = self.world_size
-        words = [0] * WORDS
-        words[COMMAND], words[PAYLOAD] = got.code, got.payload_bytes
-        bad = [r for r, flag in enumerate(got.nonfinite) if flag]
-        if bad:
-            words[NONFINITE] = w - bad[0]
-        stopping = [r for r, (asked, _, _) in enumerate(got.stops) if asked]
-        if stopping:
-            words[STOP] = w - stopping[0]
-            words[CHECKPOINT] = int(any(got.stops[r][1] for r in stopping))
-            words[SIGNAL] = got.stops[stopping[0]][2]
-        return _Agreed(words, mine.payload, mine.vote)
 
     def forward_done(self, *_args) -> None:
         """A forward hook on the user's DDP model (own loops): its step time ends here, before
