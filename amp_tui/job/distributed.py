@@ -51,6 +51,10 @@ collective that waits for it fail at once (its connection closes); a rank that s
 after the timeout given to `init_process_group` (`--dist-timeout`, DEFAULT_TIMEOUT_S). Either way
 the collective raises `RanksLost`, which ends the run on every rank that is left, with the
 session kept. docs/distributed.md tells the whole story.
+
+This module holds the process group and the collectives; what they carry is laid out in modules
+of its own: the words (job/boundary_words.py), the commands (job/command_codec.py), the figures
+(job/rank_figures.py), the checkpoints' RNG states (job/rng_states.py).
 """
 
 from __future__ import annotations
