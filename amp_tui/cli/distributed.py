@@ -166,7 +166,8 @@ def _train(args, ranks) -> int:
     from amp_tui.cli.train import attach_tensorboard, prepare_run, run_headless
     from amp_tui.core.commands import CommandError
     from amp_tui.core.run_dirs import default_run_dir
-    from amp_tui.job.distributed import RanksLost, output_to, rank_log_path
+    from amp_tui.job.distributed import RanksLost
+    from amp_tui.job.rank_output import output_to, rank_log_path
     from amp_tui.training.devices import DeviceError
     from amp_tui.training.engine import PrecisionRefused
     from amp_tui.training.script import ScriptError

@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.numfmt import byte_size
 from amp_tui.core.text import plural
-from amp_tui.job.distributed import restore_rng, rng_problem, saved_world_size
+from amp_tui.job.rng_states import restore_rng, rng_problem, saved_world_size
 from amp_tui.recording.reader import read_session
 from amp_tui.training import checkpoint as ckpt
 

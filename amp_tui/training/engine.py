@@ -55,7 +55,7 @@ class StepResult:
     next_scale: float | None = None  # the scale after scaler.update(): what the next step uses
     duration: float = 0.0
     wall_time: float = field(default_factory=time.time)
-    per_rank: Any = None          # several ranks: each rank's figures (job/distributed.py)
+    per_rank: Any = None          # several ranks: each rank's figures (job/rank_figures.py)
 
 
 @dataclass
