@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from amp_tui.cli.terminal import EXIT_USAGE, error
+from amp_tui.core.signals import STOP_SIGNALS, handling_signals
 
 LAUNCH_OPTIONS = ("--nproc", "--nnodes", "--rdzv-endpoint")   # the launcher's, not the ranks'
 MONITOR_INTERVAL_S = "0.5"   # how often torchrun's agent looks at its ranks
@@ -95,12 +96,8 @@ def _wait_passing_signals(process: subprocess.Popen) -> int:
     def forward(signum, _frame):
         if process.poll() is None:
             process.send_signal(signum)
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with handling_signals(STOP_SIGNALS, forward):
         status = process.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     return 128 - status if status < 0 else status
 
 
@@ -205,12 +202,8 @@ def _follow(run, ranks) -> int:
     def on_signal(signum, _frame):
         name = signal.Signals(signum).name
         run.request_stop(checkpoint=signum != signal.SIGINT, reason=name)
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with handling_signals(STOP_SIGNALS, on_signal):
         status = run.run()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     t = run.trainer
     scale = "none" if t.scale is None else f"{t.scale:g}"
     print(f"amp-tui {ranks.describe()}: {run.state} before step {run.step}: {t.updates_applied} updates, "

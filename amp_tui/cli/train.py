@@ -13,6 +13,7 @@ from pathlib import Path
 
 from amp_tui.cli import argtypes
 from amp_tui.cli.terminal import error, interactive
+from amp_tui.core.signals import STOP_SIGNALS, handling_signals
 
 DETACH_WAIT_S = 60.0   # how long --detach waits for the background job to open its control socket
 MIN_DIST_TIMEOUT_S = 2.0  # a paused job's ranks meet about once a second (the heartbeat)
@@ -327,17 +328,14 @@ def run_headless(run, warnings: list[str]) -> int:
             # SIGHUP (the SSH connection dropped) or SIGTERM: keep the progress, then exit.
             run.request_stop(checkpoint=True, reason=signal.Signals(signum).name)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        with HeadlessPrinter(console, run.config.steps, run_dir=run.run_dir) as printer:
+        with (handling_signals(STOP_SIGNALS, on_signal),
+              HeadlessPrinter(console, run.config.steps, run_dir=run.run_dir) as printer):
             run.observers.append(printer)
             status = run.run()
     except KeyboardInterrupt:
         console.print("forced exit (second Ctrl+C); the session is closed")
         return 130
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     print_after_run(run, console)
     return status
 
