@@ -20,9 +20,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -36,6 +34,7 @@ from amp_tui.core.records import RunState, end_status
 from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.job.checkpoints import RunCheckpoints
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
+from amp_tui.job.config import RunConfig
 from amp_tui.job.distributed import Ranks, RanksLost, communication_failure
 from amp_tui.job.feed import BatchFeed
 from amp_tui.job.handlers import SharedHandlers
@@ -46,7 +45,7 @@ from amp_tui.training import checkpoint as ckpt
 from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.devices import describe_device
 from amp_tui.training.engine import GuardedTrainer, LossError, PrecisionRefused, StepResult
-from amp_tui.training.guards import GuardConfig, PrecisionGuard
+from amp_tui.training.guards import PrecisionGuard
 from amp_tui.training.local_fp32 import LocalFp32
 from amp_tui.training.script import ScriptError, TrainSetup, describe_exception
 
@@ -58,29 +57,6 @@ ENDING_WAIT_S = 5.0   # how long another thread waits for the training thread to
 EXIT_OK = 0
 EXIT_ERROR = 1          # the script raised, or the session/checkpoints could not be written
 EXIT_NONFINITE_STOP = 3  # --on-nonfinite stop ended the run
-
-
-@dataclass
-class RunConfig:
-    script: Path
-    script_argv: list[str] = field(default_factory=list)
-    dtype: str = "float16"
-    init_scale: float = 65536.0
-    steps: int | None = None            # iterations to run; a resume counts them from where it goes on
-    run_dir: Path | None = None
-    checkpoint_every: int | None = None
-    probe_every: int = 1
-    underflow_every: int = 10           # underflow shares on every Nth probed step
-    on_nonfinite: str = "skip"
-    at: list[tuple[int, Command]] = field(default_factory=list)
-    command_line: list[str] = field(default_factory=list)
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    fp32_modules: list[str] = field(default_factory=list)
-    on_io_error: str = "stop"           # a full disk: "stop" (headless) or "pause" (dashboard)
-    flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)
-    control: bool = False                # serve the control socket (amp-tui ctl / attach)
-    resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
-    resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)
 
 
 class Run(SharedHandlers):
