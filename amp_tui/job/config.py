@@ -1,9 +1,10 @@
 """What a run is asked to do: `amp-tui train`'s options as data, for the command line and for any
 program or test that builds a run (`amp_tui.job.build.build_run`).
 
-Some fields are requests that `build_run` settles before the run exists (the device, `dtype`
-when resuming, the run directory to resume, the interventions to repeat); the ones below the
-line are what it settles them into. A `Run` reads only settled values.
+Some fields are requests that `build_run` settles before the run exists: `device`, `dtype` None
+(the resumed checkpoint's dtype, else float16), `resume` (the run directory becomes `run_dir`, the
+checkpoint chosen `resume_from`), `repeat_interventions` (added to `at`). A `Run` is handed the
+settled config.
 """
 
 from __future__ import annotations
@@ -37,6 +38,6 @@ class RunConfig:
     device: str | None = None            # cpu, cuda, cuda:N; None: cuda when there is one (ranks: their own)
     resume: Path | None = None           # a run directory to continue in place from its newest valid checkpoint
     repeat_interventions: Path | None = None   # a recording whose interventions apply again at their steps
-    # ---- settled by build_run
+    # ---- build_run's answers
     resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
     resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)
