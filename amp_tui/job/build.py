@@ -40,8 +40,8 @@ def build_run(config: RunConfig, *, ranks: Ranks | None = None) -> BuiltRun:
     """The run `config` asks for, checked and ready to `run()`; `ranks` when this process is one
     rank of several (each rank builds its own, on its own device).
 
-    Raises ScriptError / DeviceError / CommandError / PrecisionRefused with a message for the user,
-    RanksLost when another rank is gone.
+    Raises ScriptError / DeviceError / PrecisionRefused with a message for the user, RanksLost when
+    another rank is gone.
     """
     if ranks:
         # One folder for every rank, rank 0's (each would name its own timestamped one).
