@@ -14,151 +14,41 @@ stop ends the run. A command is one handler in `_handlers`, whatever runs the st
 
 from __future__ import annotations
 
-import enum
 import os
 import shlex
-import socket
 import sys
 import threading
 import time
 import traceback
-from datetime import datetime
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-import amp_tui
-from amp_tui.core import precision
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.jsonsafe import encode_float
-from amp_tui.core.numfmt import number
 from amp_tui.core.records import RunState, end_status
+from amp_tui.job import command_handlers as handlers
 from amp_tui.job.checkpoints import RunCheckpoints, TrainingState
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
+from amp_tui.job.driver import Driver
 from amp_tui.job.recorder import Observers, RankEcho, Recorder
+from amp_tui.job.run_records import nonfinite_fields, nonfinite_message, session_header
+from amp_tui.job.states import EXIT_ERROR, EXIT_NONFINITE_STOP, EXIT_OK, IoPolicy, PauseReason
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.recording.report import RunOutcome, describe_records
 from amp_tui.training import checkpoint as ckpt
 from amp_tui.training.autocast import unsupported_reason
-from amp_tui.training.devices import describe_device
-from amp_tui.training.engine import PrecisionRefused, StepResult
+from amp_tui.training.engine import StepResult
 from amp_tui.training.guards import GuardConfig, PrecisionGuard
-from amp_tui.training.local_fp32 import LocalFp32, ModuleMatchError, match_modules
+from amp_tui.training.local_fp32 import LocalFp32
 
 if TYPE_CHECKING:
     from amp_tui.job.distributed import Ranks
 
 ENDING_WAIT_S = 5.0   # how long another thread waits for the training thread to end the file
 PUBLISH_INTERVAL = 0.1   # seconds: the most a batched step waits to be recorded (record_step)
-
-# Exit statuses of a run (the CLI returns them).
-EXIT_OK = 0
-EXIT_ERROR = 1          # the script raised, or the session/checkpoints could not be written
-EXIT_NONFINITE_STOP = 3  # --on-nonfinite stop ended the run
-
-
-class IoPolicy(enum.Enum):
-    """What a disk that refuses the recording does to the run."""
-    STOP = "stop"          # headless: stop with a non-zero status
-    PAUSE = "pause"        # someone watches (the dashboard): pause until space is freed
-    CARRY_ON = "carry_on"  # the user's own loop: say so once, keep the records, write them later
-
-
-class PauseReason(enum.Enum):
-    COMMAND = "command"      # pause from a key, ctl or --at
-    NONFINITE = "nonfinite"  # --on-nonfinite pause
-    IO = "io"                # held until the disk takes writes again
-
-
-class Driver(Protocol):
-    """What runs the steps, as the controller sees it."""
-
-    training: TrainingState      # what a checkpoint saves and restores (and the step counters)
-    local_fp32: LocalFp32
-    model: torch.nn.Module       # the model as the user gave it
-    optimizer: torch.optim.Optimizer
-
-    def description(self) -> dict:
-        """The session header's fields that only the driver knows (see `session_header`)."""
-
-    def fp32_root(self) -> torch.nn.Module:
-        """The model whose module names `fp32=NAME` matches."""
-
-    def saved_extra(self) -> dict:
-        """What a checkpoint holds beyond the training state (e.g. the batches consumed)."""
-
-    def settle(self, *, failed: bool = False, flush: bool = False) -> None:
-        """Record what was measured and not recorded yet, before what comes next."""
-
-    def close(self) -> None:
-        """Leave the user's objects as they were given."""
-
-
-def session_header(controller: RunController, described: dict) -> dict:
-    """The header of a session: the same keys in the same order whatever drives the steps."""
-    t, driver = controller.training, controller.driver
-    ranks = controller.ranks
-    return {
-        "amp_tui_version": amp_tui.__version__,
-        "torch_version": torch.__version__,
-        "python_version": sys.version.split()[0],
-        "device": describe_device(controller.device),
-        "script": described["script"],
-        "argv": list(described["argv"]),
-        "command": list(described["command"]),
-        "dtype": t.dtype,
-        "init_scale": controller.precision.starting_scale,
-        "steps": described.get("steps"),
-        "accumulate": described.get("accumulate"),
-        "max_grad_norm": described.get("max_grad_norm"),
-        "probe_every": described["probe_every"],
-        "underflow_every": described["underflow_every"],
-        "on_nonfinite": controller.on_nonfinite,
-        "checkpoint_every": controller.checkpoint_every,
-        "optimizer": type(driver.optimizer).__name__,
-        "scheduler": type(t.scheduler).__name__ if t.scheduler is not None else None,
-        "parameters": sum(p.numel() for p in driver.model.parameters()),
-        "layers": described["layers"],
-        "compile": described.get("compile"),
-        "fp32_modules": controller.local_fp32.names,
-        "guards": dict(vars(controller.guard.config)),
-        "started": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        **(ranks.header_fields() if ranks else {}),
-    }
-
-
-def nonfinite_message(result: StepResult) -> str:
-    """A non-finite step in words: what went non-finite, where it started, and what was done."""
-    layer = result.first_nonfinite_layer
-    short = precision.SHORT[result.dtype]
-    rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
-    on = f" on rank {rank}" if rank is not None else ""
-    outcome = "update skipped" if result.skipped else "the loop applied the update (no GradScaler to skip it)"
-    if result.nonfinite == "loss":
-        where = f"; first non-finite output: {layer}" if layer else ""
-        if result.diagnosis is not None and result.diagnosis.input_nonfinite:
-            where += " (its input was already non-finite)"
-        return f"non-finite loss ({number(result.loss, 4)}){on} in {short}{where}: {outcome}"
-    where = f"; first non-finite gradient: {layer}" if layer else ""
-    if result.skipped and result.scale is not None:
-        return (f"gradients overflowed at scale {result.scale:g}{on}{where}: update skipped, "
-                f"scale now {result.next_scale:g}")
-    return f"non-finite gradients{on} in {short}{where}: {outcome}"
-
-
-def nonfinite_fields(result: StepResult) -> dict:
-    layer = result.first_nonfinite_layer
-    if result.diagnosis is not None:
-        origin = result.diagnosis.as_fields()
-    else:   # from the probes' figures: the forward's first non-finite output, or the backward's
-        origin = {"origin": layer} if result.nonfinite == "loss" else {"backward_origin": layer}
-    rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
-    return {"where": result.nonfinite, "layer": layer, "loss": encode_float(result.loss),
-            "scale": result.scale, "dtype": result.dtype, **origin,
-            **({"rank": rank} if rank is not None else {})}
 
 
 class RunController:
@@ -195,10 +85,12 @@ class RunController:
                          else RankEcho(self.session_path, prefix=ranks.describe(), echo=echo))
         self.checkpointing = RunCheckpoints(self)
         self.commands = CommandQueue()
+        # One handler per action: a new command is one entry here (docs/architecture.md).
         self._handlers: dict[str, Handler] = {
-            "dtype": self._set_dtype, "scale": self._set_scale, "save": self._save,
-            "restore": self._restore, "fp32": self._toggle_fp32, "pause": self._pause,
-            "resume": self._resume, "step": self._single_step, "stop": self._stop, "note": self._note,
+            "dtype": partial(handlers.set_dtype, self), "scale": partial(handlers.set_scale, self),
+            "save": partial(handlers.save, self), "restore": partial(handlers.restore, self),
+            "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self),
+            "pause": self._pause, "resume": self._resume, "step": self._single_step, "stop": self._stop,
         }
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in at:
@@ -243,7 +135,8 @@ class RunController:
         return self.driver.local_fp32
 
     @property
-    def step(self) -> int:
+    def step_index(self) -> int:
+        """The index of the next step (`Run.step`; a monitor's `step()` is the loop's block)."""
         return self.training.step_index
 
     @property
@@ -299,14 +192,14 @@ class RunController:
     def status(self) -> dict:
         """A snapshot for `amp-tui ctl RUN status` (read from another thread: plain values only)."""
         t, r = self.training, self.last_result
-        return {"state": self.state, "step": self.step, "steps": self.steps, "dtype": t.dtype,
+        return {"state": self.state, "step": self.step_index, "steps": self.steps, "dtype": t.dtype,
                 "scale": self.precision.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
                 "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
                 "run_dir": str(self.run_dir), "script": str(self.script),
                 **(self.ranks.header_fields() if self.ranks else {})}
 
     def outcome(self) -> RunOutcome:
-        return RunOutcome(state=self.state, steps=self.step, unwritten=dict(self.unwritten),
+        return RunOutcome(state=self.state, steps=self.step_index, unwritten=dict(self.unwritten),
                           recording_error=self.recording_error)
 
     def pending_records(self) -> dict[str, int]:
@@ -330,7 +223,7 @@ class RunController:
 
     def event(self, kind: str, message: str, *, step: int | None = None, **fields: Any) -> dict:
         self.publish()   # the steps before it first, in the order they happened
-        record = event_record(self.step if step is None else step, kind, message, **fields)
+        record = event_record(self.step_index if step is None else step, kind, message, **fields)
         self.recorder.emit(record)
         return record
 
@@ -376,24 +269,8 @@ class RunController:
             self.precision.clamp(decisions.clamp_scale)
         for alert in decisions.alerts:
             self.alert(alert.reason, alert.message, cause=alert.cause, fix=alert.fix, step=result.step)
-        move = decisions.move
-        if move is None:
-            return
-        if move.rollback_before is not None:
-            good = [c for c in self.checkpoints() if c.step is not None and c.step <= move.rollback_before]
-            if self.ranks:   # rank 0's listing for every rank: the restore is a collective
-                good = self.ranks.share(good[:1])
-            if good:
-                self._apply(Command("restore", str(good[0].path), "fallback"))
-            else:
-                self.alert("no_checkpoint", f"--rollback: no checkpoint saved at or before step "
-                           f"{move.rollback_before}; moving on without one", cause="no checkpoint yet",
-                           fix="use --checkpoint-every N")
-        change = self.training.set_dtype(move.to_dtype)
-        before, after = change["before"], change["after"]
-        self.event("intervention", f"fallback {precision.SHORT[before['dtype']]} → "
-                   f"{precision.SHORT[move.to_dtype]}: {move.reason}", action="dtype",
-                   value=move.to_dtype, source="fallback", reason=move.reason, before=before, after=after)
+        if decisions.move is not None:
+            handlers.fall_back(run=self, move=decisions.move)
 
     def _on_nonfinite(self, result: StepResult) -> None:
         self.nonfinite_events += 1
@@ -430,13 +307,13 @@ class RunController:
         resumed, single-stepped or stopped. False: the run ends here (stopped, or `finished`)."""
         while True:
             for command in self._boundary_commands():
-                self._apply(command)
+                self.apply(command)
             if self._stop_requested.is_set():
                 self._stopping()
                 return False
             if self._checkpoint_due is not None and self.state == "running":
                 # A save the disk refused, tried again first once the user resumed.
-                self._save_checkpoint(source=self._checkpoint_due)
+                self.save_checkpoint(source=self._checkpoint_due)
                 continue
             if finished is not None and finished() and self._pause_reason is not PauseReason.IO:
                 self.set_state("finished")
@@ -454,16 +331,16 @@ class RunController:
 
     def after_update(self) -> None:
         """A step is done: a checkpoint every N steps."""
-        if self.checkpoint_every and self.step % self.checkpoint_every == 0:
-            self._save_checkpoint(source="checkpoint_every")
+        if self.checkpoint_every and self.step_index % self.checkpoint_every == 0:
+            self.save_checkpoint(source="checkpoint_every")
 
     def _boundary_commands(self) -> list[Command]:
         """What applies at this step boundary: the `--at` commands of this step, then those
         queued meanwhile. With several ranks, rank 0's, on every rank, and a stop that a signal
         (or a full disk) brought to any rank stops them all here."""
         if not self.ranks:
-            return self.queued(self.step)
-        commands, stop = self.ranks.agree_commands(lambda: self.queued(self.step))
+            return self.queued(self.step_index)
+        commands, stop = self.ranks.agree_commands(lambda: self.queued(self.step_index))
         if stop is not None:
             self._checkpoint_on_stop = self._checkpoint_on_stop or stop.checkpoint
             self._stop_reason = self._stop_reason or stop.reason
@@ -477,7 +354,7 @@ class RunController:
     def scheduled_first(self, actions: tuple[str, ...]) -> list[Command]:
         """The `--at` commands of this step that lead its list and are among `actions`, taken
         out of the schedule (the pre-flight applies them before the first forward)."""
-        scheduled = self._scheduled.get(self.step, [])
+        scheduled = self._scheduled.get(self.step_index, [])
         taken = []
         while scheduled and scheduled[0].action in actions:
             taken.append(scheduled.pop(0))
@@ -490,7 +367,7 @@ class RunController:
         if self._stop_reason:
             self.event("stopping", f"stopping: {self._stop_reason}", reason=self._stop_reason)
         if self._checkpoint_on_stop or self._checkpoint_due is not None:
-            self._save_checkpoint(source=self._stop_reason or self._checkpoint_due or "stop")
+            self.save_checkpoint(source=self._stop_reason or self._checkpoint_due or "stop")
         self.should_stop = True
         if self.state != "error":
             self.set_state("stopped")
@@ -499,12 +376,10 @@ class RunController:
     def apply(self, command: Command) -> Outcome:
         return apply_command(self._handlers, command, self._command_failed)
 
-    _apply = apply
-
     def refuse(self, action: str, reason: str) -> None:
         """Turn a command off in this run: from now on it is refused with `reason` (say what owns
         what it would change, e.g. an engine that owns the loss scale)."""
-        self._handlers[action] = lambda command: self._refused(command, reason)
+        self._handlers[action] = lambda command: self.refused(command, reason)
 
     def _command_failed(self, command: Command, message: str) -> None:
         self.event("error", message, during=command.action, source=command.source)
@@ -517,40 +392,11 @@ class RunController:
                    before=before, after=after, **who)
         return Outcome(True, message)
 
-    def _refused(self, command: Command, message: str) -> Outcome:
+    def refused(self, command: Command, message: str) -> Outcome:
         self.event("error", message, during=command.action, source=command.source)
         return Outcome(False, message)
 
-    def _set_dtype(self, command: Command) -> Outcome:
-        try:
-            change = self.training.set_dtype(str(command.value))
-        except PrecisionRefused as exc:
-            return self._refused(command, f"dtype change refused: {exc}")
-        b, a = change["before"], change["after"]
-        note = f" (scale {a['scale']:g})" if a.get("scale") is not None else ""
-        return self.intervention(command, b, a, f"dtype {precision.SHORT[b['dtype']]} → "
-                                 f"{precision.SHORT[a['dtype']]}{note}")
-
-    def _set_scale(self, command: Command) -> Outcome:
-        try:
-            change = self.precision.set_scale(command.value)
-        except PrecisionRefused as exc:
-            return self._refused(command, f"scale change refused: {exc}")
-        b, a = change["before"], change["after"]
-        if b["scale"] is not None and b["dtype"] == "float16":
-            text = f"loss scale {b['scale']:g} → {a['scale']:g}"
-        else:
-            text = f"fp16 loss scale {b['fp16_scale']:g} → {a['fp16_scale']:g} (used when fp16 is next entered)"
-        return self.intervention(command, b, a, text)
-
-    def _save(self, command: Command) -> Outcome:
-        info = self._save_checkpoint(source=command.source)
-        if info is None:
-            return Outcome(False, "checkpoint not saved (see the error event)")
-        path = self.checkpointing.relative(info.path)
-        return self.intervention(command, {}, {"checkpoint": path}, f"checkpoint saved: {path}")
-
-    def _save_checkpoint(self, *, source: str) -> ckpt.CheckpointInfo | None:
+    def save_checkpoint(self, *, source: str) -> ckpt.CheckpointInfo | None:
         # The session holds every step the checkpoint has in it (a resume goes on from the
         # session's last step).
         self.driver.settle()
@@ -558,24 +404,6 @@ class RunController:
         if info is not None:
             self._checkpoint_due = None
         return info
-
-    def _restore(self, command: Command) -> Outcome:
-        self.driver.settle()   # the steps the restore undoes are recorded before it
-        return self.checkpointing.restore(command)
-
-    def _toggle_fp32(self, command: Command) -> Outcome:
-        pattern = str(command.value)
-        before = {"fp32_modules": self.local_fp32.names}
-        try:
-            already = set(match_modules(self.driver.fp32_root(), pattern)) & set(self.local_fp32.names)
-            changed = self.local_fp32.remove(pattern) if already else self.local_fp32.add(pattern)
-            if changed:
-                self.training.discard_started_step()   # it ran under the old autocast policy
-        except ModuleMatchError as exc:
-            return self._refused(command, str(exc))
-        verb = "back to autocast" if already else "now in fp32"
-        return self.intervention(command, before, {"fp32_modules": self.local_fp32.names},
-                                 f"{', '.join(changed) or pattern} {verb}")
 
     def _pause(self, command: Command) -> Outcome:
         # The paused state (ctl status, attach) comes with the last step in the file.
@@ -598,7 +426,7 @@ class RunController:
             return Outcome(False, self._pause_first(command.source))
         self._single_steps += 1
         return self.intervention(command, {"state": self.state}, {"state": self.state},
-                                 f"single step {self.step}")
+                                 f"single step {self.step_index}")
 
     def _pause_first(self, source: str) -> str:
         """Why a single step was refused, in the terms of whoever asked for it."""
@@ -615,13 +443,6 @@ class RunController:
         self._stop_requested.set()
         return Outcome(True, self.STOP_ANSWER)
 
-    def _note(self, command: Command) -> Outcome:
-        """A note of the user's, recorded at this boundary (what changed outside the run)."""
-        text = str(command.value)
-        who = {"client": command.client} if command.client else {}
-        self.event("note", f"note: {text}", text=text, source=command.source, **who)
-        return Outcome(True, "note recorded")
-
     # ---- a disk that refuses writes ------------------------------------------------------
     def _waits_for_space(self) -> bool:
         """A full disk pauses the run (someone watching can free space), or stops it."""
@@ -635,11 +456,11 @@ class RunController:
             if first and not self._disk_said:
                 self._disk_said = True
                 _say(f"{message}; the records are kept and written once space is freed")
-            self.recorder.keep(event_record(self.step, "error", message, during="io"))
+            self.recorder.keep(event_record(self.step_index, "error", message, during="io"))
             return
         if not first and (self.state == "paused" or self._stop_requested.is_set()):
             return  # already reported; the run is paused or stopping
-        self.recorder.keep(event_record(self.step, "error", message, during="io"))
+        self.recorder.keep(event_record(self.step_index, "error", message, during="io"))
         self._halt_for_io(message)
 
     def _halt_for_io(self, message: str) -> None:
@@ -691,7 +512,7 @@ class RunController:
 
     def _end_record(self, status: str) -> dict:
         t = self.training
-        return {"step": self.step, "status": status, "updates": t.updates_applied,
+        return {"step": self.step_index, "status": status, "updates": t.updates_applied,
                 "skipped_total": t.skipped_total, "dtype": t.dtype, "scale": self.precision.scale,
                 "time": round(time.time(), 3), "exit_status": self.exit_status}
 
@@ -752,7 +573,7 @@ class RunController:
                     self._stop_replies.append(command)
                     self._stop_requested.set()
                 elif command.action in ("resume", "step", "pause"):
-                    self._apply(command)
+                    self.apply(command)
                 elif command.on_done is not None:
                     command.on_done(Outcome(False, f"{command.text()} refused: the run has ended "
                                                    f"and its last records wait for the disk ({why})"))

@@ -267,7 +267,8 @@ class HookDriver:
         attempt.gradients, attempt.scaled = True, scaled
         if self.probe.active:
             probed = self.step_index // self.probe_every
-            self.probe.record_gradients(self.precision.scale, underflow=not scaled and probed % self.underflow_every == 0)
+            self.probe.record_gradients(self.precision.scale,
+                                        underflow=not scaled and probed % self.underflow_every == 0)
             self.probe.record_weights()
 
     # ---- an update, from its first block to its end ------------------------------------------------

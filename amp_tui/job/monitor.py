@@ -40,9 +40,10 @@ from amp_tui.core import precision
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.core.signals import install_handlers, restore_handlers
-from amp_tui.job.controller import IoPolicy, RunController
+from amp_tui.job.controller import RunController
 from amp_tui.job.distributed import Ranks
 from amp_tui.job.hook_driver import HookDriver, MonitorError
+from amp_tui.job.states import IoPolicy
 from amp_tui.training.autocast import autocast, torch_dtype
 from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
 
@@ -145,10 +146,6 @@ class Monitor(RunController):
     @property
     def dtype(self) -> str:
         return self.driver.dtype
-
-    @property
-    def step_index(self) -> int:
-        return self.driver.step_index
 
     @property
     def last_skipped(self) -> bool:

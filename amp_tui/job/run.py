@@ -7,46 +7,22 @@ Observers get every record (header, step, event, end) on the training thread and
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from amp_tui.core.commands import Command
 from amp_tui.core.run_dirs import default_run_dir
-from amp_tui.job.controller import EXIT_ERROR, IoPolicy, RunController
+from amp_tui.job.config import RunConfig
+from amp_tui.job.controller import RunController
 from amp_tui.job.distributed import Ranks, RanksLost
 from amp_tui.job.engine_driver import EngineDriver, StepFailure
 from amp_tui.job.feed import BatchFeed
+from amp_tui.job.states import EXIT_ERROR, IoPolicy
 from amp_tui.recording.format import SessionFormatError, event_record
 from amp_tui.training import checkpoint as ckpt
-from amp_tui.training.guards import GuardConfig
 from amp_tui.training.script import ScriptError, TrainSetup
 
 NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback")
 PRECISION_ACTIONS = ("dtype", "scale", "fp32")  # what --at 0:... may set before the pre-flight
-
-
-@dataclass
-class RunConfig:
-    script: Path
-    script_argv: list[str] = field(default_factory=list)
-    dtype: str = "float16"
-    init_scale: float = 65536.0
-    steps: int | None = None            # iterations to run; a resume counts them from where it goes on
-    run_dir: Path | None = None
-    checkpoint_every: int | None = None
-    probe_every: int = 1
-    underflow_every: int = 10           # underflow shares on every Nth probed step
-    on_nonfinite: str = "skip"
-    at: list[tuple[int, Command]] = field(default_factory=list)
-    command_line: list[str] = field(default_factory=list)
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    fp32_modules: list[str] = field(default_factory=list)
-    flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)
-    control: bool = False                # serve the control socket (amp-tui ctl / attach)
-    resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
-    resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)
 
 
 class Run(RunController):
@@ -70,6 +46,10 @@ class Run(RunController):
         self.trainer = driver.trainer
         self._header: dict | None = None    # taken before the pre-flight's --at actions apply
         self._resumed = False
+
+    @property
+    def step(self) -> int:
+        return self.step_index
 
     # ---- starting -------------------------------------------------------------------------
     def open(self) -> None:
@@ -145,7 +125,7 @@ class Run(RunController):
         return self.exit_status
 
     def _finished(self) -> bool:
-        return self.steps is not None and self.step >= self.steps
+        return self.steps is not None and self.step_index >= self.steps
 
     def _record_failure(self, exc: BaseException) -> None:
         if isinstance(exc, KeyboardInterrupt):

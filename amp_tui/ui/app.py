@@ -24,6 +24,7 @@ from textual.screen import Screen
 from amp_tui.core import precision
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.records import ENDED, STEERED_MODES
+from amp_tui.core.signals import handling_signals
 from amp_tui.core.text import clip, visible
 from amp_tui.sources.protocol import Snapshot, Source
 from amp_tui.ui.actions import BY_ACTION, KEY_ACTIONS, bindings, key_label
@@ -90,13 +91,8 @@ class AmpTuiApp(App[int]):
         """SIGINT sent to the process (`kill -INT`; the terminal's own Ctrl+C is a key) is what
         Ctrl+C does. Left to asyncio it would cancel the app's task wherever it stands, and a
         shutdown cancelled halfway could leave the process hanging."""
-        if threading.current_thread() is not threading.main_thread():
+        with handling_signals((signal.SIGINT,), self._on_sigint):
             return super().run(*args, **kwargs)
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
-        try:
-            return super().run(*args, **kwargs)
-        finally:
-            signal.signal(signal.SIGINT, previous)
 
     def _on_sigint(self, _signum, _frame) -> None:
         # A signal handler runs on the main thread between two bytecodes, maybe inside the event

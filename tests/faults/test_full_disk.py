@@ -232,7 +232,7 @@ sys.path.insert(0, sys.argv[3])
 from support import build_live, toasts, until
 from amp_tui.ui.app import create_app
 folder, out, _, script = sys.argv[1:5]
-run, source = build_live(script, os.path.join(folder, "run"), "--steps", "30", "--init-scale", "256")
+run, source = build_live(script, os.path.join(folder, "run"), steps=30, init_scale=256.0)
 run.config.flush_interval = 3600.0       # every step record waits for the end: the last flush
 filler_path = os.path.join(folder, "filler")
 

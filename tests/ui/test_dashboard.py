@@ -14,9 +14,9 @@ import math
 import pytest
 from textual.widgets import Input, OptionList, Static
 
-from amp_tui.cli import build_parser, prepare_run
 from amp_tui.core.commands import Outcome
 from amp_tui.core.text import visible
+from amp_tui.job.build import build_run
 from amp_tui.recording.reader import read_session
 from amp_tui.sources.protocol import LayerView
 from amp_tui.ui import view
@@ -32,7 +32,7 @@ from amp_tui.ui.widgets.notice import PauseNotice
 from amp_tui.ui.widgets.too_small import TooSmall
 
 from fixed_source import SYNTHETIC_START, FixedSource, synthetic_records
-from support import HANGING_SCRIPT, SIZE, build_live, run_async, toasts, until
+from support import HANGING_SCRIPT, SIZE, build_live, run_async, toasts, train_config, until
 
 FROZEN = SYNTHETIC_START + 400 * 0.125
 
@@ -118,7 +118,7 @@ async def invoke(callback):
 @pytest.fixture
 def paused_run(mlp_script, tmp_path):
     """A live run of the small MLP that pauses itself before step 0."""
-    run, source = build_live(mlp_script, tmp_path / "run", "--at", "0:pause")
+    run, source = build_live(mlp_script, tmp_path / "run", at=["0:pause"])
     yield run, source
     source.stop(5.0)
 
@@ -338,7 +338,7 @@ async def test_q_stops_at_a_step_boundary_and_flushes_the_session(mlp_script, tm
 
 @run_async
 async def test_q_with_a_hung_step_forces_the_exit_after_the_bounded_wait(write_script, tmp_path):
-    run, source = build_live(write_script(HANGING_SCRIPT), tmp_path / "run", "--dtype", "fp32")
+    run, source = build_live(write_script(HANGING_SCRIPT), tmp_path / "run", dtype="float32")
     app = create_app(source, stop_timeout=0.3)
     try:
         async with app.run_test(size=SIZE, notifications=True) as pilot:
@@ -365,9 +365,8 @@ def test_run_dashboard_stops_flushes_prints_summary_and_returns_status(mlp_scrip
         return original_run(self, headless=True, size=SIZE, auto_pilot=autopilot)
 
     monkeypatch.setattr(AmpTuiApp, "run", headless_run)
-    args = build_parser().parse_args(["train", str(mlp_script), "--run-dir", str(tmp_path / "r"),
-                                      "--device", "cpu"])
-    run, warnings = prepare_run(args, [], ["amp-tui"], on_nonfinite_default="pause")
+    run, warnings = build_run(train_config(mlp_script, tmp_path / "r", device="cpu", on_nonfinite="pause",
+                                           command_line=["amp-tui"]))
     assert run_dashboard(run, warnings, refresh_rate=10) == 0
     out = capsys.readouterr().out
     assert any(line.split()[:2] == ["status", "stopped"] for line in out.splitlines()), out
@@ -406,8 +405,8 @@ async def test_nonfinite_loss_pauses_with_a_notice_naming_step_and_layer(write_s
 
 @run_async
 async def test_script_exception_shows_traceback_panel_keeps_session_and_q_exits(write_script, tmp_path):
-    run, source = build_live(write_script(RAISING_SCRIPT), tmp_path / "run", "--checkpoint-every", "2",
-                             "--dtype", "fp32")   # fp32: no overflow skip re-running loss_fn
+    run, source = build_live(write_script(RAISING_SCRIPT), tmp_path / "run", checkpoint_every=2,
+                             dtype="float32")   # fp32: no overflow skip re-running loss_fn
     app = create_app(source)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         panel = app.dashboard.query_one(ErrorPanel)
