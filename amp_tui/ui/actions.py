@@ -36,10 +36,6 @@ class KeyAction:
     shown: bool = True         # in the footer and the palette (False: a second key for an action
                                # that has its own entry; listed in the help only)
 
-    @property
-    def replay_only(self) -> bool:
-        return self.modes == REPLAY
-
     def text(self, mode: str) -> tuple[str, str, str]:
         return dict(self.texts).get(mode, (self.footer, self.title, self.help))
 
