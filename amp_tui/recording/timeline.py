@@ -294,7 +294,8 @@ def interventions_as_at(index: IndexLike) -> list[str]:
     `10:dtype=bf16`, `20:scale=4096`, `20:scale=half`, `30:save`,
     `40:restore=checkpoints/step-0000030.safetensors`, `50:pause`, `50:resume`. Interventions the
     run made itself (source "fallback") are left out. Refused commands left no intervention event
-    and are not repeated either."""
+    and are not repeated either, nor are notes: a note says what happened to that run (a data
+    shard changed by hand), which a run repeating its interventions can't claim."""
     idx = _index(index)
     out = []
     for k in range(idx.event_count):
