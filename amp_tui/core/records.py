@@ -18,7 +18,7 @@ EndStatus = Literal["finished", "stopped", "error"]
 Mode = Literal["live", "replay", "attached", "launched"]
 STEERED_MODES: frozenset[str] = frozenset({"live", "attached", "launched"})
 EventKind = Literal["intervention", "checkpoint_saved", "checkpoint_restored", "nonfinite", "alert",
-                    "error", "paused", "stopping", "resumed"]
+                    "error", "paused", "stopping", "resumed", "note"]
 
 ENDED: frozenset[str] = frozenset({"finished", "stopped", "error"})
 # The events that change a run's state; the others (a checkpoint saved, an alert...) don't.
@@ -103,6 +103,15 @@ def nonfinite_layer(event: Mapping[str, Any]) -> str | None:
     first = event.get("origin") if event.get("where") == "loss" else event.get("backward_origin")
     found = first or event.get("layer")
     return str(found) if found else None
+
+
+def note_text(event: Mapping[str, Any]) -> str:
+    """What a `note` event says: its `text`, as typed; its message (`note: TEXT`) when a writer
+    left the text out."""
+    text = event.get("text")
+    if isinstance(text, str):
+        return text
+    return str(event.get("message") or "").removeprefix("note: ")
 
 
 def world_size_of(header: dict) -> int:

@@ -12,7 +12,8 @@ the same writer a recording (amp_tui.recording.export). Both write the same thin
 - per layer, grouped by layer: `layer.NAME/max_abs_act`, `max_abs_grad`, `max_abs_weight` and
   `headroom_bits` (against the dtype in force at that step; see amp_tui.recording.figures);
 - every event as text at its step, under `events/KIND` (interventions, non-finite steps with
-  the module they started in, alerts, checkpoints...), and the run's command under `run/header`.
+  the module they started in, alerts, checkpoints, notes with their text...), and the run's
+  command under `run/header`.
 
 A value the step did not measure is left out; a non-finite one is written as it is (NaN, inf).
 The events are TensorBoard's own protocol buffers (tensorboard.compat.proto) in its record
@@ -34,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from amp_tui.core.jsonsafe import read_float
+from amp_tui.core.records import note_text
 from amp_tui.core.text import one_line
 from amp_tui.recording.extras import require
 from amp_tui.recording.figures import FIGURES, layer_figures
@@ -357,7 +359,8 @@ class TensorBoardWriter:
         if isinstance(step, bool) or not isinstance(step, int):
             return
         kind = one_line(str(e.get("kind")), 64)
-        lines = [_markdown(one_line(str(e.get("message", "")), TEXT_CHARS))]
+        message = note_text(e) if kind == "note" else str(e.get("message", ""))
+        lines = [_markdown(one_line(message, TEXT_CHARS))]
         for key in EVENT_DETAILS:
             if e.get(key) is not None:
                 lines.append(f"{key}: {_markdown(one_line(str(e[key]), 500))}")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from amp_tui.core.precision import SHORT
-from amp_tui.core.records import nonfinite_layer
+from amp_tui.core.records import nonfinite_layer, note_text
 from amp_tui.core.text import one_line, plural
 from amp_tui.recording.index import F_NONFINITE_GRADIENTS, F_NONFINITE_LOSS, F_SKIPPED, SessionIndex
 
@@ -73,7 +73,7 @@ def header_line(index: IndexLike) -> str:
 
 def timeline_lines(index: IndexLike) -> list[str]:
     """The recording in step order: a header line, then events (interventions, checkpoints,
-    restores, errors, pauses, alerts), runs of skipped updates collapsed into one line each, dtype
+    restores, errors, pauses, alerts, notes), runs of skipped updates collapsed into one line each, dtype
     changes nobody asked for, and a summary line."""
     idx = _index(index)
     items: list[tuple[int, int, int, str]] = []   # (step, order, seq, text)
@@ -210,17 +210,18 @@ _KIND_LABELS = {
     "stopping": "stopping",
     "nonfinite": "non-finite",
     "alert": "alert",
+    "note": "note",
 }
 
 
 def _event_text(kind: str, e: dict) -> str:
-    message = one_line(e.get("message") or "", MESSAGE_LIMIT)
+    message = one_line((note_text(e) if kind == "note" else e.get("message")) or "", MESSAGE_LIMIT)
     label = _KIND_LABELS[kind] if kind in _KIND_LABELS else one_line(kind, 40)
     if not label and not message:
         label = one_line(kind, 40)
     source = e.get("source")
     suffix = ""
-    if kind in ("intervention", "checkpoint_restored", "checkpoint_saved") and source:
+    if kind in ("intervention", "checkpoint_restored", "checkpoint_saved", "note") and source:
         suffix = f" [{one_line(source, 40)}]"
     if kind == "error":
         during = e.get("during")
@@ -243,6 +244,8 @@ def _summary_line(idx: SessionIndex, storms: int) -> str:
         parts.append(plural(kinds.count("checkpoint_restored"), "restore"))
     if kinds.count("error"):
         parts.append(plural(kinds.count("error"), "error"))
+    if kinds.count("note"):
+        parts.append(plural(kinds.count("note"), "note"))
     end = idx.end
     if frames:
         last = frames - 1

@@ -281,6 +281,7 @@ EVENT_LABELS = {
     "paused": ("paused", "magenta"),
     "stopping": ("stopping", "magenta"),
     "alert": ("alert", "bold yellow"),
+    "note": ("note", "bold blue"),
 }
 
 

@@ -116,7 +116,7 @@ def records(tmp_path_factory) -> list[dict]:
         out.extend(strict_lines(run_dir / "session.jsonl"))
         return run_dir
 
-    # Every --at action, a refused restore, an alert, a pause on a non-finite loss answered over
+    # Every --at action (a note too), a refused restore, an alert, a pause on a non-finite loss answered over
     # the control socket (step, then resume: the `client` field), underflow shares on every probe.
     steered = folder / "steered"
     args = build_parser().parse_args([
@@ -124,7 +124,7 @@ def records(tmp_path_factory) -> list[dict]:
         "--on-nonfinite", "pause", "--min-scale", "2048",
         "--at", "1:save", "--at", "1:scale=1024", "--at", "2:fp32=0", "--at", "6:restore=latest",
         "--at", "6:restore=nothing-here.safetensors", "--at", "8:dtype=bf16", "--at", "9:dtype=fp16",
-        "--at", "10:pause", "--at", "13:stop"])
+        "--at", "10:pause", "--at", "11:note=shard 3 → 4: lr=1e-4", "--at", "13:stop"])
     run, _ = prepare_run(args, [], [])
     answers: list[dict] = []
     pauses = []
