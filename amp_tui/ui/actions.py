@@ -62,6 +62,8 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
               texts=(("replay", _PLAY),)),
     KeyAction("amp.step", "n", "single_step", "step", "Run one step",
               "Run exactly one step while paused"),
+    KeyAction("amp.note", "m", "add_note", "note", "Add a note…",
+              "Type a line to record in the session at the next step boundary (Enter records, Esc cancels)"),
     KeyAction("amp.replay.faster", "plus", "replay_faster", "faster", "Replay faster",
               "Double the playback speed", key_display="+", modes=REPLAY, priority=True),
     KeyAction("amp.replay.slower", "minus", "replay_slower", "slower", "Replay slower",
