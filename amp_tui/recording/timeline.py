@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from amp_tui.core.precision import SHORT
-from amp_tui.core.records import nonfinite_layer, note_text
+from amp_tui.core.records import EventKind, nonfinite_layer, note_text
 from amp_tui.core.text import one_line, plural
 from amp_tui.recording.index import F_NONFINITE_GRADIENTS, F_NONFINITE_LOSS, F_SKIPPED, SessionIndex
 
@@ -201,7 +201,7 @@ def _dtype_changes(idx: SessionIndex) -> list[int]:
 
 # A label before the message, where the message doesn't say what happened by itself
 # ("checkpoint … saved", "restored …", "paused after …" do).
-_KIND_LABELS = {
+_KIND_LABELS: dict[EventKind, str] = {
     "intervention": "intervention",
     "checkpoint_saved": "",
     "checkpoint_restored": "",
