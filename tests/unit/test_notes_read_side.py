@@ -1,14 +1,18 @@
 """A `note` event, read back: the replay's timeline, `amp-tui report` (text and JSON), the event
-log's line and the TensorBoard export show its text; `--as-at` does not repeat it."""
+log's line, headless train's event line and the TensorBoard export show its text; `--as-at`
+does not repeat it."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
+from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from amp_tui.cli import main
+from amp_tui.cli.headless import HeadlessPrinter
 from amp_tui.recording.reader import read_session
 from amp_tui.recording.report import read_digest, summarize
 from amp_tui.recording.timeline import interventions_as_at, timeline_lines
@@ -87,3 +91,9 @@ def test_the_tensorboard_export_has_the_note_as_text_at_its_step(noted, tmp_path
     assert sorted(written) == [12, 27]
     assert written[12].splitlines()[0].strip() == NOTE.replace("_", "\\_")
     assert "source: ctl pid=7 user=me" in written[12] and written[27].strip() == "second"
+
+
+def test_headless_prints_a_note_as_it_comes_once_labelled():
+    out = io.StringIO()
+    HeadlessPrinter(Console(file=out, width=200), None).print_event(json.loads(note_event(12, NOTE)))
+    assert out.getvalue().split() == ["step", "12", "note", *NOTE.split()]
