@@ -17,12 +17,13 @@ from amp_tui.cli.summary import print_after_run
 from amp_tui.core import precision
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.numfmt import number
+from amp_tui.core.records import note_text
 from amp_tui.core.signals import STOP_SIGNALS, handling_signals
 
 EVENT_STYLES = {
     "nonfinite": "yellow", "error": "bold red", "intervention": "cyan",
     "checkpoint_saved": "green", "checkpoint_restored": "green", "paused": "magenta",
-    "stopping": "magenta", "alert": "yellow",
+    "stopping": "magenta", "alert": "yellow", "note": "bold blue",
 }
 
 
@@ -75,7 +76,8 @@ class HeadlessPrinter:
         style = EVENT_STYLES.get(record.get("kind", ""), "")
         line = Text(f"step {record.get('step', '?'):>6}  ", style="dim")
         line.append(f"{record.get('kind', '?'):<20}", style=style)
-        line.append(str(record.get("message", "")))  # literal: no markup from messages
+        # literal: no markup from messages; a note's kind already says what its text is
+        line.append(note_text(record) if record.get("kind") == "note" else str(record.get("message", "")))
         self.console.print(line, soft_wrap=True)
         tb = record.get("traceback")
         if tb:

@@ -14,13 +14,14 @@ import math
 import pytest
 from textual.widgets import Input, OptionList, Static
 
-from amp_tui.core.commands import Outcome
+from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.text import visible
 from amp_tui.job.build import build_run
 from amp_tui.recording.reader import read_session
 from amp_tui.sources.protocol import LayerView
 from amp_tui.ui import view
 from amp_tui.ui.app import AmpTuiApp, create_app
+from amp_tui.ui.dialogs.note_dialog import NoteDialog
 from amp_tui.ui.dialogs.restore_dialog import check_path
 from amp_tui.ui.dialogs.scale_dialog import ScaleDialog, parse_scale
 from amp_tui.ui.screens.help_screen import HelpScreen, help_text
@@ -179,6 +180,34 @@ BAD_SCALES = [("abc", "not a number"), ("-4", "not positive"), ("0", "not positi
 
 
 @run_async
+async def test_m_asks_for_a_note_and_sends_it_to_the_run(paused_run, monkeypatch):
+    run, source = paused_run
+    submitted: list[Command] = []
+    submit = run.submit
+    monkeypatch.setattr(run, "submit", lambda command: (submitted.append(command), submit(command)))
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await wait_paused(pilot, source)
+        await pilot.press("m")
+        await until(pilot, lambda: isinstance(app.screen, NoteDialog), "the note dialog")
+        await pilot.press("enter")      # nothing typed: refused in the dialog, nothing sent
+        assert "the text is empty" in str(app.screen.query_one("#note-error", Static).render())
+        assert isinstance(app.screen, NoteDialog) and submitted == []
+        await pilot.press(*"x", "escape")
+        assert app.screen is app.dashboard and submitted == []
+        await pilot.press("m")
+        await until(pilot, lambda: isinstance(app.screen, NoteDialog), "the note dialog")
+        await pilot.press(*"lr=1e-4: shard 2")
+        app.screen.query_one("#note-input", Input).value += " → données"
+        await pilot.press("enter")
+        await until(pilot, lambda: submitted, "the note to reach the run")
+        assert app.screen is app.dashboard
+        assert submitted == [Command("note", "lr=1e-4: shard 2 → données", "dashboard")]
+        await pilot.press("q")
+        await until(pilot, lambda: not app.is_running, "the app to exit")
+
+
+@run_async
 async def test_S_refuses_bad_scales_with_a_message_and_sends_nothing():
     source = FixedSource(synthetic_records(), answer=Outcome(True, "ok"))
     app = create_app(source, clock=lambda: FROZEN)
@@ -285,7 +314,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
     source = FixedSource(synthetic_records(), answer=Outcome(True, "checkpoint saved: x"))
     app = create_app(source, clock=lambda: FROZEN)
     keys = {b.key: b for b in AmpTuiApp.BINDINGS}
-    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "question_mark", "q", "ctrl+c"}
+    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "m", "question_mark", "q", "ctrl+c"}
     assert all(b.id and b.description for b in keys.values())
     # ctrl+c is a second key for quit: in the help, not in the footer or the palette
     assert [k for k, b in keys.items() if not b.show] == ["ctrl+c"]
@@ -297,7 +326,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
         assert sum(t.startswith("Quit") for t in titles) == 1
         for action in ("Cycle the dtype", "Halve the loss scale", "Set the loss scale",
                        "Save a checkpoint", "Restore a checkpoint", "Pause / resume",
-                       "Run one step", "Help", "Quit"):
+                       "Run one step", "Add a note", "Help", "Quit"):
             assert any(t.startswith(action) for t in titles), action
         assert any(t.startswith("Sort layers") for t in titles)
         # a palette entry runs the same action as its key
@@ -316,7 +345,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
         shown = [str(cell) for cell in help_text(live=True).columns[0]._cells]
-        for key in ("d", "s", "S", "c", "r", "space", "n", "?", "q", "ctrl+c", "headroom bits"):
+        for key in ("d", "s", "S", "c", "r", "space", "n", "m", "?", "q", "ctrl+c", "headroom bits"):
             assert key in shown
         await pilot.press("escape")
         assert app.screen is app.dashboard
