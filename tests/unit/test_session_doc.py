@@ -130,7 +130,7 @@ def records(tmp_path_factory) -> list[dict]:
     def on_record(record):
         if record.get("kind") == "paused" or (record.get("action") == "pause"
                                               and record.get("after", {}).get("state") == "paused"):
-            commands = ["step", "resume"] if not pauses else ["resume"]
+            commands = ["step", "note=answered over ctl", "resume"] if not pauses else ["resume"]
             pauses.append(record)
             threading.Thread(target=lambda: answers.extend(send(steered, c) for c in commands)).start()
     run.observers.append(on_record)
