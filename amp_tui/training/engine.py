@@ -14,7 +14,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
@@ -36,6 +36,10 @@ class LossError(Exception):
     """loss_fn returned something that is not a scalar loss."""
 
 
+# Where a step went non-finite: its loss, or its gradients (the loss finite).
+NonfiniteKind = Literal["loss", "gradients"]
+
+
 @dataclass
 class StepResult:
     step: int                     # 0-based iteration index
@@ -46,7 +50,7 @@ class StepResult:
     updates_applied: int
     dtype: str
     micro_batches: int
-    nonfinite: str | None = None  # None, "loss" or "gradients"
+    nonfinite: NonfiniteKind | None = None
     first_nonfinite_layer: str | None = None
     grad_norm: float | None = None
     lr: float | None = None       # the lr this step's update used (before scheduler.step())
