@@ -73,12 +73,12 @@ def nonfinite_layer(event: Mapping[str, Any]) -> str | None:
 
 
 def note_text(event: Mapping[str, Any]) -> str:
-    """What a `note` event says: its `text`, as typed; its message (`note: TEXT`) when a writer
+    """What a `note` event says: its `text`, as typed; its message (the same text) when a writer
     left the text out."""
     text = event.get("text")
     if isinstance(text, str):
         return text
-    return str(event.get("message") or "").removeprefix("note: ")
+    return str(event.get("message") or "")
 
 
 def world_size_of(header: dict) -> int:

@@ -75,7 +75,7 @@ def note(run: RunController, command: Command) -> Outcome:
     """A note of the user's, recorded at this boundary (what changed outside the run)."""
     text = str(command.value)
     who = {"client": command.client} if command.client else {}
-    run.event("note", f"note: {text}", text=text, source=command.source, **who)
+    run.event("note", text, text=text, source=command.source, **who)
     return Outcome(True, "note recorded")
 
 

@@ -332,8 +332,7 @@ def live_run_filling_the_disk_at_its_end(script, run_dir, monkeypatch):
     import amp_tui.recording.writer as session_module
     disk = FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
-    run, source = build_live(script, run_dir, steps=LAST_RUN_STEPS)
-    run.config.flush_interval = 0.0
+    run, source = build_live(script, run_dir, steps=LAST_RUN_STEPS, flush_interval=0.0)
 
     def fill_after_the_last_step(record):
         if record.get("type") == "step" and record["step"] == LAST_RUN_STEPS - 1:

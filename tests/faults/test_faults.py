@@ -124,8 +124,7 @@ def test_a_run_that_fits_the_disk_until_its_last_record_exits_1_and_says_so(
     disk = FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     run_dir = tmp_path / "run"
-    run = train_run(mlp_script, run_dir, steps=8)
-    run.config.flush_interval = 0.0          # each step record is on disk before the next step
+    run = train_run(mlp_script, run_dir, steps=8, flush_interval=0.0)   # each step record on disk before the next
 
     def fill_after_the_last_step(record):
         if record.get("type") == "step" and record["step"] == 7:

@@ -25,7 +25,7 @@ NOTE = "changed the data shard: lr=3e-4 → 1e-4, données ✓"
 
 
 def note_event(step: int, text: str, **fields) -> bytes:
-    record = {"type": "event", "step": step, "kind": "note", "message": f"note: {text}", "time": 1006.0,
+    record = {"type": "event", "step": step, "kind": "note", "message": text, "time": 1006.0,
               "text": text, **fields}
     return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
@@ -69,7 +69,7 @@ def test_a_note_without_its_text_field_reads_its_message(tmp_path):
     path = tmp_path / "session.jsonl"
     write_run(path)
     lines = path.read_bytes().split(b"\n")
-    bare = {"type": "event", "step": 30, "kind": "note", "message": "note: from the message"}
+    bare = {"type": "event", "step": 30, "kind": "note", "message": "from the message"}
     lines.insert(-2, json.dumps(bare).encode())
     path.write_bytes(b"\n".join(lines))
     assert summarize(read_digest(tmp_path)).notes == [{"step": 30, "text": "from the message"}]
