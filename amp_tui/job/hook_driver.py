@@ -59,6 +59,7 @@ class HookDriver:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
                  dtype: str | None = None, probe_every: int = 1, underflow_every: int = 10,
                  framework: str | None = None):
+        check_objects(model, optimizer, scaler, scheduler)
         # A framework's callback starts the dtype it chose, recorded as it is (fp16 without a
         # GradScaler included, which the callback warns about).
         self.framework = framework
@@ -345,6 +346,18 @@ class HookDriver:
 
     def _forget_update(self) -> None:
         self._losses, self._attempt, self._started, self._forwards = [], None, None, 0
+
+
+def check_objects(model, optimizer, scaler, scheduler) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise MonitorError(f"amp_tui.monitor(model, ...): model is a {type(model).__name__}, not a torch.nn.Module")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise MonitorError(f"amp_tui.monitor(model, optimizer, ...): optimizer is a {type(optimizer).__name__}, "
+                           "not a torch.optim.Optimizer")
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise MonitorError(f"scaler= is a {type(scaler).__name__}, not a torch.amp.GradScaler")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise MonitorError(f"scheduler= is a {type(scheduler).__name__} with no step() method")
 
 
 def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -87,7 +87,6 @@ class Monitor(RunController):
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
                  probe_every=1, underflow_every=10, checkpoint_every=None, control=True, announce=True,
                  tensorboard_dir=None, framework: str | None = None):
-        _check_objects(model, optimizer, scaler, scheduler)
         # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the
         # steps from its hooks.
         self.framework = framework
@@ -322,18 +321,6 @@ class Monitor(RunController):
         """The script ended without monitor.close(): end the recording anyway, before the
         interpreter finalises (no thread of ours may outlive it)."""
         self.close()
-
-
-def _check_objects(model, optimizer, scaler, scheduler) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise MonitorError(f"amp_tui.monitor(model, ...): model is a {type(model).__name__}, not a torch.nn.Module")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise MonitorError(f"amp_tui.monitor(model, optimizer, ...): optimizer is a {type(optimizer).__name__}, "
-                           "not a torch.optim.Optimizer")
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise MonitorError(f"scaler= is a {type(scaler).__name__}, not a torch.amp.GradScaler")
-    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-        raise MonitorError(f"scheduler= is a {type(scheduler).__name__} with no step() method")
 
 
 def _tensorboard_observer(logdir: Path):
