@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
+from amp_tui.job.config import RunConfig
 from amp_tui.job.feed import BatchFeed
-from amp_tui.job.run import Run, RunConfig
+from amp_tui.job.run import Run
 from amp_tui.training.engine import GuardedTrainer
 from amp_tui.training.script import TrainSetup
 from bench import common

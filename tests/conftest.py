@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_tui.cli import build_parser, prepare_run
 from amp_tui.job.control import socket_path
 
-from support import MLP_SCRIPT, SLOW_SCRIPT, wait_for
+from support import MLP_SCRIPT, SLOW_SCRIPT, train_run, wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -38,9 +37,7 @@ def mlp_script(write_script):
 def live_job(write_script, tmp_path):
     """A headless run on a background thread, with its control socket: (run, thread)."""
     script = write_script(SLOW_SCRIPT)
-    args = build_parser().parse_args(["train", str(script), "--run-dir", str(tmp_path / "run"),
-                                      "--init-scale", "256"])
-    run, _ = prepare_run(args, [], [])
+    run = train_run(script, tmp_path / "run", init_scale=256.0)
     thread = threading.Thread(target=run.run)
     thread.start()
     assert wait_for(lambda: run.step >= 2 and socket_path(run.run_dir).exists(), 60)

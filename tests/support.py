@@ -13,7 +13,9 @@ from pathlib import Path
 
 from textual.widgets._toast import Toast
 
-from amp_tui.cli import build_parser, prepare_run
+from amp_tui.core.commands import parse_at
+from amp_tui.job.build import build_run
+from amp_tui.job.config import RunConfig
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.recording.writer import SessionWriter
 from amp_tui.sources.live import LiveSource
@@ -135,10 +137,24 @@ def setup(ctx=None):
 '''
 
 
-def build_live(script, run_dir, *options: str):
-    args = build_parser().parse_args(["train", str(script), "--run-dir", str(run_dir),
-                                      "--device", "cpu", "--on-nonfinite", "pause", *options])
-    run, _warnings = prepare_run(args, [], ["amp-tui", "train", str(script)])
+def train_config(script, run_dir, *, at=(), **fields) -> RunConfig:
+    """What `amp-tui train SCRIPT --run-dir RUN_DIR` asks for: `at` in `--at`'s words ("4:save"),
+    the other fields as RunConfig names them (steps=12, dtype="float32"). Like the command
+    line's, the run serves its control socket unless control=False."""
+    fields.setdefault("control", True)
+    return RunConfig(script=Path(script), run_dir=Path(run_dir), at=[parse_at(text) for text in at], **fields)
+
+
+def train_run(script, run_dir, *, at=(), **fields):
+    """`train_config`'s run, built as the command line builds it (its pre-flight check passed)."""
+    return build_run(train_config(script, run_dir, at=at, **fields)).run
+
+
+def build_live(script, run_dir, *, at=(), **fields):
+    """A run for the dashboard (on the CPU, pausing on a non-finite loss) and its live source."""
+    fields = {"device": "cpu", "on_nonfinite": "pause", "command_line": ["amp-tui", "train", str(script)],
+              **fields}
+    run = train_run(script, run_dir, at=at, **fields)
     return run, LiveSource(run)
 
 

@@ -10,14 +10,15 @@ record nothing: once the pre-flight check passed, their output goes to RUN_DIR/r
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+from amp_tui.cli.argv import split_script_args, without_options
 from amp_tui.cli.terminal import EXIT_USAGE, error
+from amp_tui.core.signals import STOP_SIGNALS, handling_signals
 
 LAUNCH_OPTIONS = ("--nproc", "--nnodes", "--rdzv-endpoint")   # the launcher's, not the ranks'
 MONITOR_INTERVAL_S = "0.5"   # how often torchrun's agent looks at its ranks
@@ -33,7 +34,6 @@ def is_rank() -> bool:
 def launch(args, *, dashboard: bool) -> int:
     """Start the ranks through torch.distributed.run, then follow rank 0 (headless: its output
     here; otherwise the dashboard attached to it)."""
-    from amp_tui.cli.parser import split_script_args
     from amp_tui.core.run_dirs import default_run_dir
 
     nodes, endpoint = args.nnodes or 1, args.rdzv_endpoint
@@ -72,35 +72,14 @@ def launch(args, *, dashboard: bool) -> int:
     return _wait_passing_signals(process)
 
 
-def without_options(argv: list[str], options: tuple[str, ...], flags: tuple[str, ...] = ()) -> list[str]:
-    """`argv` without `options` (each with its value, as `--opt V` or `--opt=V`) and `flags`."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in options:
-            skip = "=" not in arg
-            continue
-        if arg in flags:
-            continue
-        out.append(arg)
-    return out
-
-
 def _wait_passing_signals(process: subprocess.Popen) -> int:
     """Wait for the launcher; SIGINT, SIGTERM and SIGHUP go on to it as they came (torchrun
     sends them to every rank, which stops at its next step boundary)."""
     def forward(signum, _frame):
         if process.poll() is None:
             process.send_signal(signum)
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with handling_signals(STOP_SIGNALS, forward):
         status = process.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     return 128 - status if status < 0 else status
 
 
@@ -123,25 +102,6 @@ def _launch_with_dashboard(command: list[str], env: dict, run_dir: Path, refresh
 
 # ---- one rank ------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def agreed(ranks):
-    """Checks that every rank passes or none does: a failure on one rank (its script raised, a
-    file it can't read) is raised on every rank, worded with the first failing rank, before the
-    next collective would wait for it until the timeout."""
-    if ranks is None:
-        yield
-        return
-    try:
-        yield
-    except Exception as exc:
-        ranks.first_problem(str(exc) or type(exc).__name__)
-        raise
-    problem = ranks.first_problem(None)
-    if problem is not None:
-        from amp_tui.training.script import ScriptError
-        raise ScriptError(problem)
-
-
 def train_rank(args) -> int:
     """One rank of a torchrun job: join the process group, agree on the run directory, check
     the script on every rank, then train (rank 0 headless, recording; the others quietly)."""
@@ -163,20 +123,18 @@ def train_rank(args) -> int:
 
 
 def _train(args, ranks) -> int:
-    from amp_tui.cli.train import attach_tensorboard, prepare_run, run_headless
+    from amp_tui.cli.headless import run_headless
+    from amp_tui.cli.train_options import attach_tensorboard, run_config
     from amp_tui.core.commands import CommandError
-    from amp_tui.core.run_dirs import default_run_dir
-    from amp_tui.job.distributed import RanksLost, output_to, rank_log_path
+    from amp_tui.job.build import build_run
+    from amp_tui.job.distributed import RanksLost
+    from amp_tui.job.rank_output import output_to, rank_log_path
     from amp_tui.training.devices import DeviceError
     from amp_tui.training.engine import PrecisionRefused
     from amp_tui.training.script import ScriptError
 
-    run_dir = Path(ranks.share(str(args.resume or args.run_dir or default_run_dir(args.script))))
-    ranks.run_dir = run_dir
-    if args.resume is None:
-        args.run_dir = run_dir
     try:
-        run, warnings = prepare_run(args, args.script_argv, args.command_line, ranks=ranks)
+        run, warnings = build_run(run_config(args), ranks=ranks)
     except (ScriptError, DeviceError, CommandError, PrecisionRefused) as exc:
         # Rank 0 says what the first failing rank said; the others needn't repeat it.
         return error(str(exc)) if ranks.is_main else EXIT_USAGE
@@ -205,12 +163,8 @@ def _follow(run, ranks) -> int:
     def on_signal(signum, _frame):
         name = signal.Signals(signum).name
         run.request_stop(checkpoint=signum != signal.SIGINT, reason=name)
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with handling_signals(STOP_SIGNALS, on_signal):
         status = run.run()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     t = run.trainer
     scale = "none" if t.scale is None else f"{t.scale:g}"
     print(f"amp-tui {ranks.describe()}: {run.state} before step {run.step}: {t.updates_applied} updates, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from amp_tui.cli.terminal import error
@@ -29,7 +30,8 @@ def cmd_export(args) -> int:
     if args.tensorboard is None and args.csv is None and args.layers_csv is None:
         return error("export: say what to write: --tensorboard DIR, --csv FILE and/or --layers-csv FILE")
     try:
-        result = export(args.run, tensorboard=args.tensorboard, csv=args.csv, layers_csv=args.layers_csv)
+        result = export(args.run, tensorboard=args.tensorboard, csv=args.csv, layers_csv=args.layers_csv,
+                        notify=lambda text: print(f"amp-tui: note: {text}", file=sys.stderr, flush=True))
     except (SessionFormatError, MissingExtra, ValueError) as exc:
         return error(str(exc))
     except OSError as exc:

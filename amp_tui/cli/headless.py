@@ -1,9 +1,10 @@
 """Headless mode: a live status line and events printed as they happen (the summary at the end
-is summary.py's, shared with the dashboard)."""
+is summary.py's, shared with the dashboard), and `run_headless`, a run driven so."""
 
 from __future__ import annotations
 
 import shlex
+import signal
 import threading
 import time
 from pathlib import Path
@@ -12,14 +13,17 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from amp_tui.cli.summary import print_after_run
 from amp_tui.core import precision
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.numfmt import number
+from amp_tui.core.records import note_text
+from amp_tui.core.signals import STOP_SIGNALS, handling_signals
 
 EVENT_STYLES = {
     "nonfinite": "yellow", "error": "bold red", "intervention": "cyan",
     "checkpoint_saved": "green", "checkpoint_restored": "green", "paused": "magenta",
-    "stopping": "magenta", "alert": "yellow",
+    "stopping": "magenta", "alert": "yellow", "note": "bold blue",
 }
 
 
@@ -72,7 +76,8 @@ class HeadlessPrinter:
         style = EVENT_STYLES.get(record.get("kind", ""), "")
         line = Text(f"step {record.get('step', '?'):>6}  ", style="dim")
         line.append(f"{record.get('kind', '?'):<20}", style=style)
-        line.append(str(record.get("message", "")))  # literal: no markup from messages
+        # literal: no markup from messages; a note's kind already says what its text is
+        line.append(note_text(record) if record.get("kind") == "note" else str(record.get("message", "")))
         self.console.print(line, soft_wrap=True)
         tb = record.get("traceback")
         if tb:
@@ -113,3 +118,36 @@ def _pauses(record: dict) -> bool:
 def _num(x: float | None) -> str:
     return number(x, 5)
 
+
+# ---- a run, headless ----------------------------------------------------------------------------
+
+def run_headless(run, warnings: list[str]) -> int:
+    """Run `run` with the status line and its events on the terminal (Ctrl+C stops at the next
+    step boundary, a second one forces the exit; SIGHUP and SIGTERM stop with a checkpoint), then
+    print the summary; the exit status."""
+    console = Console(highlight=False, stderr=False)
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/] {warning}", markup=True)
+    interrupts = 0
+
+    def on_signal(signum, _frame):
+        nonlocal interrupts
+        if signum == signal.SIGINT:
+            interrupts += 1
+            if interrupts > 1:
+                raise KeyboardInterrupt  # the second Ctrl+C forces the exit
+            run.request_stop(reason="interrupted (Ctrl+C)")
+        else:
+            # SIGHUP (the SSH connection dropped) or SIGTERM: keep the progress, then exit.
+            run.request_stop(checkpoint=True, reason=signal.Signals(signum).name)
+
+    try:
+        with (handling_signals(STOP_SIGNALS, on_signal),
+              HeadlessPrinter(console, run.config.steps, run_dir=run.run_dir) as printer):
+            run.observers.append(printer)
+            status = run.run()
+    except KeyboardInterrupt:
+        console.print("forced exit (second Ctrl+C); the session is closed")
+        return 130
+    print_after_run(run, console)
+    return status

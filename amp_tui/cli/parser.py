@@ -12,6 +12,7 @@ import sys
 
 from amp_tui import __version__
 from amp_tui.cli import attach, compare, ctl, export, ls, plot, replay, report, run, train
+from amp_tui.cli.argv import split_script_args
 
 # In the order `amp-tui --help` lists them.
 COMMANDS = (train, run, report, replay, export, plot, compare, ctl, attach, ls)
@@ -25,14 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
-
-
-def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """amp-tui's own arguments, and the script's (after `--`)."""
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    return argv, []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from amp_tui.cli import argtypes
 from amp_tui.cli.terminal import error, interactive
+from amp_tui.core.signals import STOP_SIGNALS, handling_signals
 
 NO_MONITOR = 2
 OUTPUT_NAME = "output.log"
@@ -105,8 +106,8 @@ def _start(command: list[str], env: dict, log_path: Path, *, tee: bool) -> subpr
 def _passing_stops_on(process: subprocess.Popen):
     """SIGHUP/SIGTERM (and headless, Ctrl+C) to amp-tui: a stop at the command's next step
     boundary (its monitor takes SIGHUP and SIGTERM so, and records which one came; Ctrl+C is passed
-    on as SIGTERM); a second Ctrl+C interrupts it (KeyboardInterrupt). The previous handlers come
-    back after."""
+    on as SIGTERM); a second Ctrl+C interrupts it (KeyboardInterrupt). A with-block: the previous
+    handlers come back after it."""
     interrupts = 0
 
     def on_signal(signum, _frame):
@@ -119,26 +120,15 @@ def _passing_stops_on(process: subprocess.Popen):
                 process.send_signal(signal.SIGINT)
                 return
         process.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
-    previous = {}
-    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
-        previous[sig] = signal.signal(sig, on_signal)
-    return previous
-
-
-def _restore(previous: dict) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
+    return handling_signals(STOP_SIGNALS, on_signal)
 
 
 def _wait_headless(process: subprocess.Popen, run_dir: Path) -> int:
-    previous = _passing_stops_on(process)
-    try:
+    with _passing_stops_on(process):
         status = process.wait()
         copier = getattr(process, "copier", None)
         if copier is not None:
             copier.join(10)
-    finally:
-        _restore(previous)
     return status
 
 
@@ -157,11 +147,10 @@ def _dashboard(process: subprocess.Popen, command: list[str], run_dir: Path, *, 
         if process.poll() is None:
             process.send_signal(signum)
         threading.Thread(target=app.call_from_thread, args=(app.exit,), daemon=True).start()
-    previous = {sig: signal.signal(sig, stop_and_leave) for sig in (signal.SIGHUP, signal.SIGTERM)}
     try:
-        app.run()
+        with handling_signals((signal.SIGHUP, signal.SIGTERM), stop_and_leave):
+            app.run()
     finally:
-        _restore(previous)
         source.close()
     if detach and process.poll() is None:
         print(f"amp-tui: detached; the job keeps running in {run_dir} (pid {process.pid}). "

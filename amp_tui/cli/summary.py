@@ -7,8 +7,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from amp_tui.core.text import clip
+from amp_tui.core.text import clip, visible
 from amp_tui.recording.report import TEXT_LIMIT, Summary, summary_lines
+
+NOTES_SHOWN = 20   # the newest; `amp-tui replay RUN --headless` lists every one at its step
 
 
 def print_after_run(run, console: Console) -> None:
@@ -36,3 +38,7 @@ def render_summary(s: Summary, console: Console) -> None:
     console.print(table)
     for message in s.errors[-3:]:
         console.print(Text("error: " + clip(message, TEXT_LIMIT, count=True), style="red"))
+    if len(s.notes) > NOTES_SHOWN:
+        console.print(Text(f"notes: the last {NOTES_SHOWN} of {len(s.notes)}", style="dim"))
+    for note in s.notes[-NOTES_SHOWN:]:
+        console.print(Text(f"note at step {note['step']}: {clip(visible(note['text']), TEXT_LIMIT, count=True)}"))

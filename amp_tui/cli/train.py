@@ -6,8 +6,6 @@ the functions that run a training, so that the read-side commands start without 
 
 from __future__ import annotations
 
-import argparse
-import signal
 import sys
 from pathlib import Path
 
@@ -96,7 +94,10 @@ def add_parser(sub) -> None:
 
 def cmd_train(args) -> int:
     from amp_tui.cli import distributed
+    from amp_tui.cli.headless import run_headless
+    from amp_tui.cli.train_options import attach_tensorboard, run_config, tensorboard_problem
     from amp_tui.core.commands import CommandError
+    from amp_tui.job.build import build_run
     from amp_tui.training.devices import DeviceError
     from amp_tui.training.engine import PrecisionRefused
     from amp_tui.training.script import ScriptError
@@ -116,8 +117,7 @@ def cmd_train(args) -> int:
         return distributed.launch(args, dashboard=use_dashboard(args))
     dashboard = use_dashboard(args)
     try:
-        run, warnings = prepare_run(args, args.script_argv, args.command_line,
-                                    on_nonfinite_default="pause" if dashboard else "skip")
+        run, warnings = build_run(run_config(args, on_nonfinite_default="pause" if dashboard else "skip"))
     except (ScriptError, DeviceError, CommandError, PrecisionRefused) as exc:
         return error(str(exc))
     problem = attach_tensorboard(run, args.tensorboard)
@@ -128,218 +128,9 @@ def cmd_train(args) -> int:
     return run_headless(run, warnings)
 
 
-def attach_tensorboard(run, logdir: Path | None) -> str | None:
-    """Write the run's recording live to `--tensorboard DIR` too; what went wrong, if anything."""
-    if logdir is None:
-        return None
-    from amp_tui.recording.tensorboard import TensorBoardObserver
-    try:
-        run.observers.append(TensorBoardObserver(logdir))
-    except OSError as exc:
-        return f"--tensorboard {logdir}: {exc.strerror or exc}"
-    return None
-
-
-def tensorboard_problem(logdir: Path) -> str | None:
-    """Why `--tensorboard DIR` can't work (its package is missing, DIR can't be written), before
-    anything starts; None when it can."""
-    import os
-
-    from amp_tui.recording.extras import MissingExtra
-    from amp_tui.recording.tensorboard import check_available
-    try:
-        check_available()
-    except MissingExtra as exc:
-        return str(exc)
-    try:
-        logdir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"--tensorboard {logdir}: {exc.strerror or exc}"
-    if not os.access(logdir, os.W_OK | os.X_OK):
-        return f"--tensorboard {logdir}: the directory is not writable"
-    return None
-
-
 def use_dashboard(args) -> bool:
     """--headless, pipes and CI keep the headless mode."""
     return not args.headless and interactive()
-
-
-# ---- building the run ---------------------------------------------------------------------------
-
-def prepare_run(args: argparse.Namespace, script_argv: list[str], command_line: list[str],
-                on_nonfinite_default: str = "skip", ranks=None):
-    """Load and check the script, then build the Run (no file is written yet). With `ranks` (one
-    rank of several), a check that fails on any rank fails on every rank, before the first
-    collective that would wait for it.
-
-    Raises ScriptError / DeviceError / CommandError / PrecisionRefused with a message for the user.
-    """
-    from amp_tui.cli.distributed import agreed
-
-    with agreed(ranks):
-        config, setup, device, feed = _configure(args, script_argv, command_line, on_nonfinite_default, ranks)
-    from amp_tui.job.run import Run
-    run = Run(config, setup, device, feed, ranks=ranks)
-    # After every precision policy is in place (--dtype, --fp32-modules, --at 0:...): the check
-    # is the first step's own forward. Its batch is agreed on first: a rank with none must not
-    # leave the others inside the forward's collectives.
-    with agreed(ranks):
-        batch = run.preflight_batch()
-    with agreed(ranks):
-        run.preflight_forward(batch)
-    return run, setup.warnings
-
-
-def _configure(args, script_argv: list[str], command_line: list[str], on_nonfinite_default: str, ranks):
-    from amp_tui.core.commands import parse_at
-    from amp_tui.job.feed import BatchFeed
-    from amp_tui.job.run import RunConfig
-    from amp_tui.training.autocast import unsupported_reason
-    from amp_tui.training.checkpoint import list_checkpoints
-    from amp_tui.training.devices import resolve_device
-    from amp_tui.training.guards import GuardConfig
-    from amp_tui.training.local_fp32 import match_modules
-    from amp_tui.training.script import ScriptError, load_script
-
-    at = [parse_at(text) for text in args.at]
-    if args.repeat_interventions is not None:
-        from amp_tui.recording.format import SessionFormatError
-        from amp_tui.recording.timeline import interventions_as_commands
-        try:
-            at += interventions_as_commands(args.repeat_interventions)
-        except (SessionFormatError, OSError) as exc:
-            raise ScriptError(f"--repeat-interventions: {exc}") from None
-    device = ranks.device if ranks else resolve_device(args.device)
-    run_dir = args.run_dir
-    if args.resume is not None:
-        if run_dir is not None and run_dir.resolve() != args.resume.resolve():
-            raise ScriptError("--resume RUN_DIR continues that run in place; drop --run-dir")
-        run_dir = args.resume
-        if not (run_dir / "session.jsonl").is_file():
-            raise ScriptError(f"--resume {run_dir}: no session.jsonl there")
-        from amp_tui.job.control import job_alive
-        if job_alive(run_dir):
-            raise ScriptError(f"--resume {run_dir}: a job is still running there (amp-tui ctl {run_dir} stop)")
-    elif run_dir is not None and (run_dir / "session.jsonl").exists():
-        raise ScriptError(f"{run_dir} already holds a session; choose another --run-dir (or --resume it)")
-    candidates = list_checkpoints(run_dir / "checkpoints") if args.resume is not None else []
-    dtype = args.dtype or next((c.dtype for c in candidates if c.dtype), None) or "float16"
-    reason = unsupported_reason(device, dtype)
-    if reason:
-        from amp_tui.training.engine import PrecisionRefused
-        raise PrecisionRefused(reason)
-    where = {"rank": ranks.rank, "local_rank": ranks.local_rank, "world_size": ranks.world_size} if ranks else {}
-    setup = load_script(args.script, device=str(device), argv=script_argv, dtype=dtype, **where)
-    resume_from, resume_skipped = None, []
-    if args.resume is not None:
-        resume_from, resume_skipped = _newest_valid_checkpoint(candidates, setup, run_dir)
-        setup.warnings.extend(f"--resume: skipped {path.relative_to(run_dir)}: {reason}"
-                              for path, reason in resume_skipped)
-    feed = BatchFeed(setup.batches, device)
-    for pattern in args.fp32_modules:
-        if not match_modules(setup.model, pattern):
-            raise ScriptError(f"--fp32-modules {pattern!r} matches no module of the model "
-                              f"(module names look like {_example_names(setup.model)})")
-    policy = args.on_nonfinite or on_nonfinite_default
-    guard = GuardConfig(
-        min_scale=args.min_scale, alert_scale_drops=args.alert_scale_drops,
-        alert_skip_share=args.alert_skip_share, alert_window=args.alert_window,
-        fallback=policy == "fallback", fallback_after=args.fallback_after,
-        storm_share=args.storm_share, storm_window=args.storm_window, rollback=args.rollback)
-    config = RunConfig(
-        script=args.script, script_argv=script_argv, dtype=dtype, init_scale=args.init_scale,
-        steps=args.steps, run_dir=run_dir, checkpoint_every=args.checkpoint_every,
-        probe_every=args.probe_every, underflow_every=args.underflow_every, on_nonfinite=policy,
-        at=at, command_line=command_line,
-        guard=guard, fp32_modules=list(args.fp32_modules), resume_from=resume_from,
-        resume_skipped=[(str(path.relative_to(run_dir)), reason) for path, reason in resume_skipped],
-        control=not ranks or ranks.is_main)
-    return config, setup, device, feed
-
-
-def _newest_valid_checkpoint(candidates, setup, run_dir: Path) -> tuple[Path, list[tuple[Path, str]]]:
-    """The newest checkpoint that passes every check against this script's model, and the newer
-    ones skipped with the reason (a partly written or corrupted file, one whose header can't
-    even be read, a weights-only file that has no optimizer state to go on from)."""
-    from amp_tui.training.checkpoint import (
-        CheckpointError,
-        checkpoint_files,
-        read_checkpoint,
-    )
-    from amp_tui.training.script import ScriptError
-    skipped: list[tuple[Path, str]] = []
-    chosen = None
-    for info in candidates:
-        if info.kind != "full":
-            skipped.append((info.path, "weights only: no optimizer or scaler state to resume from"))
-            continue
-        try:
-            read_checkpoint(info.path, model=setup.model, optimizer=setup.optimizer, scheduler=setup.scheduler)
-            chosen = info
-            break
-        except CheckpointError as exc:
-            skipped.append((info.path, str(exc)))
-    listed = {info.path for info in candidates}
-    for path in checkpoint_files(run_dir / "checkpoints"):
-        if path in listed:
-            continue
-        try:
-            newer = chosen is None or path.stat().st_mtime >= chosen.mtime
-            if newer:
-                read_checkpoint(path, model=setup.model, optimizer=setup.optimizer,
-                                scheduler=setup.scheduler)
-        except (CheckpointError, OSError) as exc:
-            skipped.append((path, str(exc)))
-    if chosen is None:
-        detail = f" (newest refused: {skipped[0][1]})" if skipped else ""
-        raise ScriptError(f"--resume {run_dir}: no valid checkpoint in {run_dir / 'checkpoints'}{detail}")
-    return chosen.path, skipped
-
-
-def _example_names(model, count: int = 3) -> str:
-    from amp_tui.training.local_fp32 import named_modules
-    names = [n for n in named_modules(model) if n][:count]
-    return ", ".join(repr(n) for n in names) or "(the model has no submodules)"
-
-
-# ---- headless -----------------------------------------------------------------------------------
-
-def run_headless(run, warnings: list[str]) -> int:
-    from rich.console import Console
-
-    from amp_tui.cli.headless import HeadlessPrinter
-    from amp_tui.cli.summary import print_after_run
-
-    console = Console(highlight=False, stderr=False)
-    for warning in warnings:
-        console.print(f"[yellow]warning:[/] {warning}", markup=True)
-    interrupts = 0
-
-    def on_signal(signum, _frame):
-        nonlocal interrupts
-        if signum == signal.SIGINT:
-            interrupts += 1
-            if interrupts > 1:
-                raise KeyboardInterrupt  # the second Ctrl+C forces the exit
-            run.request_stop(reason="interrupted (Ctrl+C)")
-        else:
-            # SIGHUP (the SSH connection dropped) or SIGTERM: keep the progress, then exit.
-            run.request_stop(checkpoint=True, reason=signal.Signals(signum).name)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        with HeadlessPrinter(console, run.config.steps, run_dir=run.run_dir) as printer:
-            run.observers.append(printer)
-            status = run.run()
-    except KeyboardInterrupt:
-        console.print("forced exit (second Ctrl+C); the session is closed")
-        return 130
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    print_after_run(run, console)
-    return status
 
 
 # ---- the dashboard ------------------------------------------------------------------------------
@@ -398,8 +189,8 @@ def cmd_detach(args) -> int:
     import subprocess
     import time
 
+    from amp_tui.cli.argv import split_script_args
     from amp_tui.cli.attach import attach_dashboard
-    from amp_tui.cli.parser import split_script_args
     from amp_tui.core.run_dirs import default_run_dir
     from amp_tui.job.control import job_alive
 

@@ -3,8 +3,8 @@
 The method is the one docs/compare.md describes: criteria fixed before the run (`criteria`), the
 fp32 reference and each dtype on the same eval batches, judged on scores and on decisions with
 near-ties kept apart (`decisions`, `validation`), then, for the dtypes that passed, lean timed
-training steps and peak memory against fp32 (`speed`, `memory`). `results` holds what they find,
-`render` prints it and `command` is the command line.
+training steps and peak memory against fp32 (`speed`, `memory`). `results` holds what they find
+and `render` prints it; the command line is amp_tui.cli.compare's.
 
 As a library: `validate()` and `measure_speed()` take a `TrainSetup`. Importing this package
 does not import torch; those two bring it in on first use.
@@ -20,7 +20,7 @@ _LAZY = {"validate": "amp_tui.compare.validation", "measure_speed": "amp_tui.com
 
 
 def __getattr__(name: str):
-    # Lazy, so that building the CLI's parser (which imports compare.command) stays torch-free.
+    # Lazy, so that building the CLI's parser (which imports compare.criteria) stays torch-free.
     if name in _LAZY:
         import importlib
         return getattr(importlib.import_module(_LAZY[name]), name)

@@ -7,12 +7,20 @@ the middle of a forward or backward pass.
 from __future__ import annotations
 
 import math
+import unicodedata
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 from amp_tui.core import precision
 
-ACTIONS = ("dtype", "scale", "save", "restore", "pause", "resume", "step", "stop", "fp32")
+# Every command a run applies. `status` (ctl) is not one: the control socket answers it without
+# the run. The order is part of how rank 0 hands a command to the other ranks (its index is the
+# command's code): add new actions at the end.
+Action = Literal["dtype", "scale", "save", "restore", "pause", "resume", "step", "stop", "fp32", "note"]
+ACTIONS: tuple[Action, ...] = get_args(Action)
+NO_VALUE_ACTIONS: tuple[Action, ...] = ("save", "pause", "resume", "step", "stop")
+# A note is a line for whoever reads the recording later, not a document.
+NOTE_LIMIT = 500
 
 
 class CommandError(ValueError):
@@ -27,7 +35,7 @@ class Outcome:
 
 @dataclass
 class Command:
-    action: str
+    action: Action
     value: str | float | None = None
     source: str = "api"
     # Who sent it over the control socket ({"pid", "uid", "user"}), recorded with the event.
@@ -47,7 +55,7 @@ class Command:
 
 def parse_action(text: str, source: str = "api") -> Command:
     """`dtype=bf16`, `scale=4096`, `scale=half`, `save`, `restore=latest|PATH`, `pause`, `resume`,
-    `step`, `stop`, `fp32=MODULE_PATTERN` (toggles local fp32)."""
+    `step`, `stop`, `fp32=MODULE_PATTERN` (toggles local fp32), `note=TEXT` (recorded as it is)."""
     raw = text.strip()
     name, _, value = raw.partition("=")
     name = name.strip().lower()
@@ -73,12 +81,29 @@ def parse_action(text: str, source: str = "api") -> Command:
         if not value:
             raise CommandError(f"{raw!r}: name the module(s), e.g. fp32=blocks.0.attn or fp32='*.attn'")
         return Command("fp32", value, source)
-    if name in ("save", "pause", "resume", "step", "stop"):
+    if name == "note":
+        return Command("note", note_text(value), source)
+    if name in NO_VALUE_ACTIONS:
         if value:
             raise CommandError(f"{name!r} takes no value (got {raw!r})")
         return Command(name, None, source)
     raise CommandError(f"unknown action {raw!r}: use dtype=…, scale=…, save, restore=…, pause, "
-                       "resume, step, stop or fp32=MODULE")
+                       "resume, step, stop, fp32=MODULE or note=TEXT")
+
+
+def note_text(text: str) -> str:
+    """A note's text as recorded: whole (`=`, `:`, any script), without surrounding blanks; one
+    line of at most NOTE_LIMIT characters, else CommandError says what to change."""
+    note = text.strip()
+    if not note:
+        raise CommandError("note: the text is empty: write it after the =, e.g. note='changed the data shard'")
+    if len(note) > NOTE_LIMIT:
+        raise CommandError(f"note: {len(note)} characters is too long: a note holds at most {NOTE_LIMIT}")
+    # A control character (a newline, an escape sequence) would break the one-line views of the
+    # recording, or play tricks on the terminal that shows it.
+    if any(unicodedata.category(c) == "Cc" for c in note):
+        raise CommandError("note: a note is one line of text: no newlines, tabs or other control characters")
+    return note
 
 
 def parse_at(text: str) -> tuple[int, Command]:

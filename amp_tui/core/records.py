@@ -2,13 +2,15 @@
 
 A live run, a replay and `amp-tui ls` all need "what state was the run in after these records":
 they fold `next_state` over the records they have. The fields are documented in
-docs/session-format.md; the TypedDicts name the ones code reads (a record may hold more).
+docs/session-format.md, which a test holds to what the writer writes. Read records stay plain
+dicts: a file may be damaged or edited by hand, so a reader takes every field with `.get()` and
+checks its type; a per-field type here would claim what no reader can rely on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal
 
 RecordType = Literal["header", "step", "event", "end"]
 RunState = Literal["starting", "running", "paused", "stopped", "finished", "error"]
@@ -18,50 +20,15 @@ EndStatus = Literal["finished", "stopped", "error"]
 Mode = Literal["live", "replay", "attached", "launched"]
 STEERED_MODES: frozenset[str] = frozenset({"live", "attached", "launched"})
 EventKind = Literal["intervention", "checkpoint_saved", "checkpoint_restored", "nonfinite", "alert",
-                    "error", "paused", "stopping", "resumed"]
+                    "error", "paused", "stopping", "resumed", "note"]
 
 ENDED: frozenset[str] = frozenset({"finished", "stopped", "error"})
 # The events that change a run's state; the others (a checkpoint saved, an alert...) don't.
-STATE_EVENTS: tuple[str, ...] = ("intervention", "checkpoint_restored", "paused", "error")
+STATE_EVENTS: tuple[EventKind, ...] = ("intervention", "checkpoint_restored", "paused", "error")
 # The events a chart marks on its step axis.
-MARKER_EVENTS: tuple[str, ...] = ("intervention", "checkpoint_restored")
+MARKER_EVENTS: tuple[EventKind, ...] = ("intervention", "checkpoint_restored")
 # What an intervention's `after.state` may set.
 _STEERED = ("paused", "running", "stopped")
-
-
-class StepRecord(TypedDict, total=False):
-    type: Literal["step"]
-    step: int
-    loss: float | str | None
-    scale: float | str | None
-    skipped: bool
-    skipped_total: int
-    updates: int
-    dtype: str
-    layers: dict[str, list]
-
-
-class EventRecord(TypedDict, total=False):
-    type: Literal["event"]
-    step: int
-    kind: str
-    message: str
-    after: dict[str, Any]
-    during: str
-    reason: str
-    where: Literal["loss", "gradients"]
-    layer: str | None
-    origin: str | None
-    backward_origin: str | None
-
-
-class EndRecord(TypedDict, total=False):
-    type: Literal["end"]
-    step: int
-    status: EndStatus
-    updates: int
-    skipped_total: int
-    exit_status: int
 
 
 def end_status(state: str) -> EndStatus:
@@ -103,6 +70,15 @@ def nonfinite_layer(event: Mapping[str, Any]) -> str | None:
     first = event.get("origin") if event.get("where") == "loss" else event.get("backward_origin")
     found = first or event.get("layer")
     return str(found) if found else None
+
+
+def note_text(event: Mapping[str, Any]) -> str:
+    """What a `note` event says: its `text`, as typed; its message (the same text) when a writer
+    left the text out."""
+    text = event.get("text")
+    if isinstance(text, str):
+        return text
+    return str(event.get("message") or "")
 
 
 def world_size_of(header: dict) -> int:

@@ -34,7 +34,7 @@ def options(dtype: str | None, framework: str, setting: str, given: dict) -> dic
 def warn(monitor: Monitor, reason: str, message: str, *, cause: str, fix: str) -> None:
     """One line on stderr now, and an alert in the recording (the dashboard shows it too)."""
     print(f"amp-tui: {message}", file=sys.stderr, flush=True)
-    monitor.event("alert", f"{message}. Likely cause: {cause}. Fix: {fix}", reason=reason, cause=cause, fix=fix)
+    monitor.alert(reason, message, cause=cause, fix=fix)
 
 
 def loss_tensor(value):

@@ -5,9 +5,8 @@ states, the applied and skipped counts, and what the host adds (`amp-tui train`:
 micro-batches were consumed, so a resume reads the data in the same order). Each operation
 records what it did as an event; a save the disk refuses is handed to the host's full-disk policy.
 
-The host is a `Run` (`amp-tui train`) or a `Monitor` (the user's own loop): it has a `trainer`
-holding the state (`TrainingState`), a `step`, an `event(...)`, `run_dir` and `session_path`,
-`checkpoint_refused(source, message)`, `saved_extra()` and `ranks` (None for one process).
+The host is the run controller (job/controller.py), as `CheckpointHost` declares it: the training
+state it saves and restores comes from whatever drives the steps (`TrainingState`).
 
 With several ranks the replicas are identical, so rank 0 alone writes the file, with every
 rank's RNG state in it; a restore or a resume loads it on every rank at the same step (DDP
@@ -20,17 +19,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Callable, Protocol
 
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.numfmt import byte_size
 from amp_tui.core.text import plural
-from amp_tui.job.distributed import restore_rng, rng_problem, saved_world_size
+from amp_tui.job.rng_states import restore_rng, rng_problem, saved_world_size
 from amp_tui.recording.reader import read_session
 from amp_tui.training import checkpoint as ckpt
-
-if TYPE_CHECKING:
-    from amp_tui.job.run import Run
 
 
 class TrainingState(Protocol):
@@ -44,6 +40,8 @@ class TrainingState(Protocol):
     updates_applied: int
     skipped_total: int
 
+    precision: Any    # training.precision_state.PrecisionState
+
     def scaler_state(self) -> dict | None: ...
 
     def restore_scaler(self, state: dict | None) -> None: ...
@@ -52,12 +50,29 @@ class TrainingState(Protocol):
 
     def describe_precision(self) -> dict: ...
 
+    def set_dtype(self, dtype: str) -> dict: ...
+
     def discard_started_step(self) -> None: ...
 
 
+class CheckpointHost(Protocol):
+    """What the checkpoints need of the run they belong to."""
+
+    training: TrainingState
+    run_dir: Path
+    session_path: Path
+    ranks: Any        # job.distributed.Ranks, or None for one process
+
+    def event(self, kind: str, message: str, **fields: Any) -> dict: ...
+
+    def checkpoint_refused(self, source: str, message: str) -> None: ...
+
+    def saved_extra(self) -> dict: ...
+
+
 class RunCheckpoints:
-    def __init__(self, run: Run):
-        self.run = run   # the host: a Run or a Monitor
+    def __init__(self, run: CheckpointHost):
+        self.run = run
         self.folder = run.run_dir / "checkpoints"
 
     def list(self) -> list[ckpt.CheckpointInfo]:
@@ -72,7 +87,7 @@ class RunCheckpoints:
 
     def save(self, *, source: str) -> ckpt.CheckpointInfo | None:
         """Write a full checkpoint (rank 0; the other ranks hand over their RNG state and get None)."""
-        run, t = self.run, self.run.trainer
+        run, t = self.run, self.run.training
         extra = {**t.checkpoint_extra(), **run.saved_extra()}
         if run.ranks:
             states = run.ranks.gather_rng()
@@ -111,7 +126,7 @@ class RunCheckpoints:
         return path
 
     def restore(self, command: Command) -> Outcome:
-        run, t = self.run, self.run.trainer
+        run, t = self.run, self.run.training
         path = self._target(command)
         if run.ranks:
             path = run.ranks.share(path)   # rank 0's file, whatever the others' listing says
@@ -146,11 +161,14 @@ class RunCheckpoints:
                   before=before, after=after)
         return Outcome(True, message)
 
-    def resume(self, path: Path) -> None:
+    def resume(self, path: Path, *, steps: int | None, skipped: list[tuple[str, str]],
+               skip_batches: Callable[[int], None]) -> int | None:
         """Continue a crashed or stopped run from a checkpoint; the step counter goes on from the
         last recorded step, like a restore, so the recording stays one forward timeline, and
-        --steps counts the iterations of this command: a resume runs that many more."""
-        run, t = self.run, self.run.trainer
+        --steps counts the iterations of this command: a resume runs that many more (returned:
+        the step to stop before). `skipped`: newer checkpoints refused, (path, why);
+        `skip_batches(n)` reads past the micro-batches the checkpoint had consumed."""
+        run, t = self.run, self.run.training
         last_step = max((r["step"] for r in read_session(run.session_path).steps), default=-1)
         loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
         saved, world = saved_world_size(loaded.extra), run.ranks.world_size if run.ranks else 1
@@ -164,18 +182,15 @@ class RunCheckpoints:
             raise ValueError(f"{self.relative(path)}: {why}")
         self._apply(loaded)
         t.step_index = last_step + 1
-        config = run.config
-        if config.steps is not None:
-            config.steps += t.step_index
+        stop = steps + t.step_index if steps is not None else None
         extra = loaded.extra or {}
-        run.feed.skip(int(extra.get("micro_batches_consumed", 0)))  # same data order as before
-        start, stop = t.step_index, config.steps
+        skip_batches(int(extra.get("micro_batches_consumed", 0)))  # same data order as before
+        start = t.step_index
         rolled_back = max(0, start - (loaded.step or 0))
         undone = (f"the {plural(rolled_back, 'recorded step')} after it "
                   f"{'are' if rolled_back != 1 else 'is'} rolled back, " if rolled_back else "")
         runs = (f"--steps {stop - start} runs steps {start}-{stop - 1}" if stop is not None
                 else "it runs until stopped")
-        skipped = config.resume_skipped
         passed = (f"; skipped {plural(len(skipped), 'newer checkpoint')} "
                   f"that failed the checks: {', '.join(p for p, _ in skipped)}" if skipped else "")
         run.event("resumed", f"resumed from {self.relative(path)} (saved at step {loaded.step}, "
@@ -186,9 +201,10 @@ class RunCheckpoints:
                   steps=None if stop is None else stop - start, until_step=stop,
                   updates=t.updates_applied, skipped_total=t.skipped_total,
                   skipped_checkpoints=[{"path": p, "reason": why} for p, why in skipped])
+        return stop
 
     def _apply(self, loaded: ckpt.LoadedCheckpoint) -> None:
-        t, ranks = self.run.trainer, self.run.ranks
+        t, ranks = self.run.training, self.run.ranks
         loaded.apply(t.model, t.optimizer, t.scheduler)
         if ranks:   # each rank its own RNG state (the file's own is rank 0's)
             restore_rng(loaded.extra or {}, ranks.rank, ranks.device)

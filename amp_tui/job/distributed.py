@@ -51,47 +51,41 @@ collective that waits for it fail at once (its connection closes); a rank that s
 after the timeout given to `init_process_group` (`--dist-timeout`, DEFAULT_TIMEOUT_S). Either way
 the collective raises `RanksLost`, which ends the run on every rank that is left, with the
 session kept. docs/distributed.md tells the whole story.
+
+This module holds the process group and the collectives; what they carry is laid out in modules
+of its own: the words (job/boundary_words.py), the commands (job/command_codec.py), the figures
+(job/rank_figures.py), the checkpoints' RNG states (job/rng_states.py).
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import dataclasses
 import datetime
 import gc
-import json
 import math
 import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from amp_tui.core.commands import ACTIONS, Command
+from amp_tui.core.commands import Command
 from amp_tui.core.text import one_line
-from amp_tui.job.gradient_channel import GradientChannel, Received, unsuitable
-from amp_tui.training.checkpoint.live import cuda_ready
+from amp_tui.job.boundary_words import BoundaryWords
+from amp_tui.job.command_codec import decode_commands, encode_commands
+from amp_tui.job.gradient_channel import GradientChannel, unsuitable
+from amp_tui.job.rank_figures import OWN_KINDS, merge_figures, pack_figures
+from amp_tui.job.rank_output import rank_log_path
+from amp_tui.job.rng_states import rng_state
 from amp_tui.training.engine import StepResult
 
 DEFAULT_TIMEOUT_S = 300.0   # init_process_group's timeout: how long a collective waits for a rank
 HEARTBEAT_S = 1.0           # while paused, the boundary's own all-reduce runs at least this often
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")   # what torchrun sets in every worker
-
-# The words of the step's tensor (int64, all_reduce MAX: every word rank 0 alone writes is >= 0;
-# NONFINITE is world_size - rank on a rank whose loss is not finite, so the maximum names the first).
-NONFINITE, COMMAND, PAYLOAD, STOP, CHECKPOINT, SIGNAL = range(6)
-WORDS = 6
-MANY = 1 + len(ACTIONS)     # the command code of a payload holding a list of commands
-UNMEASURED = -1.0           # a figure not measured (None), in the packed vector: below any |x|
-ALL_KINDS = ("act", "grad", "weight")
-# What differs between the ranks in a probed step: the outputs. DDP leaves the same gradients on
-# every rank, and the replicas hold the same weights, so rank 0's own figures of those are all.
-OWN_KINDS = ("act",)
 
 
 class RanksLost(RuntimeError):
@@ -111,19 +105,9 @@ class StopVote:
 class _Agreed:
     """The step's words (this rank's, or all-reduced), rank 0's payload and the vote sent."""
 
-    words: list[int]
+    words: BoundaryWords
     payload: bytes
     vote: StopVote | None
-
-
-@dataclass
-class RankFigures:
-    """Each rank's loss and step time in one probed (or non-finite) step, and the first rank
-    that saw a non-finite value in it."""
-
-    loss: list[float]
-    step_time: list[float]
-    nonfinite_rank: int | None = None
 
 
 def launched_by_torchrun(environ=os.environ) -> bool:
@@ -134,11 +118,6 @@ def launched_by_torchrun(environ=os.environ) -> bool:
         return int(environ["WORLD_SIZE"]) > 1
     except ValueError:
         return False
-
-
-def rank_log_path(run_dir: Path, rank: int) -> Path:
-    """Where a rank other than 0 writes its own output (rank 0's is the terminal's)."""
-    return Path(run_dir) / f"rank{rank}.log"
 
 
 def _signal_number(reason: str | None) -> int:
@@ -189,7 +168,7 @@ class Ranks:
         self.run_dir: Path | None = None     # where the other ranks' output goes, once agreed
         # NCCL reduces tensors on the GPU, gloo on the CPU.
         self._comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self._words = torch.zeros(WORDS, dtype=torch.int64, device=self._comm)
+        self._words = torch.zeros(BoundaryWords.SIZE, dtype=torch.int64, device=self._comm)
         # Set by a run whose loss checks carry the next boundary's words: the commands queued for
         # it so far (taken on every rank, encoded on rank 0 alone).
         self.upcoming: Callable[[], list[Command]] | None = None
@@ -345,9 +324,12 @@ class Ranks:
         """This rank's words of the step's tensor, before the all-reduce."""
         code, payload = encode_commands(commands) if self.is_main else (0, b"")
         vote = self._vote   # read once: a signal may replace it meanwhile, the next collective has it
-        local = [0 if finite else self.world_size - self.rank, code, len(payload), 0, 0, 0]
-        if vote is not None:
-            local[STOP:] = [self.world_size - self.rank, int(vote.checkpoint), vote.signum]
+        nonfinite = None if finite else self.rank
+        if vote is None:
+            local = BoundaryWords(nonfinite_rank=nonfinite, command=code, payload_bytes=len(payload))
+        else:
+            local = BoundaryWords(nonfinite_rank=nonfinite, command=code, payload_bytes=len(payload),
+                                  stop_rank=self.rank, checkpoint=vote.checkpoint, signum=vote.signum)
         return _Agreed(local, payload, vote)
 
     def _all_reduce(self, mine: _Agreed, what: str) -> _Agreed:
@@ -357,12 +339,12 @@ class Ranks:
         """The all-reduce of the step's words, started: the function returned waits for it.
         Nothing else of ours runs meanwhile (the words' buffer is the all-reduce's until then)."""
         words = self._words
-        words.copy_(torch.tensor(mine.words, dtype=torch.int64))
+        words.copy_(mine.words.pack(self.world_size))
         work = self._collective(what, lambda: dist.all_reduce(words, op=dist.ReduceOp.MAX, async_op=True))
 
         def agreed() -> _Agreed:
             self._collective(what, work.wait)
-            return _Agreed(words.tolist(), mine.payload, mine.vote)
+            return _Agreed(BoundaryWords.unpack(words, self.world_size), mine.payload, mine.vote)
         return agreed
 
     def agree_commands(self, take: Callable[[], list[Command]]) -> tuple[list[Command], StopVote | None]:
@@ -376,8 +358,8 @@ class Ranks:
             commands = take()
             agreed = self._all_reduce(self._local_words(commands),
                                       "agreeing on the commands at a step boundary")
-        _, code, size, stop, checkpoint, signum = agreed.words
-        payload = agreed.payload
+        words, payload = agreed.words, agreed.payload
+        size = words.payload_bytes
         if size:
             buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._comm) if self.is_main
                       else torch.empty(size, dtype=torch.uint8, device=self._comm))
@@ -386,18 +368,18 @@ class Ranks:
         self._synced_at, self._compute_s, self.nonfinite_rank = time.perf_counter(), None, None
         self._step_finite = True
         if not self.is_main:
-            commands = decode_commands(code, payload)
-        if not stop:
+            commands = decode_commands(words.command, payload)
+        first = words.stop_rank
+        if first is None:
             return commands, None
-        first = self.world_size - stop
         vote = agreed.vote
         if vote is not None and self.rank == first and vote.reason:
             reason = vote.reason
-        elif signum:
-            reason = f"{_signal_name(signum)} on rank {first}"
+        elif words.signum:
+            reason = f"{_signal_name(words.signum)} on rank {first}"
         else:
             reason = f"a stop asked for on rank {first}"
-        return commands, StopVote(checkpoint=bool(checkpoint), reason=reason, signum=signum)
+        return commands, StopVote(checkpoint=words.checkpoint, reason=reason, signum=words.signum)
 
     def hold(self, commands) -> None:
         """Paused: rank 0 waits for a command at most HEARTBEAT_S, then the boundary's tensor goes
@@ -437,8 +419,8 @@ class Ranks:
         next boundary's words kept for it where they came with the check."""
         if carry:
             self._carried = agreed
-        if agreed.words[NONFINITE]:
-            self.nonfinite_rank = self.world_size - agreed.words[NONFINITE]
+        if agreed.words.nonfinite_rank is not None:
+            self.nonfinite_rank = agreed.words.nonfinite_rank
             return False
         return True
 
@@ -455,8 +437,8 @@ class Ranks:
         self._step_finite = True
         row, self._rows_out = self._rows_out, None
         vote = mine.vote
-        channel.send(rank=self.rank, code=mine.words[COMMAND], payload_bytes=mine.words[PAYLOAD],
-                     finite=not mine.words[NONFINITE],
+        channel.send(rank=self.rank, code=mine.words.command, payload_bytes=mine.words.payload_bytes,
+                     finite=mine.words.nonfinite_rank is None,
                      stop=(True, vote.checkpoint, vote.signum) if vote is not None else None, row=row)
 
         def finite_everywhere() -> bool:
@@ -467,28 +449,11 @@ class Ranks:
                 self._channel, self._rows_out = None, row
                 agreed = self._all_reduce(mine, "agreeing on the finite-loss check")
             else:
-                agreed = self._agreed_from(got, mine)
+                agreed = _Agreed(BoundaryWords.from_received(got), mine.payload, mine.vote)
                 if row is not None:
                     self._rows_in = (row, got.rows)
             return self._answer(agreed, carry)
         return finite_everywhere
-
-    def _agreed_from(self, got: Received, mine: _Agreed) -> _Agreed:
-        """The all-reduced words (as the MAX of the step's tensor gives them) from what came in
-        the gradients: the first rank whose loss was not finite, and the first that asked to
-        stop, with its own signal."""
-        w = self.world_size
-        words = [0] * WORDS
-        words[COMMAND], words[PAYLOAD] = got.code, got.payload_bytes
-        bad = [r for r, flag in enumerate(got.nonfinite) if flag]
-        if bad:
-            words[NONFINITE] = w - bad[0]
-        stopping = [r for r, (asked, _, _) in enumerate(got.stops) if asked]
-        if stopping:
-            words[STOP] = w - stopping[0]
-            words[CHECKPOINT] = int(any(got.stops[r][1] for r in stopping))
-            words[SIGNAL] = got.stops[stopping[0]][2]
-        return _Agreed(words, mine.payload, mine.vote)
 
     def forward_done(self, *_args) -> None:
         """A forward hook on the user's DDP model (own loops): its step time ends here, before
@@ -596,155 +561,3 @@ class Ranks:
 
     def checkpoint_extra(self, states: list[dict]) -> dict:
         return {"world_size": self.world_size, "rank_rng": states}
-
-
-# ---- the packed figures ----------------------------------------------------------------------
-
-def pack_figures(result: StepResult, compute_s: float, kinds: tuple[str, ...] = ALL_KINDS) -> torch.Tensor:
-    """[loss, step time, then each of `kinds` per layer: act..., grad..., weight...] as float64;
-    UNMEASURED for a figure not measured, NaN and inf as they are (the maximum over the ranks
-    keeps them)."""
-    values = [result.loss, compute_s]
-    f = result.figures
-    if f is not None:
-        for kind in kinds:
-            values += [UNMEASURED if v is None else v for v in getattr(f, kind)]
-    return torch.tensor(values, dtype=torch.float64)
-
-
-def merge_figures(result: StepResult, rows: torch.Tensor, names: list[str], seen: list | None,
-                  *, loss_rank: int | None, kinds: tuple[str, ...] = ALL_KINDS) -> StepResult:
-    """Rank 0's result with every rank's figures in it (`rows`: one packed vector per rank, of
-    `kinds`; rank 0's own figures of the others)."""
-    losses = rows[:, 0].tolist()
-    times = rows[:, 1].tolist()
-    figures = result.figures
-    if figures is not None:
-        n = len(figures.act)
-        top = rows[:, 2:].amax(dim=0).tolist() if rows.shape[0] else []   # amax keeps NaN
-        merged = [None if v == UNMEASURED else v for v in top]
-        figures = dataclasses.replace(figures, **{kind: merged[k * n:(k + 1) * n] for k, kind in enumerate(kinds)})
-    update: dict[str, Any] = {"figures": figures}
-    nonfinite = result.nonfinite
-    bad_losses = [r for r, v in enumerate(losses) if not math.isfinite(v)]
-    if nonfinite is None and bad_losses:
-        nonfinite = "loss"   # an own loop: a rank's loss went non-finite (its backward ran all the same)
-    first = None
-    if nonfinite == "loss":
-        first = loss_rank if loss_rank is not None else (bad_losses[0] if bad_losses else 0)
-    elif nonfinite is not None:
-        located = [r for r, s in enumerate(seen or []) if s and s.get("layer")]
-        first = located[0] if located else 0
-    if nonfinite is not None:
-        update["nonfinite"] = nonfinite
-        if seen is not None and seen[first] is not None:
-            update.update(loss=seen[first]["loss"] if nonfinite == "loss" else result.loss,
-                          first_nonfinite_layer=seen[first]["layer"], diagnosis=seen[first]["diagnosis"])
-        else:
-            if nonfinite == "loss":
-                update["loss"] = losses[first]
-            if figures is not None:
-                index = figures.first_nonfinite("act" if nonfinite == "loss" else "grad")
-                if index is not None:
-                    update["first_nonfinite_layer"] = names[index]
-    update["per_rank"] = RankFigures(loss=losses, step_time=times, nonfinite_rank=first)
-    return dataclasses.replace(result, **update)
-
-
-# ---- the commands ----------------------------------------------------------------------------
-
-def encode_commands(commands: list[Command]) -> tuple[int, bytes]:
-    """A command code, and the payload: none for one command without a value, else the list."""
-    if not commands:
-        return 0, b""
-    if len(commands) == 1 and commands[0].value is None and commands[0].action in ACTIONS:
-        return 1 + ACTIONS.index(commands[0].action), b""
-    return MANY, json.dumps([[c.action, c.value] for c in commands]).encode("utf-8")
-
-
-def decode_commands(code: int, payload: bytes) -> list[Command]:
-    source = "rank 0"
-    if code == 0:
-        return []
-    if code != MANY:
-        return [Command(ACTIONS[code - 1], None, source)]
-    return [Command(action, value, source) for action, value in json.loads(payload.decode("utf-8"))]
-
-
-# ---- RNG states ------------------------------------------------------------------------------
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(bytes(t.cpu().tolist())).decode("ascii")
-
-
-def _bytes_tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def rng_state(device: torch.device) -> dict:
-    """This rank's RNG states: the CPU's, and its own GPU's where CUDA is in use."""
-    state = {"cpu": _b64(torch.get_rng_state())}
-    if device.type == "cuda" and cuda_ready():
-        state["cuda"] = _b64(torch.cuda.get_rng_state(device))
-    return state
-
-
-def rng_problem(extra: dict, rank: int) -> str | None:
-    """Why this rank's RNG state in a checkpoint's `extra` can't be set (None: it can, or the
-    checkpoint has none for this rank)."""
-    states = extra.get("rank_rng")
-    if states is None:
-        return None
-    if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
-        return "its per-rank RNG states are malformed"
-    if rank >= len(states):
-        return None
-    try:
-        cpu = _bytes_tensor(states[rank]["cpu"])
-    except (KeyError, TypeError, ValueError):
-        return f"the RNG state of rank {rank} is malformed"
-    if cpu.numel() != torch.get_rng_state().numel():
-        return f"the CPU RNG state of rank {rank} has the wrong size"
-    return None
-
-
-def restore_rng(extra: dict, rank: int, device: torch.device) -> None:
-    """Set this rank's own RNG states from a checkpoint's `extra` (checked by rng_problem)."""
-    states = extra.get("rank_rng")
-    if not isinstance(states, list) or rank >= len(states):
-        return
-    state = states[rank]
-    torch.set_rng_state(_bytes_tensor(state["cpu"]))
-    if "cuda" in state and device.type == "cuda" and cuda_ready():
-        torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]), device)
-
-
-def saved_world_size(extra: dict | None) -> int:
-    """The world size a checkpoint was saved by (1 for a run without ranks)."""
-    value = (extra or {}).get("world_size", 1)
-    return value if isinstance(value, int) and value > 0 else 1
-
-
-# ---- a rank's own output ---------------------------------------------------------------------
-
-@contextlib.contextmanager
-def output_to(path: Path) -> Iterator[None]:
-    """This process's stdout and stderr (file descriptors 1 and 2) appended to `path`."""
-    import sys
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for f in (fd, *saved):
-            os.close(f)
-

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from amp_tui.job.distributed import rank_log_path
+from amp_tui.job.rank_output import rank_log_path
 
 
 def _end_status(run_dir: Path, since: float) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.stream import entries
@@ -24,12 +25,14 @@ class ExportResult:
 
 
 def export(target, *, tensorboard: str | Path | None = None, csv: str | Path | None = None,
-           layers_csv: str | Path | None = None) -> ExportResult:
+           layers_csv: str | Path | None = None,
+           notify: Callable[[str], None] = lambda _text: None) -> ExportResult:
     """Write the recording at `target` (a run directory or a session file) to the outputs given.
     Raises SessionFormatError for a file that is not a session, MissingExtra when TensorBoard
     is asked for without its package, ValueError for outputs that would overwrite the session or
     each other, OSError when an output can't be written (a CSV file is then not left half
-    written)."""
+    written). `notify` hears, before the records are written, what makes the export slower
+    than it could be (TensorBoard's checksums without google-crc32c)."""
     from amp_tui.recording.csv_export import LayersCsv, StepsCsv
 
     with SessionIndex(target) as index:
@@ -39,8 +42,12 @@ def export(target, *, tensorboard: str | Path | None = None, csv: str | Path | N
         sinks = []
         try:
             if tensorboard is not None:
-                from amp_tui.recording.tensorboard import TensorBoardWriter
-                writer = TensorBoardWriter(tensorboard)
+                from amp_tui.recording.tensorboard import SLOW_CHECKSUMS, TensorBoardWriter
+
+                # Nobody waits on an export step by step: slow checksums beat no export.
+                writer = TensorBoardWriter(tensorboard, allow_slow_checksums=True)
+                if writer.slow_checksums:
+                    notify(SLOW_CHECKSUMS)
                 sinks.append(writer)
                 result.written["tensorboard"] = writer.path
             if csv is not None:

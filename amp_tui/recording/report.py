@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from amp_tui.core.jsonsafe import read_float
-from amp_tui.core.records import world_size_of
+from amp_tui.core.records import note_text, world_size_of
 from amp_tui.recording.format import MAX_LINE_BYTES, SessionFormatError
 from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.reader import (
@@ -44,6 +44,7 @@ class Summary:
     interventions: int
     checkpoints: int
     errors: list[str] = field(default_factory=list)
+    notes: list[dict] = field(default_factory=list)   # {"step", "text"}: the run's notes, in order
     skipped_lines: int = 0
     unknown_records: int = 0
     long_lines: int = 0        # of skipped_lines: longer than the readers' limit, never read
@@ -83,6 +84,7 @@ class RecordingDigest:
     end: dict | None             # the last end record
     event_kinds: Counter         # events by kind
     errors: list[str]            # the messages of the error events, in file order
+    notes: list[dict] = field(default_factory=list)   # {"step", "text"} of the note events, in file order
     skipped_lines: int = 0
     unknown_records: int = 0
     long_lines: int = 0
@@ -95,6 +97,7 @@ def digest_of(session: Session) -> RecordingDigest:
         skipped_steps=sum(1 for s in steps if s.get("skipped")), last_step=steps[-1] if steps else None,
         end=session.end, event_kinds=Counter(e.get("kind") for e in events),
         errors=[str(e.get("message", "")) for e in events if e.get("kind") == "error"],
+        notes=[_note(e) for e in events if e.get("kind") == "note"],
         skipped_lines=session.skipped_lines, unknown_records=session.unknown_records,
         long_lines=session.long_lines)
 
@@ -131,11 +134,18 @@ def read_digest(target: str | Path) -> RecordingDigest:
             errors = [str((_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {})
                           .get("message", ""))
                       for k, code in enumerate(index.event_kinds) if code == error]
+            note = index.kind_code("note")
+            notes = [_note(_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {})
+                     for k, code in enumerate(index.event_kinds) if code == note]
             unknown, long_lines = index.unknown_records, index.long_lines
     return RecordingDigest(
         header=header, path=path, steps=steps, skipped_steps=skipped_steps, last_step=last, end=end,
-        event_kinds=kinds, errors=errors, skipped_lines=skipped_lines, unknown_records=unknown,
+        event_kinds=kinds, errors=errors, notes=notes, skipped_lines=skipped_lines, unknown_records=unknown,
         long_lines=long_lines)
+
+
+def _note(event: dict) -> dict:
+    return {"step": event.get("step"), "text": note_text(event)}
 
 
 def _record_at(fh, offset: int, length: int, kind: str) -> dict | None:
@@ -170,6 +180,7 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         interventions=d.event_kinds.get("intervention", 0),
         checkpoints=d.event_kinds.get("checkpoint_saved", 0),
         errors=list(d.errors),
+        notes=list(d.notes),
         skipped_lines=d.skipped_lines,
         unknown_records=d.unknown_records,
         long_lines=d.long_lines,
@@ -238,6 +249,8 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
     ]
     if s.errors:
         rows.append(("errors", str(len(s.errors))))
+    if s.notes:
+        rows.append(("notes", str(len(s.notes))))
     if s.skipped_lines or s.unknown_records:
         long = f" ({s.long_lines} over {MAX_LINE_BYTES >> 20} MiB)" if s.long_lines else ""
         rows.append(("unreadable records",

@@ -12,12 +12,15 @@ the same writer a recording (amp_tui.recording.export). Both write the same thin
 - per layer, grouped by layer: `layer.NAME/max_abs_act`, `max_abs_grad`, `max_abs_weight` and
   `headroom_bits` (against the dtype in force at that step; see amp_tui.recording.figures);
 - every event as text at its step, under `events/KIND` (interventions, non-finite steps with
-  the module they started in, alerts, checkpoints...), and the run's command under `run/header`.
+  the module they started in, alerts, checkpoints, notes with their text...), and the run's
+  command under `run/header`.
 
 A value the step did not measure is left out; a non-finite one is written as it is (NaN, inf).
 The events are TensorBoard's own protocol buffers (tensorboard.compat.proto) in its record
 framing; the checksums come from google-crc32c, since the tensorboard package's writer computes
-them in pure Python (about 0.9 ms for one 50-layer step, 90 s for a 100,000-step session).
+them in pure Python (about 0.9 ms for one 50-layer step, 90 s for a 100,000-step session). An
+export, which no run waits for, takes the pure-Python ones when google-crc32c is missing
+(`allow_slow_checksums`); a live writer refuses to start without it.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from amp_tui.core.jsonsafe import read_float
+from amp_tui.core.records import note_text
 from amp_tui.core.text import one_line
-from amp_tui.recording.extras import require
+from amp_tui.recording.extras import MissingExtra, require
 from amp_tui.recording.figures import FIGURES, layer_figures
 
 EXTRA = "tensorboard"
@@ -50,14 +54,27 @@ _MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`*_[]<>|~#"})
 _file_numbers = itertools.count()
 
 
-def _protos():
-    """TensorBoard's protocol buffers and a fast CRC-32C, or MissingExtra naming the extra."""
+SLOW_CHECKSUMS = ("google_crc32c is not installed: the TensorBoard checksums are computed in pure "
+                  "Python, which is slower (about 1 ms a step of a 50-layer model); pip install "
+                  "'amp-tui[tensorboard]' for the fast ones")
+
+
+def _protos(allow_slow_checksums: bool = False):
+    """TensorBoard's protocol buffers and a CRC-32C function, and whether that is the slow
+    pure-Python one (only where `allow_slow_checksums`); MissingExtra names the extra."""
     what = "TensorBoard export"
     event_pb2 = require("tensorboard.compat.proto.event_pb2", EXTRA, what)
     summary_pb2 = require("tensorboard.compat.proto.summary_pb2", EXTRA, what)
     text = require("tensorboard.plugins.text.summary_v2", EXTRA, what)
-    crc = require("google_crc32c", EXTRA, what)
-    return event_pb2, summary_pb2, text.text_pb, crc.value
+    try:
+        crc = require("google_crc32c", EXTRA, what).value
+        slow = False
+    except MissingExtra:
+        if not allow_slow_checksums:
+            raise
+        crc = require("tensorboard.compat.tensorflow_stub.pywrap_tensorflow", EXTRA, what).crc32c
+        slow = True
+    return event_pb2, summary_pb2, text.text_pb, crc, slow
 
 
 def check_available() -> None:
@@ -169,11 +186,14 @@ def _varint(n: int) -> bytes:
 
 class TensorBoardWriter:
     """Records to event files (a write error raises OSError; `TensorBoardObserver` is the live,
-    forgiving one). A new file starts at the first record after an end record."""
+    forgiving one). A new file starts at the first record after an end record.
+    `allow_slow_checksums`: without google-crc32c, compute the checksums in pure Python
+    (`slow_checksums` then says so) instead of raising MissingExtra."""
 
-    def __init__(self, logdir: str | Path):
+    def __init__(self, logdir: str | Path, *, allow_slow_checksums: bool = False):
         self.logdir = Path(logdir)
-        self._event_pb2, self._summary_pb2, self._text_pb, self._crc32c = _protos()
+        (self._event_pb2, self._summary_pb2, self._text_pb, self._crc32c,
+         self.slow_checksums) = _protos(allow_slow_checksums)
         self._file: EventFile | None = None
         self._names: list[str] = []
         self._tags: list[str] = []
@@ -357,7 +377,8 @@ class TensorBoardWriter:
         if isinstance(step, bool) or not isinstance(step, int):
             return
         kind = one_line(str(e.get("kind")), 64)
-        lines = [_markdown(one_line(str(e.get("message", "")), TEXT_CHARS))]
+        message = note_text(e) if kind == "note" else str(e.get("message", ""))
+        lines = [_markdown(one_line(message, TEXT_CHARS))]
         for key in EVENT_DETAILS:
             if e.get(key) is not None:
                 lines.append(f"{key}: {_markdown(one_line(str(e[key]), 500))}")

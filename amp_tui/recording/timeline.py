@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from amp_tui.core.precision import SHORT
-from amp_tui.core.records import nonfinite_layer
+from amp_tui.core.records import EventKind, nonfinite_layer, note_text
 from amp_tui.core.text import one_line, plural
 from amp_tui.recording.index import F_NONFINITE_GRADIENTS, F_NONFINITE_LOSS, F_SKIPPED, SessionIndex
 
@@ -73,7 +73,7 @@ def header_line(index: IndexLike) -> str:
 
 def timeline_lines(index: IndexLike) -> list[str]:
     """The recording in step order: a header line, then events (interventions, checkpoints,
-    restores, errors, pauses, alerts), runs of skipped updates collapsed into one line each, dtype
+    restores, errors, pauses, alerts, notes), runs of skipped updates collapsed into one line each, dtype
     changes nobody asked for, and a summary line."""
     idx = _index(index)
     items: list[tuple[int, int, int, str]] = []   # (step, order, seq, text)
@@ -201,7 +201,7 @@ def _dtype_changes(idx: SessionIndex) -> list[int]:
 
 # A label before the message, where the message doesn't say what happened by itself
 # ("checkpoint … saved", "restored …", "paused after …" do).
-_KIND_LABELS = {
+_KIND_LABELS: dict[EventKind, str] = {
     "intervention": "intervention",
     "checkpoint_saved": "",
     "checkpoint_restored": "",
@@ -210,17 +210,18 @@ _KIND_LABELS = {
     "stopping": "stopping",
     "nonfinite": "non-finite",
     "alert": "alert",
+    "note": "note",
 }
 
 
 def _event_text(kind: str, e: dict) -> str:
-    message = one_line(e.get("message") or "", MESSAGE_LIMIT)
+    message = one_line((note_text(e) if kind == "note" else e.get("message")) or "", MESSAGE_LIMIT)
     label = _KIND_LABELS[kind] if kind in _KIND_LABELS else one_line(kind, 40)
     if not label and not message:
         label = one_line(kind, 40)
     source = e.get("source")
     suffix = ""
-    if kind in ("intervention", "checkpoint_restored", "checkpoint_saved") and source:
+    if kind in ("intervention", "checkpoint_restored", "checkpoint_saved", "note") and source:
         suffix = f" [{one_line(source, 40)}]"
     if kind == "error":
         during = e.get("during")
@@ -243,6 +244,8 @@ def _summary_line(idx: SessionIndex, storms: int) -> str:
         parts.append(plural(kinds.count("checkpoint_restored"), "restore"))
     if kinds.count("error"):
         parts.append(plural(kinds.count("error"), "error"))
+    if kinds.count("note"):
+        parts.append(plural(kinds.count("note"), "note"))
     end = idx.end
     if frames:
         last = frames - 1
@@ -294,7 +297,8 @@ def interventions_as_at(index: IndexLike) -> list[str]:
     `10:dtype=bf16`, `20:scale=4096`, `20:scale=half`, `30:save`,
     `40:restore=checkpoints/step-0000030.safetensors`, `50:pause`, `50:resume`. Interventions the
     run made itself (source "fallback") are left out. Refused commands left no intervention event
-    and are not repeated either."""
+    and are not repeated either, nor are notes: a note says what happened to that run (a data
+    shard changed by hand), which a run repeating its interventions can't claim."""
     idx = _index(index)
     out = []
     for k in range(idx.event_count):

@@ -55,7 +55,8 @@ class AttachedSource:
     def snapshot(self) -> ReplaySnapshot:
         snap = self.replay.snapshot()
         planned = snap.header.get("steps")
-        return dataclasses.replace(snap, mode=self.mode, state=snap.run_state,
+        # The recording is followed, not played back: the snapshot is a run's.
+        return dataclasses.replace(snap, mode=self.mode, playback_state=None,
                                    total_steps=planned if isinstance(planned, int) else None)
 
     def send(self, command: Command) -> tuple[bool, str]:

@@ -45,11 +45,6 @@ class LaunchedSource:
         self._waiting = RunBuffer(self.mode)
         self._started = False
 
-    @property
-    def monitor_started(self) -> bool:
-        """The command's loop opened its session (it may have ended since)."""
-        return self._attached is not None or self.session_path.is_file()
-
     # ---- the Source protocol ----------------------------------------------------------------
     def start(self) -> None:
         self._started = True

@@ -30,7 +30,7 @@ class LiveSource:
         self.run = run   # a job.run.Run (duck-typed here: sources don't import the job)
         # Someone is watching: a full disk pauses the run, to be resumed once space is freed,
         # instead of stopping it as headless does.
-        run.config.on_io_error = "pause"
+        run.watched()
         self.buffer = RunBuffer("live")
         run.observers.append(self.buffer.feed)
         self._thread: threading.Thread | None = None

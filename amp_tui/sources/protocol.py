@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from amp_tui.core.records import Mode, RunState
 
 if TYPE_CHECKING:
     from amp_tui.core.commands import Command
+
+# A recording's playback: "following" is at the end of a session still being written, waiting
+# for more.
+PlaybackState = Literal["playing", "paused", "following"]
 
 HISTORY_POINTS = 2048
 EVENT_LIMIT = 1000
@@ -64,7 +68,7 @@ class RankView:
 class Snapshot:
     mode: Mode
     header: dict
-    state: str                      # a run's RunState; a replay's playback state ("replay-...")
+    state: RunState                 # what the run is doing (a replay: was doing at `position`)
     last: dict | None               # newest step record
     total_steps: int | None
     steps_per_second: float
@@ -76,7 +80,7 @@ class Snapshot:
     version: int                    # bumps on every fed record
     position: int | None = None     # replay: the step shown
     notice: str | None = None       # replay: e.g. "3 damaged lines skipped"
-    run_state: RunState | None = None  # replay: what the recorded run was doing at `position`
+    playback_state: PlaybackState | None = None  # replay: its playback; None for a run
     ranks: RankView | None = None   # several ranks: each one's newest figures (world size: header)
 
 

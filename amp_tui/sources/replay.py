@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 from amp_tui.core import jsonsafe
 from amp_tui.core.jsonsafe import read_floats
-from amp_tui.core.records import next_state, state_after, world_size_of
+from amp_tui.core.records import RunState, next_state, state_after, world_size_of
 from amp_tui.recording.index import F_LOSS_NONE, F_SKIPPED, RATE_WINDOW, SessionIndex
 from amp_tui.sources.buffer import rank_view
 from amp_tui.sources.protocol import (
@@ -34,6 +34,7 @@ from amp_tui.sources.protocol import (
     History,
     LayerView,
     Playback,
+    PlaybackState,
     RankView,
     Snapshot,
 )
@@ -44,12 +45,9 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class ReplaySnapshot(Snapshot):
-    """A Snapshot with the playback state (everything else means what it means live).
-
-    `state` is the playback state: "replay-playing", "replay-paused" or "replay-following" (at the
-    end of a session that is still being written, waiting for more). `run_state` is what the
-    recorded run was doing at `position` ("running", "paused", "finished", "stopped", "error",
-    "starting"), as a live dashboard would have shown it then."""
+    """A Snapshot with the playback's settings (everything else means what it means live:
+    `state` is what the recorded run was doing at `position`, as a live dashboard showed it
+    then; `playback_state` says whether the replay plays, is paused or follows the file)."""
 
     playing: bool = False
     speed: float = 0.0              # steps per second of playback
@@ -142,11 +140,11 @@ class ReplaySource:
                   "playback paused")
         idx = self.index
         base = self._cached or ReplaySnapshot(
-            mode=self.mode, header=dict(idx.header), state=self.state, last=None,
+            mode=self.mode, header=dict(idx.header), state="starting", last=None,
             total_steps=idx.frames, steps_per_second=0.0, history=History(),
             layers=LayerView(list(idx.layer_names), [], [], [], None, None), events=[],
             events_seen=0, error=None, version=0)
-        return dataclasses.replace(base, state=self.state, playing=False, notice=notice,
+        return dataclasses.replace(base, playback_state=self.playback_state, playing=False, notice=notice,
                                    version=self._version, position=self.position, frame=self._frame)
 
     # ---- where we are -----------------------------------------------------------------------
@@ -167,12 +165,12 @@ class ReplaySource:
         return self._frame >= self.index.frames - 1
 
     @property
-    def state(self) -> str:
+    def playback_state(self) -> PlaybackState:
         if not self.playing:
-            return "replay-paused"
+            return "paused"
         if self.follow and self.at_end and self.index.end is None:
-            return "replay-following"
-        return "replay-playing"
+            return "following"
+        return "playing"
 
     def playback_text(self) -> str:
         """For a status line: "playing 16 steps/s", "paused" or "following the file"."""
@@ -378,10 +376,10 @@ class ReplaySource:
         if e >= 0:
             error = idx.event(idx.error_events[e])
         return ReplaySnapshot(
-            mode=self.mode, header=dict(idx.header), state=self.state, last=last,
+            mode=self.mode, header=dict(idx.header), state=self._run_state(i, count), last=last,
             total_steps=idx.frames, steps_per_second=self._rate(i), history=history, layers=layers,
             events=events, events_seen=count, error=error, version=self._version,
-            position=position, notice=self._notice(), run_state=self._run_state(i, count), ranks=ranks,
+            position=position, notice=self._notice(), playback_state=self.playback_state, ranks=ranks,
             playing=self.playing, speed=self.speed, following=self.follow, frame=i)
 
     def _notice(self) -> str | None:
@@ -456,7 +454,7 @@ class ReplaySource:
             return 0.0
         return (idx.steps[i] - idx.steps[j]) / dt
 
-    def _run_state(self, i: int, count: int) -> str:
+    def _run_state(self, i: int, count: int) -> RunState:
         idx = self.index
         state = state_after(idx.event(k) for k in itertools.takewhile(lambda k: k < count, idx.state_events))
         if i >= 0:

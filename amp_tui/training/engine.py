@@ -14,15 +14,17 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from amp_tui.core import precision
-from amp_tui.training.autocast import autocast, unsupported_reason
+from amp_tui.training.autocast import autocast
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.diagnose import Diagnosis, diagnose
+from amp_tui.training.precision_state import OwnedScaling, PrecisionRefused
 from amp_tui.training.probes import LayerFigures, LayerProbe
+
+__all__ = ["GuardedTrainer", "LossError", "PrecisionRefused", "StepResult", "check_loss", "to_host"]
 
 ACT_UNMEASURED_UNDER_COMPILE = (
     "act not measured under torch.compile: the compiled graph runs without amp-tui's hooks (it was "
@@ -30,12 +32,12 @@ ACT_UNMEASURED_UNDER_COMPILE = (
     "measured")
 
 
-class PrecisionRefused(Exception):
-    """A dtype or scale change that can't be applied; the run goes on unchanged."""
-
-
 class LossError(Exception):
     """loss_fn returned something that is not a scalar loss."""
+
+
+# Where a step went non-finite: its loss, or its gradients (the loss finite).
+NonfiniteKind = Literal["loss", "gradients"]
 
 
 @dataclass
@@ -48,7 +50,7 @@ class StepResult:
     updates_applied: int
     dtype: str
     micro_batches: int
-    nonfinite: str | None = None  # None, "loss" or "gradients"
+    nonfinite: NonfiniteKind | None = None
     first_nonfinite_layer: str | None = None
     grad_norm: float | None = None
     lr: float | None = None       # the lr this step's update used (before scheduler.step())
@@ -57,7 +59,7 @@ class StepResult:
     next_scale: float | None = None  # the scale after scaler.update(): what the next step uses
     duration: float = 0.0
     wall_time: float = field(default_factory=time.time)
-    per_rank: Any = None          # several ranks: each rank's figures (job/distributed.py)
+    per_rank: Any = None          # several ranks: each rank's figures (job/rank_figures.py)
 
 
 @dataclass
@@ -120,18 +122,7 @@ class GuardedTrainer:
         # starts the check and returns its answer to wait for (True: finite on every rank),
         # which the step asks for after the micro-batch's backward.
         self.agree_finite: Callable[[float], Callable[[], bool]] | None = None
-        if not (init_scale > 0 and math.isfinite(init_scale)):
-            raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
-        self.init_scale = float(init_scale)
-        self._fp16_scale = float(init_scale)   # where fp16 starts the next time it is entered
-        self._scale_value: float | None = None  # host copy of the live scaler's scale
-        self.scaler: torch.amp.GradScaler | None = None
-        self.dtype = precision.canonical(dtype)
-        reason = unsupported_reason(self.device, self.dtype)
-        if reason:
-            raise PrecisionRefused(reason)
-        if precision.uses_scaler(self.dtype):
-            self._enter_fp16()
+        self.precision = OwnedScaling(self.device, dtype, init_scale)
         self.step_index = 0
         self.updates_applied = 0
         self.skipped_total = 0
@@ -163,81 +154,48 @@ class GuardedTrainer:
         return self.probe.names if self.probe else []
 
     @property
-    def scale(self) -> float | None:
-        return self._scale_value if self.scaler is not None else None
+    def dtype(self) -> str:
+        return self.precision.dtype
 
     @property
-    def next_fp16_scale(self) -> float:
-        return self._scale_value if self.scaler is not None else self._fp16_scale
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self.precision.scaler
 
-    def _enter_fp16(self) -> None:
-        # A fresh scaler: a disabled scaler's state_dict() is {} and can't be loaded back.
-        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=self._fp16_scale)
-        self._scale_value = self._fp16_scale
+    @property
+    def scale(self) -> float | None:
+        return self.precision.scale
+
+    @property
+    def init_scale(self) -> float:
+        return self.precision.starting_scale
 
     def set_dtype(self, dtype: str) -> dict:
         """Switch autocast dtype at a step boundary; returns {"before", "after"} for the record."""
-        new = precision.canonical(dtype)
-        before = self.describe_precision()
-        if new == self.dtype:
-            return {"before": before, "after": before}
-        reason = unsupported_reason(self.device, new)
-        if reason:
-            raise PrecisionRefused(reason)
-        if self.scaler is not None:
-            self._fp16_scale = self._scale_value
-            self.scaler = None
-            self._scale_value = None
-        self.dtype = new
-        self.discard_started_step()  # it ran under the old dtype
-        if precision.uses_scaler(new):
-            self._enter_fp16()
-        return {"before": before, "after": self.describe_precision()}
+        change = self.precision.set_dtype(dtype)
+        if change["before"] != change["after"]:
+            self.discard_started_step()  # it ran under the old dtype
+        return change
 
     def set_scale(self, value: float | str) -> dict:
         """Set the loss scale (a number, or "half"); also the init_scale for the next fp16 entry."""
-        before = self.describe_precision()
-        current = self.next_fp16_scale
-        new = current / 2.0 if value == "half" else float(value)
-        if not (math.isfinite(new) and new > 0):
-            raise PrecisionRefused(f"scale must be a positive finite number, got {value!r}")
-        self.init_scale = new
-        self._fp16_scale = new
-        if self.scaler is not None:
-            self._load_scaler_state({**self.scaler.state_dict(), "scale": new, "_growth_tracker": 0})
-        return {"before": before, "after": self.describe_precision()}
-
-    def _load_scaler_state(self, state: dict) -> None:
-        self.scaler.load_state_dict(state)
-        self._scale_value = float(state["scale"])
+        return self.precision.set_scale(value)
 
     def clamp_scale(self, value: float) -> None:
-        """Hold the live scaler at `value` (a --min-scale guard), keeping its growth tracker."""
-        if self.scaler is not None:
-            self._load_scaler_state({**self.scaler.state_dict(), "scale": float(value)})
+        self.precision.clamp(value)
 
     def describe_precision(self) -> dict:
-        return {"dtype": self.dtype, "scale": self.scale, "init_scale": self.init_scale,
-                "fp16_scale": self.next_fp16_scale}
+        return self.precision.describe()
 
     # ---- checkpoint state ---------------------------------------------------------------
     def scaler_state(self) -> dict | None:
-        if self.scaler is None:
-            return None
-        return dict(self.scaler.state_dict())
+        return self.precision.scaler_state()
 
     def checkpoint_extra(self) -> dict:
-        return {"init_scale": self.init_scale, "fp16_scale": self.next_fp16_scale,
+        return {**self.precision.checkpoint_fields(),
                 "updates_applied": self.updates_applied, "skipped_total": self.skipped_total}
 
     def restore_scaler(self, state: dict | None) -> None:
-        """After weights/optimizer were restored: put the checkpoint's scale where it belongs."""
-        if state is None:
-            return
-        if self.scaler is not None:
-            self._load_scaler_state(dict(state))
-        else:
-            self._fp16_scale = float(state["scale"])  # carried until fp16 is entered again
+        self.precision.restore_scaler(state)
 
     # ---- the guarded step ---------------------------------------------------------------
     def probing_next(self) -> bool:
@@ -307,7 +265,7 @@ class GuardedTrainer:
 
     def _step(self, micro_batches, probe: LayerProbe | None, first_loss: torch.Tensor | None) -> StepResult:
         """One update attempt, in the order of PyTorch's AMP recipe (see the module docstring)."""
-        used_scale = self._scale_value if self.scaler is not None else None
+        used_scale = self.precision.scale
         lr = self._lr_in_use()
         self._zero_grad()
         losses, bad_batch = self._forward_and_backward(micro_batches, first_loss)
@@ -418,16 +376,16 @@ class GuardedTrainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         figures, host = probe.collect([self.scaler._scale, *extra]) if probe \
-            else (None, _to_host([self.scaler._scale, *extra]))
+            else (None, to_host([self.scaler._scale, *extra]))
         new_scale = host.pop(0)
-        self._scale_value = new_scale
+        self.precision.observed_scale(new_scale)
         return new_scale < used_scale, figures, host
 
     def _update_unscaled(self, probe, found_inf, extra: list):
         """bf16/fp32: nothing skips for us, so a non-finite gradient is checked before stepping,
         from the probes' figures or the flag, in the same one transfer."""
         flags = [found_inf] if found_inf is not None else []
-        figures, host = probe.collect(flags + extra) if probe else (None, _to_host(flags + extra))
+        figures, host = probe.collect(flags + extra) if probe else (None, to_host(flags + extra))
         skipped = (found_inf is not None and host.pop(0) > 0) or bool(figures and figures.grads_nonfinite)
         if not skipped:
             self.optimizer.step()
@@ -493,8 +451,14 @@ class GuardedTrainer:
             return self.loss_fn(self.model if model is None else model, batch)
 
 
-def _to_host(scalars: list[torch.Tensor]) -> list[float]:
-    return torch.stack([t.reshape(()).float() for t in scalars]).tolist()
+def to_host(tensors: list[torch.Tensor]) -> list[float]:
+    """One-element tensors (a loss in any float dtype, the float32 scale, flags) as floats. On
+    an accelerator in one transfer (cat promotes them to the widest dtype among them, which holds
+    each exactly); on the CPU, where reading a value is no transfer, one by one, cheaper than
+    building the cat."""
+    if len(tensors) == 1 or tensors[0].device.type == "cpu":
+        return [t.item() for t in tensors]
+    return torch.cat([t.reshape(1) for t in tensors]).tolist()
 
 
 def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

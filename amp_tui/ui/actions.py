@@ -36,10 +36,6 @@ class KeyAction:
     shown: bool = True         # in the footer and the palette (False: a second key for an action
                                # that has its own entry; listed in the help only)
 
-    @property
-    def replay_only(self) -> bool:
-        return self.modes == REPLAY
-
     def text(self, mode: str) -> tuple[str, str, str]:
         return dict(self.texts).get(mode, (self.footer, self.title, self.help))
 
@@ -66,6 +62,8 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
               texts=(("replay", _PLAY),)),
     KeyAction("amp.step", "n", "single_step", "step", "Run one step",
               "Run exactly one step while paused"),
+    KeyAction("amp.note", "m", "add_note", "note", "Add a note…",
+              "Type a line to record in the session at the next step boundary (Enter records, Esc cancels)"),
     KeyAction("amp.replay.faster", "plus", "replay_faster", "faster", "Replay faster",
               "Double the playback speed", key_display="+", modes=REPLAY, priority=True),
     KeyAction("amp.replay.slower", "minus", "replay_slower", "slower", "Replay slower",

@@ -22,12 +22,14 @@ from textual.app import App, SystemCommand
 from textual.screen import Screen
 
 from amp_tui.core import precision
-from amp_tui.core.commands import Command, Outcome
+from amp_tui.core.commands import Action, Command, Outcome
 from amp_tui.core.records import ENDED, STEERED_MODES
+from amp_tui.core.signals import handling_signals
 from amp_tui.core.text import clip, visible
 from amp_tui.sources.protocol import Snapshot, Source
 from amp_tui.ui.actions import BY_ACTION, KEY_ACTIONS, bindings, key_label
 from amp_tui.ui.dialogs.goto_dialog import GotoDialog
+from amp_tui.ui.dialogs.note_dialog import NoteDialog
 from amp_tui.ui.dialogs.restore_dialog import RestoreDialog
 from amp_tui.ui.dialogs.scale_dialog import ScaleDialog
 from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
@@ -40,8 +42,9 @@ STOP_TIMEOUT_S = 10.0     # how long `q` waits for the current step before forci
 FORCED_EXIT_DELAY_S = 1.5  # leave the "forcing the exit" message on screen this long
 COMMAND_SOURCE = "dashboard"
 NOTIFY_LIMIT = 400         # characters of a recorded text in a notification (the event log has more)
-COMMAND_TITLES = {"dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore",
-                  "pause": "pause", "resume": "resume", "step": "single step", "fp32": "local fp32"}
+COMMAND_TITLES: dict[Action, str] = {
+    "dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore", "pause": "pause",
+    "resume": "resume", "step": "single step", "stop": "stop", "fp32": "local fp32", "note": "note"}
 
 
 class AmpTuiApp(App[int]):
@@ -90,13 +93,8 @@ class AmpTuiApp(App[int]):
         """SIGINT sent to the process (`kill -INT`; the terminal's own Ctrl+C is a key) is what
         Ctrl+C does. Left to asyncio it would cancel the app's task wherever it stands, and a
         shutdown cancelled halfway could leave the process hanging."""
-        if threading.current_thread() is not threading.main_thread():
+        with handling_signals((signal.SIGINT,), self._on_sigint):
             return super().run(*args, **kwargs)
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
-        try:
-            return super().run(*args, **kwargs)
-        finally:
-            signal.signal(signal.SIGINT, previous)
 
     def _on_sigint(self, _signum, _frame) -> None:
         # A signal handler runs on the main thread between two bytecodes, maybe inside the event
@@ -241,7 +239,7 @@ class AmpTuiApp(App[int]):
             return False
         return None if self._last_state in ENDED else True
 
-    def send(self, action: str, value=None) -> None:
+    def send(self, action: Action, value=None) -> None:
         command = Command(action, value, COMMAND_SOURCE)
         command.on_done = partial(self._command_done, command)
         ok, message = self.source.send(command)
@@ -274,7 +272,7 @@ class AmpTuiApp(App[int]):
         self._second = None
         self.call_later(self.refresh_view)
 
-    def _pending_value(self, action: str):
+    def _pending_value(self, action: Action):
         for command in reversed(self._pending):
             if command.action == action:
                 return command.value
@@ -327,6 +325,13 @@ class AmpTuiApp(App[int]):
 
     def action_single_step(self) -> None:
         self.send("step")
+
+    def action_add_note(self) -> None:
+        def chosen(text: str | None) -> None:
+            if text is not None:
+                self.send("note", text)
+
+        self.push_screen(NoteDialog(), chosen)
 
     def action_show_output(self) -> None:
         if self.source.output_path is not None:

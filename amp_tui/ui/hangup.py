@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 
+from amp_tui.core.signals import install_handlers, restore_handlers
 from amp_tui.ui.messages import TerminalGone
 
 SIGNALS = (signal.SIGHUP, signal.SIGTERM)
@@ -54,16 +55,14 @@ class HangupGuard:
         self._previous: dict = {}
 
     def __enter__(self) -> "HangupGuard":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
+        self._previous = install_handlers(SIGNALS, self._on_signal)
         if self.input_fd is not None and _GONE:
             threading.Thread(target=self._watch_input, name="amp-tui-input-watch",
                              daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(self._previous)
         self.finished.set()
 
     def _on_signal(self, signum, _frame) -> None:

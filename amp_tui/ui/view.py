@@ -251,7 +251,8 @@ def newest_notable_event(snap: Snapshot) -> int:
 
 
 def nonfinite_pause(snap: Snapshot) -> NonfinitePause | None:
-    if snap.state != "paused":
+    # The notice offers keys that steer the run: a replay has none.
+    if snap.state != "paused" or snap.playback_state is not None:
         return None
     events = snap.events
     first_index = snap.events_seen - len(events)
@@ -281,6 +282,7 @@ EVENT_LABELS = {
     "paused": ("paused", "magenta"),
     "stopping": ("stopping", "magenta"),
     "alert": ("alert", "bold yellow"),
+    "note": ("note", "bold blue"),
 }
 
 

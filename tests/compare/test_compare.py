@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from amp_tui.cli import main
+from amp_tui.cli.compare import parse_max_flips
 from amp_tui.compare import decisions, validation
-from amp_tui.compare.command import parse_max_flips
 from amp_tui.compare.criteria import DEFAULT_ATOL, Criteria
 from amp_tui.compare.speed import lean_steps
 
@@ -327,7 +327,7 @@ def test_the_compare_parser_is_built_without_torch():
     # must not pay for importing torch (about a second) because compare is registered.
     code = ("import argparse, sys\n"
             "import amp_tui.compare\n"
-            "from amp_tui.compare.command import add_parser\n"
+            "from amp_tui.cli.compare import add_parser\n"
             "add_parser(argparse.ArgumentParser().add_subparsers())\n"
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

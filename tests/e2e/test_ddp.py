@@ -105,7 +105,7 @@ def test_at_commands_land_at_the_same_step_on_both_ranks(write_script, tmp_path)
     job = subprocess.Popen(
         rank_command(script, run_dir, "--steps", "10", "--dist-timeout", str(timeout_s),
                      "--at", "1:save", "--at", "2:scale=half", "--at", "3:dtype=bf16", "--at", "5:restore=latest",
-                     "--at", "6:dtype=fp16", "--at", "7:pause",
+                     "--at", "4:note=shard 3 → 4", "--at", "6:dtype=fp16", "--at", "7:pause",
                      script_args=["--same-data", "--params", str(params)]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
 
@@ -113,6 +113,7 @@ def test_at_commands_land_at_the_same_step_on_both_ranks(write_script, tmp_path)
         # Held at least 2.5 timeouts: without the heartbeat rank 1's wait would fail meanwhile.
         assert not wait_for(lambda: job.poll() is not None, 2.5 * timeout_s)
         assert status(run_dir)["state"] == "paused" and status(run_dir)["step"] == 7
+        assert send(run_dir, "note=held at 7")["ok"]
 
     resumed_after_pause(job, run_dir, while_paused)
     session = read_session(run_dir)
@@ -123,6 +124,10 @@ def test_at_commands_land_at_the_same_step_on_both_ranks(write_script, tmp_path)
     assert ours == [(1, "intervention", "save"), (2, "intervention", "scale"), (3, "intervention", "dtype"),
                     (5, "checkpoint_restored", None), (6, "intervention", "dtype"),
                     (7, "intervention", "pause"), (7, "intervention", "resume")]
+    notes = [(e["step"], e["text"]) for e in session.events if e["kind"] == "note"]
+    assert notes == [(4, "shard 3 → 4"), (7, "held at 7")]
+    assert [(step, text) for step, kind, text in rank_events(run_dir) if kind == "note"] == \
+        [(4, "shard 3 → 4"), (7, "held at 7")]
     theirs = [(step, kind) for step, kind, _ in rank_events(run_dir)
               if kind in ("intervention", "checkpoint_restored", "checkpoint_saved")]
     assert theirs == [(1, "checkpoint_saved"), (2, "intervention"), (3, "intervention"),

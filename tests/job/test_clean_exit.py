@@ -18,12 +18,11 @@ import threading
 import pytest
 from rich.console import Console
 
-from amp_tui.cli import build_parser, prepare_run
 from amp_tui.cli.headless import HeadlessPrinter
 from amp_tui.job.control import send
 from amp_tui.recording.reader import read_session
 
-from support import wait_for
+from support import train_run, wait_for
 
 ALIVE_MARK = "threads alive at exit:"
 
@@ -112,9 +111,7 @@ def test_parallel_short_runs_all_exit_zero(write_script, tmp_path):
 
 def test_closing_the_control_socket_joins_its_threads_and_answers_waiting_clients(mlp_script, tmp_path):
     before = set(threading.enumerate())
-    args = build_parser().parse_args(["train", str(mlp_script), "--run-dir", str(tmp_path / "run"),
-                                      "--at", "2:pause"])
-    run, _ = prepare_run(args, [], [])
+    run = train_run(mlp_script, tmp_path / "run", at=["2:pause"])
     trainer_thread = threading.Thread(target=run.run)
     trainer_thread.start()
     try:

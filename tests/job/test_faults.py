@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from amp_tui.cli import build_parser, main, prepare_run
+from amp_tui.cli import main
 from amp_tui.recording.reader import read_session
 from amp_tui.recording.writer import SessionWriter
 
-from support import SLOW_SCRIPT, FullDisk, step_count, wait_for
+from support import SLOW_SCRIPT, FullDisk, step_count, train_run, wait_for
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
@@ -76,9 +76,7 @@ def test_resume_without_a_valid_checkpoint_exits_2(mlp_script, tmp_path, capsys)
 
 def test_full_disk_on_the_session_stops_headless_with_an_error(mlp_script, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
-    args = build_parser().parse_args(["train", str(mlp_script), "--steps", "50", "--run-dir", str(run_dir),
-                                      "--checkpoint-every", "2"])
-    run, _ = prepare_run(args, [], [])
+    run = train_run(mlp_script, run_dir, steps=50, checkpoint_every=2)
     real_write = SessionWriter.write
 
     def failing_write(self, record):
@@ -99,9 +97,7 @@ def test_full_disk_on_the_session_stops_headless_with_an_error(mlp_script, tmp_p
 
 def test_full_disk_on_a_checkpoint_keeps_the_previous_one(mlp_script, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    args = build_parser().parse_args(["train", str(mlp_script), "--steps", "50", "--run-dir", str(run_dir),
-                                      "--checkpoint-every", "2"])
-    run, _ = prepare_run(args, [], [])
+    run = train_run(mlp_script, run_dir, steps=50, checkpoint_every=2)
     real_fsync = os.fsync
 
     def failing_fsync(fd):
@@ -124,14 +120,11 @@ def test_a_run_that_fits_the_disk_until_its_last_record_exits_1_and_says_so(
     names the full disk and the file, counts what was lost, and exits 1 (it exited 0)."""
 
     import amp_tui.recording.writer as session_module
-    from amp_tui.cli import run_headless
+    from amp_tui.cli.headless import run_headless
     disk = FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
     run_dir = tmp_path / "run"
-    args = build_parser().parse_args(["train", str(mlp_script), "--steps", "8", "--run-dir",
-                                      str(run_dir), "--headless"])
-    run, _ = prepare_run(args, [], [])
-    run.config.flush_interval = 0.0          # each step record is on disk before the next step
+    run = train_run(mlp_script, run_dir, steps=8, flush_interval=0.0)   # each step record on disk before the next
 
     def fill_after_the_last_step(record):
         if record.get("type") == "step" and record["step"] == 7:

@@ -215,8 +215,8 @@ def test_steps_recorded_a_few_at_a_time_keep_their_order_and_reach_the_file_when
     """Measured steps wait to be recorded (here: until something else is), yet every event comes
     after the steps before it, a pause puts them on file before holding the loop (so an attached
     dashboard sees where it stopped), and close() records the rest."""
-    import amp_tui.job.monitor as monitor_module
-    monkeypatch.setattr(monitor_module, "PUBLISH_INTERVAL", 1e9)
+    import amp_tui.job.controller as controller_module
+    monkeypatch.setattr(controller_module, "PUBLISH_INTERVAL", 1e9)
     _, twin = load_twin(tmp_path)
     run_dir = tmp_path / "run"
     seen_when_held = []
@@ -376,11 +376,11 @@ def test_wrong_arguments_say_what_is_wrong(tmp_path):
 def test_a_monitored_step_costs_one_transfer_to_the_host(tmp_path, monkeypatch):
     """The loss, the scale, GradScaler's verdict and every per-layer figure come over together:
     one sync per step of amp-tui's own (the loop's own GradScaler syncs are its business). An
-    unprobed step's few scalars come through `_to_host`, one transfer on an accelerator (on the
+    unprobed step's few scalars come through `to_host`, one transfer on an accelerator (on the
     CPU it reads them one by one, which moves nothing)."""
     import traceback as tb
 
-    import amp_tui.job.monitor as monitor_module
+    import amp_tui.job.hook_driver as driver_module
     _, twin = load_twin(tmp_path)
     ours = []
     for name in ("tolist", "item", "__float__"):
@@ -389,16 +389,16 @@ def test_a_monitored_step_costs_one_transfer_to_the_host(tmp_path, monkeypatch):
         def counted(self, *args, _original=original, _name=name, **kwargs):
             *callers, _ = tb.extract_stack(limit=3)   # (a comprehension is a frame of its own)
             caller = callers[-1]
-            inside_to_host = any(frame.name == "_to_host" for frame in callers)
+            inside_to_host = any(frame.name == "to_host" for frame in callers)
             if "amp_tui" in caller.filename and "tests" not in caller.filename and not inside_to_host:
                 ours.append(_name)
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, counted)
-    to_host = monitor_module._to_host
+    to_host = driver_module.to_host
 
     def counted_to_host(tensors):
-        ours.append("_to_host")
+        ours.append("to_host")
         return to_host(tensors)
-    monkeypatch.setattr(monitor_module, "_to_host", counted_to_host)
+    monkeypatch.setattr(driver_module, "to_host", counted_to_host)
     twin.loop(tmp_path / "run", "fp16", steps=6, monitor_kw={"probe_every": 2})
-    assert sorted(ours) == ["_to_host"] * 3 + ["tolist"] * 3, ours
+    assert sorted(ours) == ["to_host"] * 3 + ["tolist"] * 3, ours

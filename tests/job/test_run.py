@@ -5,11 +5,11 @@ import threading
 
 import pytest
 
-from amp_tui.cli import build_parser, main, prepare_run
+from amp_tui.cli import main
 from amp_tui.core.commands import Command
 from amp_tui.recording.reader import read_session
 
-from support import OVERFLOW_SCRIPT, strict_lines
+from support import OVERFLOW_SCRIPT, strict_lines, train_run
 
 
 def run_cli(args, tmp_path, name="run"):
@@ -73,9 +73,7 @@ def test_accumulate_is_recorded(write_script, tmp_path):
 def test_checkpoint_restore_and_refusals_keep_the_run_going(mlp_script, tmp_path):
     """A saved checkpoint restores; truncated, bit-flipped-header and wrong-shape copies are refused."""
     run_dir = tmp_path / "run"
-    args = build_parser().parse_args(["train", str(mlp_script), "--steps", "12", "--run-dir", str(run_dir),
-                                      "--at", "4:save", "--at", "10:restore=latest"])
-    run, _ = prepare_run(args, [], [])
+    run = train_run(mlp_script, run_dir, steps=12, at=["4:save", "10:restore=latest"])
     done = threading.Event()
 
     def corrupt_when_saved(record):
@@ -131,9 +129,7 @@ def setup():
     assert nonfinite["where"] == "loss" and nonfinite["layer"] == "0" and nonfinite["loss"] in ("Infinity", "NaN")
 
     # pause holds the run until a command arrives
-    args = build_parser().parse_args(["train", str(script), "--steps", "3", "--run-dir", str(tmp_path / "p"),
-                                      "--on-nonfinite", "pause"])
-    run, _ = prepare_run(args, [], [])
+    run = train_run(script, tmp_path / "p", steps=3, on_nonfinite="pause")
     paused = threading.Event()
     run.observers.append(lambda r: r.get("kind") == "paused" and paused.set())
     thread = threading.Thread(target=run.run)
@@ -175,8 +171,7 @@ def setup():
 
 
 def test_commands_from_another_thread_apply_at_step_boundaries(mlp_script, tmp_path):
-    args = build_parser().parse_args(["train", str(mlp_script), "--run-dir", str(tmp_path / "r")])
-    run, _ = prepare_run(args, [], [])
+    run = train_run(mlp_script, tmp_path / "r")
     outcomes = []
     seen = {"steps": 0}
 

@@ -20,6 +20,7 @@ from amp_tui.cli import main
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.recording.csv_export import LayersCsv
 from amp_tui.recording.export import export
+from amp_tui.recording.extras import MissingExtra
 from amp_tui.recording.figures import layer_figures
 from amp_tui.recording.tensorboard import LAYER_TAGS, EventFile, TensorBoardObserver, layer_tag
 from amp_tui.sources.protocol import LayerView
@@ -198,10 +199,52 @@ def test_train_tensorboard_without_its_package_fails_before_the_run(tmp_path, mo
 
 
 def test_export_without_tensorboard_names_the_extra(demo_run, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "google_crc32c", None)
+    for name in [m for m in sys.modules if m == "tensorboard" or m.startswith("tensorboard.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
     assert main(["export", str(demo_run), "--tensorboard", str(tmp_path / "tb")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "google_crc32c" in err and "amp-tui[tensorboard]" in err
+    assert len(err.splitlines()) == 1 and "needs tensorboard" in err and "amp-tui[tensorboard]" in err
+
+
+def test_export_without_google_crc32c_writes_the_same_files_slower_and_says_so(demo_run, tmp_path,
+                                                                                monkeypatch, capsys):
+    assert main(["export", str(demo_run), "--tensorboard", str(tmp_path / "fast")]) == 0
+    assert "google_crc32c" not in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "google_crc32c", None)
+    assert main(["export", str(demo_run), "--tensorboard", str(tmp_path / "slow")]) == 0
+    out, err = capsys.readouterr()
+    assert len(err.splitlines()) == 1 and "google_crc32c is not installed" in err and "slower" in err
+    assert "TensorBoard" in out and "exported" in out
+    # tensorboard's reader checks every record's checksums: it reads back what the fast ones gave
+    fast, slow = accumulator(tmp_path / "fast"), accumulator(tmp_path / "slow")
+    assert fast.Tags() == slow.Tags() and fast.Tags()["scalars"]
+    for tag in fast.Tags()["scalars"]:
+        a, b = (np.array([(e.step, e.value) for e in acc.Scalars(tag)]) for acc in (fast, slow))
+        assert np.array_equal(a, b, equal_nan=True), tag
+    [fast_file], [slow_file] = (list((tmp_path / d).iterdir()) for d in ("fast", "slow"))
+    assert records_checked(slow_file) == records_checked(fast_file) > 0
+
+
+def records_checked(path) -> int:
+    """The records of an event file, each one's checksums verified by tensorboard's own reader
+    (a wrong one raises DataLossError)."""
+    from tensorboard.compat.tensorflow_stub import errors
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
+    reader, count = PyRecordReader_New(str(path)), 0
+    while True:
+        try:
+            reader.GetNext()
+        except errors.OutOfRangeError:
+            return count
+        count += 1
+
+
+def test_a_live_writer_still_needs_google_crc32c(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "google_crc32c", None)
+    with pytest.raises(MissingExtra, match="google_crc32c"):
+        TensorBoardObserver(tmp_path / "tb")
+    assert not (tmp_path / "tb").exists()
 
 
 def test_observer_reports_a_refused_write_once_and_the_run_goes_on(demo_run, tmp_path, monkeypatch, capsys):

@@ -232,8 +232,8 @@ sys.path.insert(0, sys.argv[3])
 from support import build_live, toasts, until
 from amp_tui.ui.app import create_app
 folder, out, _, script = sys.argv[1:5]
-run, source = build_live(script, os.path.join(folder, "run"), "--steps", "30", "--init-scale", "256")
-run.config.flush_interval = 3600.0       # every step record waits for the end: the last flush
+# every step record waits for the end: the last flush
+run, source = build_live(script, os.path.join(folder, "run"), steps=30, init_scale=256.0, flush_interval=3600.0)
 filler_path = os.path.join(folder, "filler")
 
 def fill(record):

@@ -118,7 +118,7 @@ def test_snapshot_at_positions_is_what_live_showed(recording):
     snap = src.snapshot()
     assert isinstance(snap, Snapshot) and snap.mode == "replay"
     assert snap.position == 0 and snap.last["step"] == 0 and snap.total_steps == 30
-    assert snap.state == "replay-paused" and snap.run_state == "running" and snap.notice is None
+    assert snap.playback_state == "paused" and snap.state == "running" and snap.notice is None
     assert snap.layers.names == LAYERS and snap.layers.step == 0
     assert snap.events_seen == 1 and snap.events[0]["kind"] == "nonfinite"
     assert src.seek(9) == 9
@@ -138,10 +138,10 @@ def test_snapshot_at_positions_is_what_live_showed(recording):
     assert math.isnan(snap.history.loss[-1]) and snap.layers.act[1] == math.inf
     # The run paused itself and was resumed before step 26: both were shown after step 25.
     assert [e["kind"] for e in snap.events[-3:]] == ["nonfinite", "paused", "intervention"]
-    assert snap.run_state == "running"
+    assert snap.state == "running"
     src.end()
     snap = src.snapshot()
-    assert snap.position == 29 and snap.run_state == "finished" and snap.events_seen == 8
+    assert snap.position == 29 and snap.state == "finished" and snap.events_seen == 8
     assert snap.steps_per_second == pytest.approx(2.0)
     assert src.snapshot() is snap            # unchanged: the same object, the same version
     ok, message = src.send(parse_action("dtype=bf16"))
@@ -162,7 +162,7 @@ def test_playback_follows_elapsed_time_and_speed(recording):
     clock = Clock()
     src = ReplaySource(recording, clock=clock, speed=16)
     src.start()
-    assert src.playing and src.snapshot().state == "replay-playing"
+    assert src.playing and src.snapshot().playback_state == "playing"
     clock.now += 0.25
     assert src.snapshot().position == 4           # 0.25 s x 16 steps/s
     assert src.faster() == 32 and src.slower() == 16 and src.slower() == 8
@@ -172,7 +172,7 @@ def test_playback_follows_elapsed_time_and_speed(recording):
     assert src.snapshot().position == 5
     src.pause()
     clock.now += 10
-    assert src.snapshot().position == 5 and src.snapshot().state == "replay-paused"
+    assert src.snapshot().position == 5 and src.snapshot().playback_state == "paused"
     src.play()
     clock.now += 100                              # a late tick jumps, and stops at the end
     snap = src.snapshot()
@@ -210,7 +210,7 @@ def test_a_record_that_cant_be_read_pauses_with_a_notice(recording):
     src.start()
     clock.now += 6.5
     snap = src.snapshot()
-    assert snap.position == 6 and not snap.playing and snap.state == "replay-paused"
+    assert snap.position == 6 and not snap.playing and snap.playback_state == "paused"
     assert "step 6 can't be read" in snap.notice and "paused" in snap.notice
     assert snap.last["step"] == 6 and snap.last["loss"] == pytest.approx(2 / 7)  # from the index
     assert snap.layers.step == 5                  # the newest figures that could be read
@@ -235,7 +235,7 @@ def test_follow_a_session_that_is_still_written(tmp_path):
     src = ReplaySource(path, follow=True, clock=clock, refresh_interval=0.2)
     src.start()
     snap = src.snapshot()
-    assert snap.position == 4 and snap.total_steps == 5 and snap.state == "replay-following"
+    assert snap.position == 4 and snap.total_steps == 5 and snap.playback_state == "following"
     for step in range(5, 8):
         write(step_record(step_result(step, scale=1024.0)))
     line = json.dumps(step_record(step_result(8, scale=1024.0)), separators=(",", ":"))
@@ -245,7 +245,7 @@ def test_follow_a_session_that_is_still_written(tmp_path):
     assert src.snapshot().total_steps == 5        # not refreshed yet (at most every 0.2 s)
     clock.now += 0.2
     snap = src.snapshot()
-    assert snap.total_steps == 8 and snap.position == 7 and snap.state == "replay-following"
+    assert snap.total_steps == 8 and snap.position == 7 and snap.playback_state == "following"
     assert snap.notice is None                    # a half line while following is not damage
     writer.write(line[100:] + "\n")
     writer.flush()
@@ -264,7 +264,7 @@ def test_follow_a_session_that_is_still_written(tmp_path):
     src.play()
     clock.now += 1
     snap = src.snapshot()
-    assert snap.position == 9 and snap.run_state == "stopped" and snap.state == "replay-playing"
+    assert snap.position == 9 and snap.state == "stopped" and snap.playback_state == "playing"
     src.stop()
 
 
@@ -341,7 +341,7 @@ def test_replay_of_a_real_run_reaches_the_end(real_run):
     src = ReplaySource(real_run)
     src.end()
     snap = src.snapshot()
-    assert snap.position == 11 and snap.run_state == "finished" and snap.notice is None
+    assert snap.position == 11 and snap.state == "finished" and snap.notice is None
     assert snap.layers.names == snap.header["layers"] and snap.layers.step == 11
     assert [c.step for c in src.checkpoints()] == [6]
 

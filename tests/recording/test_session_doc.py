@@ -11,10 +11,11 @@ import threading
 
 import pytest
 
-from amp_tui.cli import build_parser, main, prepare_run
+from amp_tui.cli import main
 from amp_tui.job.control import send
+from amp_tui.training.guards import GuardConfig
 
-from support import REPO, strict_lines
+from support import REPO, strict_lines, train_run
 
 DOC = REPO / "docs" / "session-format.md"
 
@@ -116,23 +117,20 @@ def records(tmp_path_factory) -> list[dict]:
         out.extend(strict_lines(run_dir / "session.jsonl"))
         return run_dir
 
-    # Every --at action, a refused restore, an alert, a pause on a non-finite loss answered over
+    # Every --at action (a note too), a refused restore, an alert, a pause on a non-finite loss answered over
     # the control socket (step, then resume: the `client` field), underflow shares on every probe.
     steered = folder / "steered"
-    args = build_parser().parse_args([
-        "train", str(script), "--run-dir", str(steered), "--steps", "14", "--underflow-every", "1",
-        "--on-nonfinite", "pause", "--min-scale", "2048",
-        "--at", "1:save", "--at", "1:scale=1024", "--at", "2:fp32=0", "--at", "6:restore=latest",
-        "--at", "6:restore=nothing-here.safetensors", "--at", "8:dtype=bf16", "--at", "9:dtype=fp16",
-        "--at", "10:pause", "--at", "13:stop"])
-    run, _ = prepare_run(args, [], [])
+    run = train_run(
+        script, steered, steps=14, underflow_every=1, on_nonfinite="pause", guard=GuardConfig(min_scale=2048.0),
+        at=["1:save", "1:scale=1024", "2:fp32=0", "6:restore=latest", "6:restore=nothing-here.safetensors",
+            "8:dtype=bf16", "9:dtype=fp16", "10:pause", "11:note=shard 3 → 4: lr=1e-4", "13:stop"])
     answers: list[dict] = []
     pauses = []
 
     def on_record(record):
         if record.get("kind") == "paused" or (record.get("action") == "pause"
                                               and record.get("after", {}).get("state") == "paused"):
-            commands = ["step", "resume"] if not pauses else ["resume"]
+            commands = ["step", "note=answered over ctl", "resume"] if not pauses else ["resume"]
             pauses.append(record)
             threading.Thread(target=lambda: answers.extend(send(steered, c) for c in commands)).start()
     run.observers.append(on_record)

@@ -420,8 +420,8 @@ def test_bad_values_are_refused():
 
 
 def test_unsupported_bf16_is_refused(monkeypatch):
-    from amp_tui.training import engine
-    monkeypatch.setattr(engine, "unsupported_reason",
+    from amp_tui.training import precision_state
+    monkeypatch.setattr(precision_state, "unsupported_reason",
                         lambda device, dtype: "bf16 is not supported here" if dtype == "bfloat16" else None)
     model = mlp()
     trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), mse, dtype="fp16")

@@ -40,7 +40,7 @@ async def test_keys_steer_the_job_and_q_detaches(live_job):
         # the follower shows it in the event log and the state as the job's
         await until(pilot, lambda: any(e.get("action") == "dtype" for e in source.snapshot().events),
                     "the event in the log", timeout=20)
-        assert source.snapshot().state == "running"
+        assert source.snapshot().state == "running" and source.snapshot().playback_state is None
         await pilot.press("q")
         await until(pilot, lambda: not app.is_running, "the app to exit")
     assert thread.is_alive() and job_alive(run.run_dir) and run.state == "running"

@@ -14,13 +14,14 @@ import math
 import pytest
 from textual.widgets import Input, OptionList, Static
 
-from amp_tui.cli import build_parser, prepare_run
-from amp_tui.core.commands import Outcome
+from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.text import visible
+from amp_tui.job.build import build_run
 from amp_tui.recording.reader import read_session
 from amp_tui.sources.protocol import LayerView
 from amp_tui.ui import view
 from amp_tui.ui.app import AmpTuiApp, create_app
+from amp_tui.ui.dialogs.note_dialog import NoteDialog
 from amp_tui.ui.dialogs.restore_dialog import check_path
 from amp_tui.ui.dialogs.scale_dialog import ScaleDialog, parse_scale
 from amp_tui.ui.screens.help_screen import HelpScreen, help_text
@@ -32,7 +33,7 @@ from amp_tui.ui.widgets.notice import PauseNotice
 from amp_tui.ui.widgets.too_small import TooSmall
 
 from fixed_source import SYNTHETIC_START, FixedSource, synthetic_records
-from support import HANGING_SCRIPT, SIZE, build_live, run_async, toasts, until
+from support import HANGING_SCRIPT, SIZE, build_live, run_async, toasts, train_config, until
 
 FROZEN = SYNTHETIC_START + 400 * 0.125
 
@@ -118,7 +119,7 @@ async def invoke(callback):
 @pytest.fixture
 def paused_run(mlp_script, tmp_path):
     """A live run of the small MLP that pauses itself before step 0."""
-    run, source = build_live(mlp_script, tmp_path / "run", "--at", "0:pause")
+    run, source = build_live(mlp_script, tmp_path / "run", at=["0:pause"])
     yield run, source
     source.stop(5.0)
 
@@ -176,6 +177,34 @@ async def test_s_halves_and_S_sets_an_exact_loss_scale(paused_run):
 
 BAD_SCALES = [("abc", "not a number"), ("-4", "not positive"), ("0", "not positive"),
               ("inf", "not finite"), ("nan", "not finite"), ("", "type a number")]
+
+
+@run_async
+async def test_m_asks_for_a_note_and_sends_it_to_the_run(paused_run, monkeypatch):
+    run, source = paused_run
+    submitted: list[Command] = []
+    submit = run.submit
+    monkeypatch.setattr(run, "submit", lambda command: (submitted.append(command), submit(command)))
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await wait_paused(pilot, source)
+        await pilot.press("m")
+        await until(pilot, lambda: isinstance(app.screen, NoteDialog), "the note dialog")
+        await pilot.press("enter")      # nothing typed: refused in the dialog, nothing sent
+        assert "the text is empty" in str(app.screen.query_one("#note-error", Static).render())
+        assert isinstance(app.screen, NoteDialog) and submitted == []
+        await pilot.press(*"x", "escape")
+        assert app.screen is app.dashboard and submitted == []
+        await pilot.press("m")
+        await until(pilot, lambda: isinstance(app.screen, NoteDialog), "the note dialog")
+        await pilot.press(*"lr=1e-4: shard 2")
+        app.screen.query_one("#note-input", Input).value += " → données"
+        await pilot.press("enter")
+        await until(pilot, lambda: submitted, "the note to reach the run")
+        assert app.screen is app.dashboard
+        assert submitted == [Command("note", "lr=1e-4: shard 2 → données", "dashboard")]
+        await pilot.press("q")
+        await until(pilot, lambda: not app.is_running, "the app to exit")
 
 
 @run_async
@@ -285,7 +314,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
     source = FixedSource(synthetic_records(), answer=Outcome(True, "checkpoint saved: x"))
     app = create_app(source, clock=lambda: FROZEN)
     keys = {b.key: b for b in AmpTuiApp.BINDINGS}
-    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "question_mark", "q", "ctrl+c"}
+    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "m", "question_mark", "q", "ctrl+c"}
     assert all(b.id and b.description for b in keys.values())
     # ctrl+c is a second key for quit: in the help, not in the footer or the palette
     assert [k for k, b in keys.items() if not b.show] == ["ctrl+c"]
@@ -297,7 +326,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
         assert sum(t.startswith("Quit") for t in titles) == 1
         for action in ("Cycle the dtype", "Halve the loss scale", "Set the loss scale",
                        "Save a checkpoint", "Restore a checkpoint", "Pause / resume",
-                       "Run one step", "Help", "Quit"):
+                       "Run one step", "Add a note", "Help", "Quit"):
             assert any(t.startswith(action) for t in titles), action
         assert any(t.startswith("Sort layers") for t in titles)
         # a palette entry runs the same action as its key
@@ -316,7 +345,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
         shown = [str(cell) for cell in help_text(live=True).columns[0]._cells]
-        for key in ("d", "s", "S", "c", "r", "space", "n", "?", "q", "ctrl+c", "headroom bits"):
+        for key in ("d", "s", "S", "c", "r", "space", "n", "m", "?", "q", "ctrl+c", "headroom bits"):
             assert key in shown
         await pilot.press("escape")
         assert app.screen is app.dashboard
@@ -338,7 +367,7 @@ async def test_q_stops_at_a_step_boundary_and_flushes_the_session(mlp_script, tm
 
 @run_async
 async def test_q_with_a_hung_step_forces_the_exit_after_the_bounded_wait(write_script, tmp_path):
-    run, source = build_live(write_script(HANGING_SCRIPT), tmp_path / "run", "--dtype", "fp32")
+    run, source = build_live(write_script(HANGING_SCRIPT), tmp_path / "run", dtype="float32")
     app = create_app(source, stop_timeout=0.3)
     try:
         async with app.run_test(size=SIZE, notifications=True) as pilot:
@@ -365,9 +394,8 @@ def test_run_dashboard_stops_flushes_prints_summary_and_returns_status(mlp_scrip
         return original_run(self, headless=True, size=SIZE, auto_pilot=autopilot)
 
     monkeypatch.setattr(AmpTuiApp, "run", headless_run)
-    args = build_parser().parse_args(["train", str(mlp_script), "--run-dir", str(tmp_path / "r"),
-                                      "--device", "cpu"])
-    run, warnings = prepare_run(args, [], ["amp-tui"], on_nonfinite_default="pause")
+    run, warnings = build_run(train_config(mlp_script, tmp_path / "r", device="cpu", on_nonfinite="pause",
+                                           command_line=["amp-tui"]))
     assert run_dashboard(run, warnings, refresh_rate=10) == 0
     out = capsys.readouterr().out
     assert any(line.split()[:2] == ["status", "stopped"] for line in out.splitlines()), out
@@ -406,8 +434,8 @@ async def test_nonfinite_loss_pauses_with_a_notice_naming_step_and_layer(write_s
 
 @run_async
 async def test_script_exception_shows_traceback_panel_keeps_session_and_q_exits(write_script, tmp_path):
-    run, source = build_live(write_script(RAISING_SCRIPT), tmp_path / "run", "--checkpoint-every", "2",
-                             "--dtype", "fp32")   # fp32: no overflow skip re-running loss_fn
+    run, source = build_live(write_script(RAISING_SCRIPT), tmp_path / "run", checkpoint_every=2,
+                             dtype="float32")   # fp32: no overflow skip re-running loss_fn
     app = create_app(source)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         panel = app.dashboard.query_one(ErrorPanel)

@@ -206,7 +206,7 @@ async def test_ctrl_c_stops_at_a_step_boundary_flushes_and_exits_like_q(mlp_scri
 @run_async
 async def test_a_second_ctrl_c_forces_the_exit_while_a_step_hangs(write_script, tmp_path):
     script = write_script(HELD_SCRIPT)
-    run, source = build_live(script, tmp_path / "run", "--dtype", "fp32")
+    run, source = build_live(script, tmp_path / "run", dtype="float32")
     app = create_app(source, stop_timeout=60.0)   # only the second Ctrl+C can end this quickly
     try:
         async with app.run_test(size=SIZE, notifications=True) as pilot:
@@ -303,7 +303,7 @@ async def test_a_checkpoint_that_does_not_fit_pauses_the_dashboard_and_keeps_the
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(fd)
     monkeypatch.setattr(os, "fsync", fsync)
-    run, source = build_live(mlp_script, tmp_path / "run", "--steps", "400", "--checkpoint-every", "2")
+    run, source = build_live(mlp_script, tmp_path / "run", steps=400, checkpoint_every=2)
     checkpoints = tmp_path / "run" / "checkpoints"
     app = create_app(source)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
@@ -352,7 +352,7 @@ def test_sigint_sent_to_the_dashboard_does_what_ctrl_c_does(tmp_path):
 LAST_RUN_STEPS = 12
 
 
-def live_run_filling_the_disk_at_its_end(script, run_dir, monkeypatch, *options: str):
+def live_run_filling_the_disk_at_its_end(script, run_dir, monkeypatch):
     """A live run of LAST_RUN_STEPS steps whose disk takes every step record and then fills up:
     the end record, the last one, is refused. Step records are flushed as they come (no flush
     interval), so what is kept back does not depend on how fast the steps run."""
@@ -360,8 +360,7 @@ def live_run_filling_the_disk_at_its_end(script, run_dir, monkeypatch, *options:
     import amp_tui.recording.writer as session_module
     disk = FullDisk()
     monkeypatch.setattr(session_module, "os", disk)
-    run, source = build_live(script, run_dir, "--steps", str(LAST_RUN_STEPS), *options)
-    run.config.flush_interval = 0.0
+    run, source = build_live(script, run_dir, steps=LAST_RUN_STEPS, flush_interval=0.0)
 
     def fill_after_the_last_step(record):
         if record.get("type") == "step" and record["step"] == LAST_RUN_STEPS - 1:
@@ -459,7 +458,7 @@ async def test_a_checkpoint_at_the_last_step_that_does_not_fit_pauses_and_is_wri
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(fd)
     monkeypatch.setattr(os, "fsync", fsync)
-    run, source = build_live(mlp_script, tmp_path / "run", "--steps", "6", "--checkpoint-every", "3")
+    run, source = build_live(mlp_script, tmp_path / "run", steps=6, checkpoint_every=3)
     checkpoints = tmp_path / "run" / "checkpoints"
     app = create_app(source)
     async with app.run_test(size=SIZE, notifications=True) as pilot:

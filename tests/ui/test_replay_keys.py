@@ -53,7 +53,7 @@ async def test_replay_keys_move_the_playback(recording):
         active = set(app.dashboard.active_bindings)
         assert {"space", "plus", "minus", "left", "right", "left_square_bracket",
                 "right_square_bracket", "home", "end", "g", "q", "question_mark"} <= active
-        assert not active & {"d", "s", "S", "c", "r", "n", "Q"}
+        assert not active & {"d", "s", "S", "c", "r", "n", "m", "Q"}
 
         await pilot.press("right", "right", "right")
         assert source.position == 3
@@ -146,6 +146,20 @@ async def test_palette_and_help_list_the_replay_keys(recording):
         assert key in shown
     live = [str(cell) for cell in help_text(live=True).columns[0]._cells]
     assert "Q" not in live
+
+
+@run_async
+async def test_m_adds_no_note_to_a_recording(recording):
+    source = ReplaySource(recording, autoplay=False)
+    app = create_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("m")
+        await pilot.pause()
+        assert app.screen is app.dashboard
+        assert not any(c.title.startswith("Add a note") for c in app.get_system_commands(app.dashboard))
+    help_rows = help_text(mode="replay").columns
+    row = [str(cell) for cell in help_rows[0]._cells].index("m")
+    assert str(help_rows[1]._cells[row]).endswith("(live or attached runs only)")
 
 
 def test_parse_step():

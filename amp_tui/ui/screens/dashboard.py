@@ -157,9 +157,9 @@ class DashboardScreen(Screen):
         origin = nonfinite_origin(snap)
         # What the user caused or must see: the status bar and the layer table draw it at the
         # same tick, so both show the same step; only the steady ticking of steps is paced.
-        urgent = (snap.state, snap.mode, tuple(pending), stopping, playback, prec, snap.error is not None,
-                  origin, len(snap.layers.names), newest_notable_event(snap),
-                  snap.position if snap.state == "replay-paused" else None)  # a key moved the replay
+        urgent = (snap.state, snap.playback_state, snap.mode, tuple(pending), stopping, playback, prec,
+                  snap.error is not None, origin, len(snap.layers.names), newest_notable_event(snap),
+                  snap.position if snap.playback_state == "paused" else None)  # a key moved the replay
         if urgent != self._status_urgent or tick - self._status_at >= pace.status_s:
             self._status_urgent, self._status_at = urgent, tick
             self.status_bar.show(snap, prec, pending=pending, stopping=stopping, now=now,

@@ -9,6 +9,7 @@ from rich.text import Text
 from textual import events
 from textual.widgets import RichLog
 
+from amp_tui.core.records import note_text
 from amp_tui.core.text import clip
 from amp_tui.sources.protocol import EVENT_LIMIT, Snapshot
 from amp_tui.ui.text import literal
@@ -73,6 +74,8 @@ def event_line(event: dict) -> Table:
     grid.add_column(width=6, justify="right", style="dim")
     grid.add_column(width=9, no_wrap=True)
     grid.add_column(ratio=1, overflow="fold")
-    message = clip(str(event.get("message", "")), MESSAGE_LIMIT)
+    # A note's label says what it is: its text alone follows, as typed.
+    text = note_text(event) if event.get("kind") == "note" else str(event.get("message", ""))
+    message = clip(text, MESSAGE_LIMIT)
     grid.add_row(Text(str(event.get("step", "?"))), Text(label, style=style), literal(message))
     return grid

@@ -74,8 +74,7 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
                 now: float, playback: str | None = None) -> Text:
     """`playback`: a replay's "paused · 16 steps/s" (then the badge is the recorded run's state)."""
     header, last = snap.header, snap.last or {}
-    state = snap.run_state if playback is not None else None
-    state = state or snap.state
+    state: str = snap.state
     if stopping and snap.mode in STEERED_MODES and state in ("running", "paused", "starting"):
         state = "stopping"
     text = Text()
@@ -119,7 +118,8 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
     skipped = int(last.get("skipped_total", 0) or 0)
     _field(text, "skipped", str(skipped), "bold yellow" if skipped else "bold")
     _field(text, "applied", f"{last.get('updates', 0)}/{iterations}")
-    running = snap.state == "running" and snap.steps_per_second  # a paused rate means nothing
+    # A paused rate means nothing; a replay's pace is its playback speed, shown above.
+    running = snap.state == "running" and snap.playback_state is None and snap.steps_per_second
     _field(text, "it/s", f"{snap.steps_per_second:.1f}" if running else "-")
     ranks = rank_summary(snap)
     if ranks is not None:

@@ -1,0 +1,99 @@
+"""The commands that change what a run trains with or keeps: the dtype, the loss scale, a module
+in fp32, a checkpoint saved or restored, and a note. Each is one function of the run controller
+and the command, whatever drives the steps; the controller's table maps an action to it. The
+commands that move the run's own state (pause, resume, step, stop) are the controller's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from amp_tui.core import precision
+from amp_tui.core.commands import Command, Outcome
+from amp_tui.training.engine import PrecisionRefused
+from amp_tui.training.guards import LadderMove
+from amp_tui.training.local_fp32 import ModuleMatchError, match_modules
+
+# The run controller (job/controller.py), which imports this module: named, not imported.
+RunController = Any
+
+
+def set_dtype(run: RunController, command: Command) -> Outcome:
+    try:
+        change = run.training.set_dtype(str(command.value))
+    except PrecisionRefused as exc:
+        return run.refused(command, f"dtype change refused: {exc}")
+    b, a = change["before"], change["after"]
+    note = f" (scale {a['scale']:g})" if a.get("scale") is not None else ""
+    return run.intervention(command, b, a, f"dtype {precision.SHORT[b['dtype']]} → "
+                            f"{precision.SHORT[a['dtype']]}{note}")
+
+
+def set_scale(run: RunController, command: Command) -> Outcome:
+    try:
+        change = run.precision.set_scale(command.value)
+    except PrecisionRefused as exc:
+        return run.refused(command, f"scale change refused: {exc}")
+    b, a = change["before"], change["after"]
+    if b["scale"] is not None and b["dtype"] == "float16":
+        text = f"loss scale {b['scale']:g} → {a['scale']:g}"
+    else:
+        text = f"fp16 loss scale {b['fp16_scale']:g} → {a['fp16_scale']:g} (used when fp16 is next entered)"
+    return run.intervention(command, b, a, text)
+
+
+def save(run: RunController, command: Command) -> Outcome:
+    info = run.save_checkpoint(source=command.source)
+    if info is None:
+        return Outcome(False, "checkpoint not saved (see the error event)")
+    path = run.checkpointing.relative(info.path)
+    return run.intervention(command, {}, {"checkpoint": path}, f"checkpoint saved: {path}")
+
+
+def restore(run: RunController, command: Command) -> Outcome:
+    run.driver.settle()   # the steps the restore undoes are recorded before it
+    return run.checkpointing.restore(command)
+
+
+def toggle_fp32(run: RunController, command: Command) -> Outcome:
+    pattern = str(command.value)
+    local = run.local_fp32
+    before = {"fp32_modules": local.names}
+    try:
+        already = set(match_modules(run.driver.fp32_root(), pattern)) & set(local.names)
+        changed = local.remove(pattern) if already else local.add(pattern)
+        if changed:
+            run.training.discard_started_step()   # it ran under the old autocast policy
+    except ModuleMatchError as exc:
+        return run.refused(command, str(exc))
+    verb = "back to autocast" if already else "now in fp32"
+    return run.intervention(command, before, {"fp32_modules": local.names},
+                            f"{', '.join(changed) or pattern} {verb}")
+
+
+def note(run: RunController, command: Command) -> Outcome:
+    """A note of the user's, recorded at this boundary (what changed outside the run)."""
+    text = str(command.value)
+    who = {"client": command.client} if command.client else {}
+    run.event("note", text, text=text, source=command.source, **who)
+    return Outcome(True, "note recorded")
+
+
+def fall_back(run: RunController, move: LadderMove) -> None:
+    """The fallback ladder's move (--on-nonfinite fallback): with --rollback, restore the newest
+    checkpoint from before the trouble began first, then the next dtype down."""
+    if move.rollback_before is not None:
+        good = [c for c in run.checkpoints() if c.step is not None and c.step <= move.rollback_before]
+        if run.ranks:   # rank 0's listing for every rank: the restore is a collective
+            good = run.ranks.share(good[:1])
+        if good:
+            run.apply(Command("restore", str(good[0].path), "fallback"))
+        else:
+            run.alert("no_checkpoint", f"--rollback: no checkpoint saved at or before step "
+                      f"{move.rollback_before}; moving on without one", cause="no checkpoint yet",
+                      fix="use --checkpoint-every N")
+    change = run.training.set_dtype(move.to_dtype)
+    before, after = change["before"], change["after"]
+    run.event("intervention", f"fallback {precision.SHORT[before['dtype']]} → "
+              f"{precision.SHORT[move.to_dtype]}: {move.reason}", action="dtype",
+              value=move.to_dtype, source="fallback", reason=move.reason, before=before, after=after)

@@ -1,0 +1,42 @@
+"""What a run is asked to do: `amp-tui train`'s options as data, for the command line and for any
+program or test that builds a run (`amp_tui.job.build.build_run`).
+
+Some fields are requests that `build_run` settles before the run exists: `device`, `dtype` None
+(the resumed checkpoint's dtype, else float16), `resume` (the run directory becomes `run_dir`, the
+checkpoint chosen `resume_from`), `repeat_interventions` (added to `at`). A `Run` is handed the
+settled config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from amp_tui.core.commands import Command
+from amp_tui.training.guards import GuardConfig
+
+
+@dataclass
+class RunConfig:
+    script: Path
+    script_argv: list[str] = field(default_factory=list)
+    dtype: str | None = None             # None: the resumed checkpoint's dtype, else float16
+    init_scale: float = 65536.0
+    steps: int | None = None            # iterations to run; a resume counts them from where it goes on
+    run_dir: Path | None = None
+    checkpoint_every: int | None = None
+    probe_every: int = 1
+    underflow_every: int = 10           # underflow shares on every Nth probed step
+    on_nonfinite: str = "skip"          # skip, pause, stop or fallback (the guard's fallback follows it)
+    at: list[tuple[int, Command]] = field(default_factory=list)
+    command_line: list[str] = field(default_factory=list)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    fp32_modules: list[str] = field(default_factory=list)
+    flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)
+    control: bool = False                # serve the control socket (amp-tui ctl / attach); rank 0 only
+    device: str | None = None            # cpu, cuda, cuda:N; None: cuda when there is one (ranks: their own)
+    resume: Path | None = None           # a run directory to continue in place from its newest valid checkpoint
+    repeat_interventions: Path | None = None   # a recording whose interventions apply again at their steps
+    # ---- build_run's answers
+    resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
+    resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)

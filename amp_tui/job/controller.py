@@ -1,0 +1,600 @@
+"""One run, however its steps are driven: the state, the step boundary, the commands, every record,
+the checkpoints, the control socket and the full-disk policy.
+
+Two drivers run the steps (docs/architecture.md, "One step, two drivers"):
+- the engine driver (job/engine_driver.py, `amp-tui train`): amp-tui's own guarded step over the
+  script's batches, the loop amp-tui owns;
+- the hook driver (job/hook_driver.py, `amp_tui.monitor` and the framework callbacks): the user's
+  loop, seen through hooks on its optimizer and GradScaler.
+
+The controller knows neither loop. A driver hands it each step's `StepResult` (`record_step`) and
+calls `boundary()` between steps, where the queued and `--at` commands apply, a pause holds and a
+stop ends the run. A command is one handler in `_handlers`, whatever runs the steps.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import threading
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from amp_tui.core.commands import Command, Outcome
+from amp_tui.core.jsonsafe import encode_float
+from amp_tui.core.records import RunState, end_status
+from amp_tui.job import command_handlers as handlers
+from amp_tui.job.checkpoints import RunCheckpoints, TrainingState
+from amp_tui.job.commands import CommandQueue, Handler, apply_command
+from amp_tui.job.driver import Driver
+from amp_tui.job.recorder import Observers, RankEcho, Recorder
+from amp_tui.job.run_records import nonfinite_fields, nonfinite_message, session_header
+from amp_tui.job.states import EXIT_ERROR, EXIT_NONFINITE_STOP, EXIT_OK, IoPolicy, PauseReason
+from amp_tui.recording.format import event_record, step_record
+from amp_tui.recording.report import RunOutcome, describe_records
+from amp_tui.training import checkpoint as ckpt
+from amp_tui.training.autocast import unsupported_reason
+from amp_tui.training.engine import StepResult
+from amp_tui.training.guards import GuardConfig, PrecisionGuard
+from amp_tui.training.local_fp32 import LocalFp32
+
+if TYPE_CHECKING:
+    from amp_tui.job.distributed import Ranks
+
+ENDING_WAIT_S = 5.0   # how long another thread waits for the training thread to end the file
+PUBLISH_INTERVAL = 0.1   # seconds: the most a batched step waits to be recorded (record_step)
+
+
+class RunController:
+    """The run around a driver's steps (see the module docstring). Thread-safe from outside:
+    `submit`, `request_stop`, `status`, `checkpoints`; everything else on the training thread."""
+
+    STOP_ANSWER = "stopping at this step boundary"
+
+    def __init__(self, driver: Driver, *, device: torch.device, run_dir: Path, script: Path,
+                 ranks: Ranks | None = None, guard: GuardConfig | None = None, on_nonfinite: str = "skip",
+                 io_policy: IoPolicy = IoPolicy.STOP, checkpoint_every: int | None = None,
+                 at: list[tuple[int, Command]] = (), steps: int | None = None, flush_interval: float = 1.0,
+                 control: bool = False, echo: Callable[[str], None] | None = None):
+        self.driver = driver
+        self.device = device
+        self.run_dir = Path(run_dir)
+        self.session_path = self.run_dir / "session.jsonl"
+        self.script = script
+        self.ranks = ranks   # several ranks (job/distributed.py): what they agree on goes through it
+        self.guard = PrecisionGuard(guard or GuardConfig())
+        self.on_nonfinite = on_nonfinite
+        self.io_policy = io_policy
+        self.checkpoint_every = checkpoint_every
+        self.steps = steps
+        self.flush_interval = flush_interval
+        self.serve_control = control
+        self.state: RunState = "starting"
+        self.exit_status = EXIT_OK
+        self.error: str | None = None
+        self.last_result: StepResult | None = None
+        self.nonfinite_events = 0
+        main = not ranks or ranks.is_main
+        self.recorder = (Recorder(self.session_path, on_refused=self._on_io_error) if main
+                         else RankEcho(self.session_path, prefix=ranks.describe(), echo=echo))
+        self.checkpointing = RunCheckpoints(self)
+        self.commands = CommandQueue()
+        # One handler per action: a new command is one entry here (docs/architecture.md).
+        self._handlers: dict[str, Handler] = {
+            "dtype": partial(handlers.set_dtype, self), "scale": partial(handlers.set_scale, self),
+            "save": partial(handlers.save, self), "restore": partial(handlers.restore, self),
+            "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self),
+            "pause": self._pause, "resume": self._resume, "step": self._single_step, "stop": self._stop,
+        }
+        self._scheduled: dict[int, list[Command]] = {}
+        for step, command in at:
+            self._scheduled.setdefault(step, []).append(command)
+        self._bf16_ok = unsupported_reason(device, "bfloat16") is None
+        self._unpublished: list[StepResult] = []   # measured, not yet recorded (record_step)
+        self._published_at = time.monotonic()
+        self.should_stop = False                    # the run stops at this boundary (stopping ran)
+        self._stop_requested = threading.Event()
+        self._checkpoint_on_stop = False
+        self._stop_reason: str | None = None
+        self._single_steps = 0
+        self._pause_reason: PauseReason | None = None
+        self._io_error: str | None = None         # the last write the disk refused
+        self._disk_said = False                   # CARRY_ON: the refusal was said once
+        self._checkpoint_due: str | None = None   # the source of a save the disk refused
+        self._give_up_unwritten = False           # quit even if the recording can't be completed
+        # Set when a stop was held because records could not be written (a full disk): whoever
+        # asked is told how many would be lost and may ask again to give them up.
+        self.stop_held = threading.Event()
+        self.held_message: str | None = None      # what the held stop would have lost
+        self._stop_replies: list[Command] = []    # ctl stops answered once the end is tried
+        self._ending = threading.Event()          # the training thread is writing the end
+        self._ended = threading.Event()           # the end is written, or given up
+        self.unwritten: dict[str, int] = {}       # records given up at the end, by type
+        self.recording_error: str | None = None   # why they were: the OS's words and the path
+        self._control = None
+        self._thread: threading.Thread | None = None   # the thread that runs the steps
+        self.started_at = time.time()
+
+    # ---- what the driver holds ------------------------------------------------------------
+    @property
+    def training(self) -> TrainingState:
+        return self.driver.training
+
+    @property
+    def precision(self):
+        return self.training.precision
+
+    @property
+    def local_fp32(self) -> LocalFp32:
+        return self.driver.local_fp32
+
+    @property
+    def step_index(self) -> int:
+        """The index of the next step (`Run.step`; a monitor's `step()` is the loop's block)."""
+        return self.training.step_index
+
+    @property
+    def observers(self) -> Observers:
+        return self.recorder.observers
+
+    # ---- public, thread-safe ------------------------------------------------------------
+    def submit(self, command: Command) -> None:
+        self.commands.submit(command)
+
+    def request_stop(self, *, checkpoint: bool = False, reason: str | None = None,
+                     give_up_unwritten: bool = False) -> None:
+        """Stop at the next step boundary (from any thread, e.g. a signal handler); with
+        `checkpoint`, save one first (an SSH drop must not lose the run's progress).
+
+        Records that a full disk refused are written before the run ends; where the disk still
+        refuses them, a watched run (the dashboard) holds the stop and sets `stop_held`, so the
+        user can free space or confirm. `give_up_unwritten` confirms: the run ends without them,
+        and says how many were lost."""
+        if give_up_unwritten:
+            self._give_up_unwritten = True
+        self.stop_held.clear()
+        self._ask_stop(checkpoint=checkpoint, reason=reason)
+        self.commands.wakeup.set()
+
+    def _ask_stop(self, *, checkpoint: bool = False, reason: str | None = None) -> None:
+        if self.ranks and self.ranks.voting:   # every rank stops at the boundary that agrees on it
+            self.ranks.vote_stop(checkpoint=checkpoint, reason=reason)
+            return
+        if checkpoint:
+            self._checkpoint_on_stop = True
+        if reason and self._stop_reason is None:
+            self._stop_reason = reason
+        self._stop_requested.set()
+
+    def watched(self) -> None:
+        """Someone watches the run (the dashboard): a full disk pauses it, to be resumed once
+        space is freed, instead of stopping it as headless does."""
+        self.io_policy = IoPolicy.PAUSE
+
+    def unattended(self) -> None:
+        """Nobody is watching any more (the terminal is gone): a full disk stops the run as in
+        headless mode instead of pausing it for a user who can't answer."""
+        self.io_policy = IoPolicy.STOP
+        self._give_up_unwritten = True
+
+    def checkpoints(self) -> list[ckpt.CheckpointInfo]:
+        return self.checkpointing.list()
+
+    def saved_extra(self) -> dict:
+        return self.driver.saved_extra()
+
+    def status(self) -> dict:
+        """A snapshot for `amp-tui ctl RUN status` (read from another thread: plain values only)."""
+        t, r = self.training, self.last_result
+        return {"state": self.state, "step": self.step_index, "steps": self.steps, "dtype": t.dtype,
+                "scale": self.precision.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
+                "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
+                "run_dir": str(self.run_dir), "script": str(self.script),
+                **(self.ranks.header_fields() if self.ranks else {})}
+
+    def outcome(self) -> RunOutcome:
+        return RunOutcome(state=self.state, steps=self.step_index, unwritten=dict(self.unwritten),
+                          recording_error=self.recording_error)
+
+    def pending_records(self) -> dict[str, int]:
+        """Records the disk has refused so far and that are still kept, by type."""
+        return self.recorder.pending_records()
+
+    # ---- recording ----------------------------------------------------------------------
+    def header(self) -> dict:
+        return session_header(self, self.driver.description())
+
+    def open_recording(self, header: dict, *, append: bool = False) -> None:
+        """Create the run directory and the session (or append to it), then the control socket."""
+        if not self.ranks or self.ranks.is_main:
+            self.checkpointing.folder.mkdir(parents=True, exist_ok=True)
+            ckpt.cleanup_temporary_files(self.checkpointing.folder)
+        self.recorder.open(header, append=append, flush_interval=self.flush_interval)
+        if self.serve_control:
+            from amp_tui.job.control import ControlServer
+            self._control = ControlServer(self, self.run_dir)
+            self._control.start()
+
+    def event(self, kind: str, message: str, *, step: int | None = None, **fields: Any) -> dict:
+        self.publish()   # the steps before it first, in the order they happened
+        record = event_record(self.step_index if step is None else step, kind, message, **fields)
+        self.recorder.emit(record)
+        return record
+
+    def alert(self, reason: str, message: str, *, cause: str, fix: str, step: int | None = None) -> dict:
+        """An alert in the recording: what was seen, its likely cause and the fix, in one text."""
+        return self.event("alert", f"{message}. Likely cause: {cause}. Fix: {fix}", step=step,
+                          reason=reason, cause=cause, fix=fix)
+
+    def set_state(self, state: RunState) -> None:
+        self.state = state
+
+    def record_step(self, result: StepResult, *, batched: bool = False) -> None:
+        """Record a step, then what it raises (a non-finite event, the guards' alerts and moves).
+        `batched`: formatted a few steps at a time (at most PUBLISH_INTERVAL late, at once when
+        non-finite): formatting a run of records together costs a fraction of doing it between
+        every two steps, when the training step has left the caches cold."""
+        self.last_result = result
+        self._unpublished.append(result)
+        if not batched or result.nonfinite is not None or self.state == "paused" \
+                or time.monotonic() - self._published_at >= PUBLISH_INTERVAL:
+            self.publish()
+
+    def publish(self) -> None:
+        results, self._unpublished = self._unpublished, []
+        if not results:
+            return
+        self._published_at = time.monotonic()
+        for result in results:
+            # A single step while paused: no later record comes to push it to the file, where
+            # `ctl`, `attach` and `replay --follow` look for it.
+            self.recorder.emit(step_record(result), flush=self.state == "paused")
+            self.after_step(result)
+
+    def after_step(self, result: StepResult) -> None:
+        """What a recorded step raises: its non-finite event, the guards' alerts and moves."""
+        if result.nonfinite:
+            self._on_nonfinite(result)
+        self._apply_guards(result)
+
+    def _apply_guards(self, result: StepResult) -> None:
+        decisions = self.guard.observe(result, result.next_scale, self._bf16_ok)
+        if decisions.clamp_scale is not None:
+            self.precision.clamp(decisions.clamp_scale)
+        for alert in decisions.alerts:
+            self.alert(alert.reason, alert.message, cause=alert.cause, fix=alert.fix, step=result.step)
+        if decisions.move is not None:
+            handlers.fall_back(run=self, move=decisions.move)
+
+    def _on_nonfinite(self, result: StepResult) -> None:
+        self.nonfinite_events += 1
+        self.event("nonfinite", nonfinite_message(result), step=result.step, **nonfinite_fields(result))
+        if result.nonfinite != "loss":
+            return
+        policy = self.on_nonfinite  # "skip" and "fallback" just go on (the guard decides)
+        if policy == "pause" and self.state == "running":
+            self._single_steps = 0
+            self._pause_reason = PauseReason.NONFINITE
+            self.set_state("paused")
+            self.event("paused", f"paused after a non-finite loss at step {result.step} "
+                                 "(--on-nonfinite pause): change the dtype, cut the scale or restore",
+                       reason="nonfinite")
+        elif policy == "stop":
+            self.exit_status = EXIT_NONFINITE_STOP
+            self._stop_requested.set()
+            self.event("stopping", f"stopping after a non-finite loss at step {result.step} "
+                                   "(--on-nonfinite stop)", reason="nonfinite")
+
+    def fail(self, message: str, original: BaseException | None, *, step: int | None = None) -> None:
+        """The run ends in error: `message`, with `original`'s traceback (none: the message is
+        amp-tui's own wording, and the frames would be ours, not the user's)."""
+        tb = "" if original is None else "".join(
+            traceback.format_exception(type(original), original, original.__traceback__))
+        self.error = message
+        self.exit_status = EXIT_ERROR
+        self.set_state("error")
+        self.event("error", message, step=step, during="step", traceback=tb[-20000:])
+
+    # ---- the step boundary ----------------------------------------------------------------
+    def boundary(self, *, hold: bool = True, finished: Callable[[], bool] | None = None) -> bool:
+        """Between two steps: apply what was asked; while paused (and `hold`), wait here until
+        resumed, single-stepped or stopped. False: the run ends here (stopped, or `finished`)."""
+        while True:
+            for command in self._boundary_commands():
+                self.apply(command)
+            if self._stop_requested.is_set():
+                self._stopping()
+                return False
+            if self._checkpoint_due is not None and self.state == "running":
+                # A save the disk refused, tried again first once the user resumed.
+                self.save_checkpoint(source=self._checkpoint_due)
+                continue
+            if finished is not None and finished() and self._pause_reason is not PauseReason.IO:
+                self.set_state("finished")
+                return False
+            if not hold or self.state != "paused" or self._single_steps:
+                break
+            self.driver.settle(flush=True)   # the paused dashboard, ctl and attach show the last step
+            if self.ranks:
+                self.ranks.hold(self.commands)   # the next boundary is the heartbeat
+            else:
+                self.commands.wait(0.25)
+        if hold and self._single_steps:
+            self._single_steps -= 1
+        return True
+
+    def after_update(self) -> None:
+        """A step is done: a checkpoint every N steps."""
+        if self.checkpoint_every and self.step_index % self.checkpoint_every == 0:
+            self.save_checkpoint(source="checkpoint_every")
+
+    def _boundary_commands(self) -> list[Command]:
+        """What applies at this step boundary: the `--at` commands of this step, then those
+        queued meanwhile. With several ranks, rank 0's, on every rank, and a stop that a signal
+        (or a full disk) brought to any rank stops them all here."""
+        if not self.ranks:
+            return self.queued(self.step_index)
+        commands, stop = self.ranks.agree_commands(lambda: self.queued(self.step_index))
+        if stop is not None:
+            self._checkpoint_on_stop = self._checkpoint_on_stop or stop.checkpoint
+            self._stop_reason = self._stop_reason or stop.reason
+            self._stop_requested.set()
+        return commands
+
+    def queued(self, step: int) -> list[Command]:
+        """The `--at` commands of boundary `step`, then those queued meanwhile."""
+        return self._scheduled.pop(step, []) + self.commands.drain()
+
+    def scheduled_first(self, actions: tuple[str, ...]) -> list[Command]:
+        """The `--at` commands of this step that lead its list and are among `actions`, taken
+        out of the schedule (the pre-flight applies them before the first forward)."""
+        scheduled = self._scheduled.get(self.step_index, [])
+        taken = []
+        while scheduled and scheduled[0].action in actions:
+            taken.append(scheduled.pop(0))
+        return taken
+
+    def _stopping(self) -> None:
+        if self.should_stop:
+            return
+        self.driver.settle()
+        if self._stop_reason:
+            self.event("stopping", f"stopping: {self._stop_reason}", reason=self._stop_reason)
+        if self._checkpoint_on_stop or self._checkpoint_due is not None:
+            self.save_checkpoint(source=self._stop_reason or self._checkpoint_due or "stop")
+        self.should_stop = True
+        if self.state != "error":
+            self.set_state("stopped")
+
+    # ---- commands -----------------------------------------------------------------------
+    def apply(self, command: Command) -> Outcome:
+        return apply_command(self._handlers, command, self._command_failed)
+
+    def refuse(self, action: str, reason: str) -> None:
+        """Turn a command off in this run: from now on it is refused with `reason` (say what owns
+        what it would change, e.g. an engine that owns the loss scale)."""
+        self._handlers[action] = lambda command: self.refused(command, reason)
+
+    def _command_failed(self, command: Command, message: str) -> None:
+        self.event("error", message, during=command.action, source=command.source)
+
+    def intervention(self, command: Command, before: dict, after: dict, message: str) -> Outcome:
+        """Record what a command changed, in the run's words; the command's answer."""
+        who = {"client": command.client} if command.client else {}
+        value = encode_float(command.value) if isinstance(command.value, float) else command.value
+        self.event("intervention", message, action=command.action, value=value, source=command.source,
+                   before=before, after=after, **who)
+        return Outcome(True, message)
+
+    def refused(self, command: Command, message: str) -> Outcome:
+        self.event("error", message, during=command.action, source=command.source)
+        return Outcome(False, message)
+
+    def save_checkpoint(self, *, source: str) -> ckpt.CheckpointInfo | None:
+        # The session holds every step the checkpoint has in it (a resume goes on from the
+        # session's last step).
+        self.driver.settle()
+        info = self.checkpointing.save(source=source)
+        if info is not None:
+            self._checkpoint_due = None
+        return info
+
+    def _pause(self, command: Command) -> Outcome:
+        # The paused state (ctl status, attach) comes with the last step in the file.
+        self.driver.settle(flush=True)
+        before = {"state": self.state}
+        self._single_steps = 0
+        self._pause_reason = PauseReason.COMMAND
+        self.set_state("paused")
+        return self.intervention(command, before, {"state": self.state}, "paused")
+
+    def _resume(self, command: Command) -> Outcome:
+        before = {"state": self.state}
+        self._single_steps = 0
+        self._pause_reason = None
+        self.set_state("running")
+        return self.intervention(command, before, {"state": self.state}, "resumed")
+
+    def _single_step(self, command: Command) -> Outcome:
+        if self.state != "paused":
+            return Outcome(False, self._pause_first(command.source))
+        self._single_steps += 1
+        return self.intervention(command, {"state": self.state}, {"state": self.state},
+                                 f"single step {self.step_index}")
+
+    def _pause_first(self, source: str) -> str:
+        """Why a single step was refused, in the terms of whoever asked for it."""
+        if source == "dashboard":
+            return "single step works while paused (press space first)"
+        if source.startswith("ctl"):
+            run_dir = shlex.quote(str(self.run_dir))
+            return (f"step works while the job is paused: send pause first "
+                    f"(amp-tui ctl {run_dir} pause), then step")
+        return "a single step works while the run is paused: pause it first"
+
+    def _stop(self, command: Command) -> Outcome:
+        self.intervention(command, {"state": self.state}, {"state": "stopped"}, "stop requested")
+        self._stop_requested.set()
+        return Outcome(True, self.STOP_ANSWER)
+
+    # ---- a disk that refuses writes ------------------------------------------------------
+    def _waits_for_space(self) -> bool:
+        """A full disk pauses the run (someone watching can free space), or stops it."""
+        return self.io_policy is IoPolicy.PAUSE and not self._give_up_unwritten
+
+    def _on_io_error(self, message: str, first: bool = True) -> None:
+        """The session can't be appended to (a full disk...): say so, then halt (or, in the
+        user's own loop, go on). The records stay pending in the writer and reach the file once
+        it takes them again."""
+        if self.io_policy is IoPolicy.CARRY_ON:
+            if first and not self._disk_said:
+                self._disk_said = True
+                _say(f"{message}; the records are kept and written once space is freed")
+            self.recorder.keep(event_record(self.step_index, "error", message, during="io"))
+            return
+        if not first and (self.state == "paused" or self._stop_requested.is_set()):
+            return  # already reported; the run is paused or stopping
+        self.recorder.keep(event_record(self.step_index, "error", message, during="io"))
+        self._halt_for_io(message)
+
+    def _halt_for_io(self, message: str) -> None:
+        """Keep what is written; pause (dashboard) or stop with a non-zero status (headless)."""
+        self.error = self._io_error = message
+        if self._waits_for_space():
+            self._single_steps = 0
+            self._pause_reason = PauseReason.IO
+            self.set_state("paused")
+            self.event("paused", "paused: the disk refused a write; free some space, then resume "
+                       "(the records kept meanwhile are written then)", reason="io")
+        else:
+            self.exit_status = EXIT_ERROR
+            self._ask_stop()
+
+    def checkpoint_refused(self, source: str, message: str) -> None:
+        """A checkpoint the disk refused: saved again once the user frees space and resumes (the
+        user's own loop goes on: the event says it)."""
+        if self.io_policy is IoPolicy.CARRY_ON:
+            _say(message)
+            return
+        if self._waits_for_space():
+            self._checkpoint_due = source
+        self._halt_for_io(message)
+
+    # ---- ending -------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the recording with its end record. The last flush counts like every other one:
+        where the disk refuses it, a watched run pauses on the training thread until space is
+        freed (or the user gives the records up); otherwise the records are given up, counted in
+        `unwritten`, and the exit status says so."""
+        self.driver.close()
+        if self._ending.is_set() and threading.current_thread() is not self._thread:
+            # The training thread is writing the end, or waiting for space to: it gives up
+            # itself (two threads never write to the file at once).
+            self.unattended()
+            self.request_stop(give_up_unwritten=True)
+            self._ended.wait(ENDING_WAIT_S)
+            return
+        for command in self.commands.drain():   # asked for after the last step: never applied
+            if command.on_done is not None:
+                command.on_done(Outcome(False, "the run ended before applying it"))
+        if self.recorder.opened and not self.recorder.closed:
+            self.publish()
+            self._finish_recording(end_status(self.state))
+        if self._control is not None:   # after the end: ctl resume may be what completes it
+            self._control.close()
+            self._control = None
+
+    def _end_record(self, status: str) -> dict:
+        t = self.training
+        return {"step": self.step_index, "status": status, "updates": t.updates_applied,
+                "skipped_total": t.skipped_total, "dtype": t.dtype, "scale": self.precision.scale,
+                "time": round(time.time(), 3), "exit_status": self.exit_status}
+
+    def _finish_recording(self, status: str) -> None:
+        waiting_allowed = threading.current_thread() is self._thread   # others can't block
+        if waiting_allowed:
+            self._ending.set()
+        try:
+            self._write_end(status, waiting_allowed)
+        finally:
+            self._ended.set()
+
+    def _write_end(self, status: str, waiting_allowed: bool) -> None:
+        while True:
+            try:
+                self.recorder.finish(self._end_record(status))
+                break
+            except OSError as exc:
+                why = f"{exc.strerror or exc}: {self.session_path}"
+                if not (waiting_allowed and self._waits_for_space()):
+                    self._give_up(status, why)
+                    return
+                self._on_io_error(f"could not write the end of {self.session_path}: "
+                                  f"{exc.strerror or exc}")   # each try at the end is reported
+                self._wait_for_space(why)
+        if self.error is not None and self.error == self._io_error and self._checkpoint_due is None:
+            self.error = None   # the disk took everything in the end: nothing was lost
+        self.set_state(status)
+        self._answer_stops(Outcome(True, "stopped; every record is written"))
+
+    def _answer_stops(self, outcome: Outcome) -> None:
+        replies, self._stop_replies = self._stop_replies, []
+        for command in replies:
+            if command.on_done is not None:
+                command.on_done(outcome)
+
+    def _wait_for_space(self, why: str) -> None:
+        """Paused after the last flush failed: return to try it again once the user resumes,
+        single-steps or stops. A stop while the records still can't be written is held once and
+        `stop_held` set, so whoever asked can say what would be lost; a second stop (with
+        `give_up_unwritten`) tries once more and then ends without them."""
+        if self._stop_requested.is_set() and not self._give_up_unwritten:
+            self._stop_requested.clear()
+            self.held_message = (f"{describe_records(self.pending_records())} would be lost "
+                                 f"({why}). Free some space and stop again to write them; "
+                                 "stopping again without freeing any ends the run without them")
+            self.stop_held.set()
+            self._answer_stops(Outcome(False, self.held_message))
+        while True:
+            for command in self.commands.drain():
+                if command.action == "stop":
+                    # A second stop while one is held gives the records up if they still
+                    # don't fit; either way it is answered once the last flush was tried.
+                    if self.stop_held.is_set():
+                        self._give_up_unwritten = True
+                    self.intervention(command, {"state": self.state}, {"state": "stopped"},
+                                      "stop requested")
+                    self._stop_replies.append(command)
+                    self._stop_requested.set()
+                elif command.action in ("resume", "step", "pause"):
+                    self.apply(command)
+                elif command.on_done is not None:
+                    command.on_done(Outcome(False, f"{command.text()} refused: the run has ended "
+                                                   f"and its last records wait for the disk ({why})"))
+            if self.state == "running" or self._single_steps or self._stop_requested.is_set():
+                self._single_steps = 0
+                self._pause_reason = None
+                return
+            self.commands.wait(0.25)
+
+    def _give_up(self, status: str, why: str) -> None:
+        """End without what the disk refused: counted, said, and a non-zero exit status."""
+        self.recording_error = why
+        self.error = self.error or why
+        self.exit_status = self.exit_status or EXIT_ERROR
+        self.set_state(status)
+        self.unwritten = self.recorder.give_up(self._end_record(status))
+        if self.io_policy is IoPolicy.CARRY_ON:   # nobody else tells the user's loop
+            _say(f"error: {why}: {describe_records(self.unwritten)} could not be written")
+        self._answer_stops(Outcome(True, f"stopped without {describe_records(self.unwritten)} "
+                                         f"({why})"))
+
+
+def _say(message: str) -> None:
+    print(f"amp-tui: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,35 @@
+"""What runs the steps, as the run controller (job/controller.py) sees it. Two drivers implement
+it: the engine driver (job/engine_driver.py) and the hook driver (job/hook_driver.py)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from amp_tui.job.checkpoints import TrainingState
+from amp_tui.training.local_fp32 import LocalFp32
+
+
+class Driver(Protocol):
+    """What runs the steps, as the controller sees it."""
+
+    training: TrainingState      # what a checkpoint saves and restores (and the step counters)
+    local_fp32: LocalFp32
+    model: torch.nn.Module       # the model as the user gave it
+    optimizer: torch.optim.Optimizer
+
+    def description(self) -> dict:
+        """The session header's fields that only the driver knows (see `session_header`)."""
+
+    def fp32_root(self) -> torch.nn.Module:
+        """The model whose module names `fp32=NAME` matches."""
+
+    def saved_extra(self) -> dict:
+        """What a checkpoint holds beyond the training state (e.g. the batches consumed)."""
+
+    def settle(self, *, failed: bool = False, flush: bool = False) -> None:
+        """Record what was measured and not recorded yet, before what comes next."""
+
+    def close(self) -> None:
+        """Leave the user's objects as they were given."""

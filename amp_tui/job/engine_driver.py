@@ -1,0 +1,174 @@
+"""The engine driver: the steps of `amp-tui train`, amp-tui's own guarded step over the script's
+batches (the loop amp-tui owns), under the run controller (job/controller.py).
+
+With several ranks a probed step's figures come from every rank a step later (its gather is
+waited for once the next step's loss check has been answered): until then rank 0 holds the step's
+record and every record after it, and writes them in order. `settle()` waits for them at once
+where something must see the step recorded first: a pause, a stop, a checkpoint saved or
+restored, the end of the run (job/distributed.py, docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from amp_tui.job.distributed import Ranks, RanksLost, communication_failure
+from amp_tui.job.feed import BatchFeed
+from amp_tui.recording.format import step_record
+from amp_tui.training.engine import GuardedTrainer, LossError, StepResult
+from amp_tui.training.local_fp32 import LocalFp32
+from amp_tui.training.script import ScriptError, TrainSetup, describe_exception
+
+if TYPE_CHECKING:
+    from amp_tui.job.config import RunConfig
+    from amp_tui.job.controller import RunController
+
+
+class StepFailure(Exception):
+    """A step raised: `message` says which and where, `original` is what it raised."""
+
+    def __init__(self, step: int, message: str, original: BaseException):
+        super().__init__(message)
+        self.step, self.message, self.original = step, message, original
+
+
+class EngineDriver:
+    """GuardedTrainer over the batch feed; one `step()` per iteration of the controller's loop."""
+
+    def __init__(self, config: RunConfig, setup: TrainSetup, device: torch.device, feed: BatchFeed,
+                 ranks: Ranks | None = None):
+        self.config = config
+        self.setup = setup
+        self.feed = feed
+        self.ranks = ranks
+        self.model = setup.model
+        self.optimizer = setup.optimizer
+        setup.model.to(device)
+        self.trainer = GuardedTrainer(
+            ranks.replicate(setup.model) if ranks else setup.model, setup.optimizer, setup.loss_fn,
+            device=device, dtype=config.dtype,
+            init_scale=config.init_scale, scheduler=setup.scheduler,
+            max_grad_norm=setup.max_grad_norm, probe_every=config.probe_every,
+            underflow_every=config.underflow_every)
+        self.training = self.trainer
+        self.local_fp32 = LocalFp32(setup.model, device.type)
+        for pattern in config.fp32_modules:
+            self.local_fp32.add(pattern)  # ModuleMatchError names a pattern that matches nothing
+        self.run: RunController | None = None
+        # Several ranks: the last probed step's figures on their way to rank 0 (what waits for
+        # them, and the step's own result), its record held until then.
+        self._figures_due: tuple[Callable[..., StepResult], StepResult] | None = None
+        self._act_unmeasured_said = False
+
+    def attach(self, run: RunController) -> None:
+        self.run = run
+        if self.ranks:
+            self.trainer.agree_finite = self.ranks.agree_finite
+            # Each step's loss check carries what applies at the boundary after it (the step
+            # counter has not moved on yet when the check runs).
+            self.ranks.upcoming = lambda: run.queued(self.trainer.step_index + 1)
+            # ... in DDP's own gradient all-reduce where it can, with the figures.
+            self.ranks.carry_in_gradients(self.trainer.model, len(self.trainer.layer_names))
+
+    # ---- what the controller asks ------------------------------------------------------------
+    def description(self) -> dict:
+        cfg, setup = self.config, self.setup
+        return {"script": str(cfg.script), "argv": cfg.script_argv, "command": cfg.command_line,
+                "steps": cfg.steps, "accumulate": setup.accumulate, "max_grad_norm": setup.max_grad_norm,
+                "probe_every": cfg.probe_every, "underflow_every": cfg.underflow_every,
+                "layers": self.trainer.layer_names, "compile": self.trainer.compile_info()}
+
+    def fp32_root(self) -> torch.nn.Module:
+        return self.trainer.model
+
+    def saved_extra(self) -> dict:
+        """The micro-batches consumed, so a resume reads the data in the same order."""
+        return {"micro_batches_consumed": self.feed.consumed}
+
+    def close(self) -> None:
+        self.trainer.close()
+
+    # ---- the pre-flight -----------------------------------------------------------------------
+    def first_batch(self):
+        script = self.config.script
+        try:
+            return self.feed.peek()
+        except ScriptError:
+            raise ScriptError(f"'batches' from {script.name} is empty") from None
+        except Exception as exc:  # noqa: BLE001 - the user's DataLoader or dataset failed
+            raise ScriptError(f"'batches' from {script.name} failed on the first batch: "
+                              f"{describe_exception(exc, script)}") from None
+
+    def first_forward(self, batch) -> None:
+        """The first step's forward, kept for that step (GuardedTrainer.start_step)."""
+        script = self.config.script
+        try:
+            self.trainer.start_step(batch)
+        except LossError as exc:
+            raise ScriptError(f"{script.name}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the user's code failed: say where
+            raise ScriptError(f"loss_fn in {script.name} failed on the first batch: "
+                              f"{describe_exception(exc, script)}") from None
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        run, step = self.run, self.trainer.step_index
+        due = None
+        try:
+            micro = self.feed.take(self.setup.accumulate)  # the user's DataLoader or dataset may raise too
+            result = self.trainer.step(micro)
+            if self.ranks:
+                # The last probed step's gather: every rank issued it before this step's loss
+                # check, which has been answered, so it is in (or as good as).
+                self.settle()
+                if result.nonfinite is None and run.state != "paused":
+                    due = self.ranks.gather_later(result, self.trainer.layer_names)
+                else:   # rare, and the details need every rank's words; a single step is shown at once
+                    result = self.ranks.gather_step(result, self.trainer.layer_names, details=True)
+        except (LossError, ScriptError) as exc:
+            raise StepFailure(step, f"step {step}: {exc}", exc) from exc
+        except Exception as exc:  # noqa: BLE001
+            if self.ranks and communication_failure(exc):   # DDP's all-reduce, or one of ours
+                lost = RanksLost(self.ranks.lost_message(exc))
+                raise StepFailure(step, f"step {step}: {lost}", lost) from exc
+            where = describe_exception(exc, self.config.script)
+            raise StepFailure(step, f"step {step}: the script raised {where}", exc) from exc
+        if due is not None:
+            # Recorded once every rank's figures are in; what comes meanwhile is held behind it.
+            # What decides from this step (the guards) uses what the ranks agreed on, the same in
+            # this rank's own result.
+            run.last_result = result
+            self._figures_due = (due, result)
+            run.recorder.hold()
+            run.after_step(result)
+        else:
+            run.record_step(result)
+        if self.trainer.act_unmeasured and not self._act_unmeasured_said:
+            self._act_unmeasured_said = True
+            run.alert("act_not_measured", self.trainer.act_unmeasured, step=result.step,
+                      cause="the compiled graph was built before amp-tui attached its hooks",
+                      fix="leave the first call of the compiled model to amp-tui (none in setup())")
+
+    def settle(self, *, failed: bool = False, flush: bool = False) -> None:
+        """Record the probed step whose figures were on their way from every rank, then what was
+        held behind it. Where they can't come (a rank is gone), that step goes unrecorded, as when
+        its gather was waited for at once, and what came after it is written all the same; after
+        a failure (`failed`, the error already recorded) that is said no more. `flush`: in the
+        file now, for whoever reads it next (as while paused)."""
+        due, self._figures_due = self._figures_due, None
+        if due is None:
+            return
+        figures, own = due
+        run = self.run
+        try:
+            result = figures(failed=failed)
+        except Exception:
+            run.recorder.release(None)
+            if failed:
+                return
+            raise
+        if run.last_result is own:
+            run.last_result = result
+        run.recorder.release(step_record(result), flush=flush or run.state == "paused")

@@ -1,0 +1,388 @@
+"""The hook driver: the user's own loop, seen through hooks on its own objects, under the run
+controller (job/controller.py). `amp_tui.monitor` and the framework callbacks use it.
+
+It never drives the loop:
+- Gradients are read where they are true: right after GradScaler's `unscale_` (called by the user
+  or by `scaler.step`), or in the optimizer's step pre-hook when there is no scaler; a fused
+  optimizer stepped with still-scaled gradients has its figures divided by the scale on the host.
+  So where the loop calls `zero_grad` doesn't matter, and a step GradScaler skipped (it never calls
+  `optimizer.step()`) is measured like the others.
+- A step is skipped when GradScaler found an inf/NaN at `scaler.step` (its own decision: right for
+  fused optimizers too, which are stepped anyway). Without a scaler nothing skips: the loop
+  applies every update, and a non-finite gradient is recorded as such.
+- One step is one update attempt. Its micro-batches are the model's forward passes inside it
+  (several in one `monitor.step()` block, as nanoGPT accumulates, or one per block when blocks
+  that end without an update are folded into the next); its layer figures are the maximum over
+  them.
+- Everything measured stays on the device until the step's end, which brings it to the host in
+  one transfer with the loss.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from amp_tui.core import precision as dtypes
+from amp_tui.training.autocast import unsupported_reason
+from amp_tui.training.compiled import compiled_module_names, original_module
+from amp_tui.training.engine import StepResult, to_host
+from amp_tui.training.local_fp32 import LocalFp32
+from amp_tui.training.precision_state import BorrowedScaling, PrecisionRefused
+from amp_tui.training.probes import LayerProbe
+
+
+class MonitorError(RuntimeError):
+    """The monitor was used in a way it can't follow; the message says what to change."""
+
+
+class _Attempt:
+    """What one update attempt saw, from its first hook to the step's end."""
+
+    __slots__ = ("gradients", "scaled", "found_inf", "stepped", "scale", "lr")
+
+    def __init__(self, scale: float | None, lr: float | None):
+        self.gradients = False   # the gradients were measured (or there was nothing to measure)
+        self.scaled = False      # ... while they still carried the loss scale
+        self.found_inf: torch.Tensor | None = None   # GradScaler's verdict, on the device
+        self.stepped = False     # optimizer.step() ran
+        self.scale = scale       # the loss scale this attempt's backward used
+        self.lr = lr
+
+
+class HookDriver:
+    """Hooks on the user's model, optimizer and scaler; the training state a checkpoint saves.
+    `in_step()` says whether the loop is inside a monitored step (the hooks only count there)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
+                 dtype: str | None = None, probe_every: int = 1, underflow_every: int = 10,
+                 framework: str | None = None):
+        check_objects(model, optimizer, scaler, scheduler)
+        # A framework's callback starts the dtype it chose, recorded as it is (fp16 without a
+        # GradScaler included, which the callback warns about).
+        self.framework = framework
+        self.model = model
+        self.optimizer = inner_optimizer(optimizer)
+        # The scaler the loop calls (maybe disabled: bf16 and fp32 loops often keep one with
+        # enabled=False); the precision state holds the one that scales.
+        self.loop_scaler = scaler
+        self.scheduler = scheduler
+        self.device = device_of(model)
+        fix = f"start {framework} in fp16 for one" if framework else "pass scaler= to amp_tui.monitor"
+        self.precision = BorrowedScaling(self.device, self._starting_dtype(dtype, scaler), scaler, fp16_fix=fix)
+        self.probe_every = max(1, int(probe_every))
+        self.underflow_every = max(1, int(underflow_every))
+        eager = original_module(model)
+        self.eager_model = eager
+        self.compiled_modules = compiled_module_names(model)
+        self.probe = LayerProbe(eager, keep_hooks=bool(self.compiled_modules))
+        self.local_fp32 = LocalFp32(eager, self.device.type)
+        self.training = self
+        self.step_index = 0
+        self.updates_applied = 0
+        self.skipped_total = 0
+        self.last_skipped = False   # the last update was skipped (a scheduler stepped only after
+                                    # applied updates reads this)
+        self.autocast_used = False          # monitor.autocast() entered this step
+        self.autocast_used_last = None      # ... in the last update (None: none yet)
+        self.in_step = lambda: False        # set by the monitor
+        self._attempt: _Attempt | None = None
+        self._losses: list[torch.Tensor] = []   # the losses set in this update's blocks
+        self._forwards = 0                      # the model's forward passes in this update
+        self._started: float | None = None
+        self._handles: list = []
+        self._patched: list[str] = []
+        self.run = None
+
+    @property
+    def scaler(self):
+        return self.precision.scaler
+
+    @property
+    def dtype(self) -> str:
+        return self.precision.dtype
+
+    @property
+    def accumulating(self) -> bool:
+        """Blocks ended without an update: the next block belongs to the same one."""
+        return bool(self._losses)
+
+    def _starting_dtype(self, dtype: str | None, scaler) -> str:
+        """By default fp16 when an enabled GradScaler is given, else bf16 where the device has
+        it (fp32 otherwise)."""
+        scales = scaler is not None and scaler.is_enabled()
+        if dtype is not None:
+            chosen = dtypes.canonical(dtype)
+            if chosen == "float16" and not scales and self.framework is None:
+                raise MonitorError("dtype='fp16' needs an enabled GradScaler: pass scaler=torch.amp.GradScaler(...)")
+            return chosen
+        if scales:
+            return "float16"
+        return "bfloat16" if unsupported_reason(self.device, "bfloat16") is None else "float32"
+
+    # ---- what the controller asks (Driver, TrainingState) --------------------------------------
+    def description(self) -> dict:
+        import sys
+        from pathlib import Path
+        script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else Path("python")
+        return {"script": str(script), "argv": sys.argv[1:], "command": [sys.executable, *sys.argv],
+                "probe_every": self.probe_every, "underflow_every": self.underflow_every,
+                "layers": self.probe.names,
+                "compile": ({"modules": list(self.compiled_modules), "act": "in_graph", "diagnosis": "none"}
+                            if self.compiled_modules else None)}
+
+    def fp32_root(self) -> torch.nn.Module:
+        return self.eager_model
+
+    def saved_extra(self) -> dict:
+        return {}
+
+    def settle(self, *, failed: bool = False, flush: bool = False) -> None:
+        if self.run is not None:
+            self.run.publish()
+
+    def set_dtype(self, dtype: str) -> dict:
+        if self.autocast_used_last is False and dtypes.canonical(dtype) != self.dtype:
+            raise PrecisionRefused("this loop's forward doesn't run under monitor.autocast() (its own "
+                                   "torch.autocast fixes the dtype); wrap the forward in `with "
+                                   "monitor.autocast():` so the dashboard can switch it")
+        return self.precision.set_dtype(dtype)
+
+    def describe_precision(self) -> dict:
+        return self.precision.describe()
+
+    def scaler_state(self) -> dict | None:
+        return self.precision.scaler_state()
+
+    def restore_scaler(self, state: dict | None) -> None:
+        self.precision.restore_scaler(state)
+
+    def checkpoint_extra(self) -> dict:
+        return {**self.precision.checkpoint_fields(), "updates_applied": self.updates_applied,
+                "skipped_total": self.skipped_total}
+
+    def discard_started_step(self) -> None:
+        """Nothing runs ahead in the user's loop: the next forward takes the new policy."""
+
+    def close(self) -> None:
+        self.detach()
+        self.probe.detach()
+
+    # ---- hooks on the user's objects ---------------------------------------------------------
+    def attach(self) -> None:
+        self._handles.append(self.optimizer.register_step_pre_hook(self._before_optimizer_step))
+        self._handles.append(self.optimizer.register_step_post_hook(self._after_optimizer_step))
+        self._handles.append(self.model.register_forward_pre_hook(self._forward_starts))
+        self._handles.append(self.model.register_forward_hook(self._forward_ends))
+        if self.loop_scaler is not None:
+            # Instance attributes over the class's methods: GradScaler.step calls self.unscale_,
+            # so an unscale it does on its own is seen too. A disabled scaler is watched as well:
+            # where the loop calls its unscale_ is where the gradients are read, before clipping.
+            for name, wrapper in (("unscale_", self._scaler_unscale), ("step", self._scaler_step)):
+                setattr(self.loop_scaler, name, wrapper(getattr(self.loop_scaler, name)))
+                self._patched.append(name)
+
+    def add_hook(self, handle) -> None:
+        self._handles.append(handle)
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for name in self._patched:
+            self.loop_scaler.__dict__.pop(name, None)
+        self._patched = []
+
+    def _forward_starts(self, *_args) -> None:
+        if self.in_step():
+            self._forwards += 1
+
+    def _forward_ends(self, *_args) -> None:
+        # Each micro-batch's outputs measured as its forward ends and let go (a maximum over
+        # them at the step's end), not kept through the next one's.
+        if self.in_step() and self.probe.active:
+            self.probe.end_forward()
+
+    def _scaler_unscale(self, original):
+        def unscale_(optimizer):
+            result = original(optimizer)
+            if optimizer is self.optimizer and self.in_step():
+                self._gradients_seen(scaled=False)
+            return result
+        return unscale_
+
+    def _scaler_step(self, original):
+        def step(optimizer, *args, **kwargs):
+            if optimizer is not self.optimizer or not self.in_step():
+                return original(optimizer, *args, **kwargs)
+            self._attempt_starts()
+            result = original(optimizer, *args, **kwargs)
+            if self.scaler is not None:
+                # GradScaler's own decision, for this optimizer, whatever the kind of optimizer.
+                found = self.scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
+                self._attempt.found_inf = _found_inf(found, self.device)
+            return result
+        return step
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if not self.in_step():
+            return
+        if self.scaler is None:
+            # Without loss scaling, the gradients as the optimizer gets them (a loop with no
+            # unscale_ call to mark the place before its clipping). A closure computes them
+            # inside step(): they are read after it (gradients_ready, or the post-hook).
+            self._attempt_starts()
+            if not _closure_given(args, kwargs):
+                self._gradients_seen(scaled=False)
+        elif self._attempt is not None and not self._attempt.gradients:
+            # A fused optimizer stepped by GradScaler without unscale_: its gradients still carry
+            # the scale, which the optimizer's kernel takes off itself.
+            self._gradients_seen(scaled=True)
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._attempt is not None:
+            self._attempt.stepped = True
+            if not self._attempt.gradients and self.scaler is None and self.in_step():
+                self._gradients_seen(scaled=False)   # a closure's, with nobody to say when before
+
+    def gradients_ready(self) -> None:
+        """Without a GradScaler, the gradients are read here (a framework's hook between the
+        backward and the update)."""
+        if self.in_step() and self.scaler is None:
+            self._gradients_seen(scaled=False)
+
+    def _attempt_starts(self) -> None:
+        if self._attempt is None:
+            lr = self.optimizer.param_groups[0].get("lr")
+            self._attempt = _Attempt(self.precision.scale_value,
+                                     float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None)
+
+    def _gradients_seen(self, *, scaled: bool) -> None:
+        """The gradients of this update, as the optimizer will use them; and the weights before it."""
+        self._attempt_starts()
+        attempt = self._attempt
+        if attempt.gradients:
+            return
+        attempt.gradients, attempt.scaled = True, scaled
+        if self.probe.active:
+            probed = self.step_index // self.probe_every
+            self.probe.record_gradients(self.precision.scale,
+                                        underflow=not scaled and probed % self.underflow_every == 0)
+            self.probe.record_weights()
+
+    # ---- an update, from its first block to its end ------------------------------------------------
+    def block_starts(self) -> None:
+        if self._started is None:
+            self._started = time.perf_counter()
+            self.autocast_used = False
+            if self.probing():
+                self.probe.begin()
+
+    def block_ends(self, loss: torch.Tensor) -> bool:
+        """A block's loss; True when the update it belongs to happened (or was skipped)."""
+        self._losses.append(loss.detach())
+        return self._attempt is not None
+
+    def probing(self) -> bool:
+        return self.step_index % self.probe_every == 0
+
+    def finish_update(self) -> StepResult:
+        """The update's result, from one transfer: the losses, the scale and GradScaler's
+        verdict, and the per-layer figures when probed."""
+        attempt, losses, scaler = self._attempt, self._losses, self.scaler
+        extra = [*losses]
+        if scaler is not None:
+            extra.append(scaler._scale if scaler._scale is not None
+                         else torch.tensor(self.precision.scale_value, device=self.device))
+            if attempt.found_inf is not None:
+                extra.append(attempt.found_inf)
+        if self.probe.active:
+            with torch.no_grad():
+                figures, host = self.probe.collect(extra)
+        else:
+            figures, host = None, to_host(extra)
+        n = len(losses)
+        mean_loss = host[0] if n == 1 else sum(host[:n]) / n
+        used_scale = attempt.scale if scaler is not None else None
+        skipped = False
+        if scaler is not None:
+            self.precision.observed_scale(host[n])
+            skipped = len(host) > n + 1 and host[n + 1] > 0
+        if figures is not None and attempt.scaled and used_scale:
+            figures.grad = [None if g is None else g / used_scale for g in figures.grad]
+        nonfinite = None
+        if not math.isfinite(mean_loss):
+            nonfinite = "loss"
+        elif skipped or (figures is not None and figures.grads_nonfinite):
+            nonfinite = "gradients"
+        self.last_skipped = skipped
+        if skipped:
+            self.skipped_total += 1
+        elif attempt.stepped:
+            self.updates_applied += 1
+        first = None
+        if nonfinite is not None and figures is not None:
+            index = figures.first_nonfinite("act" if nonfinite == "loss" else "grad")
+            first = self.probe.names[index] if index is not None else None
+        return StepResult(
+            step=self.step_index, loss=mean_loss, scale=used_scale, skipped=skipped,
+            skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
+            micro_batches=max(self._forwards, n), nonfinite=nonfinite, first_nonfinite_layer=first,
+            lr=attempt.lr, figures=figures, next_scale=self.precision.scale,
+            duration=time.perf_counter() - self._started)
+
+    def update_done(self) -> None:
+        self.autocast_used_last = self.autocast_used
+        self._forget_update()
+        self.step_index += 1
+        if not self.probing():
+            self.probe.end()
+
+    def abandon_update(self) -> None:
+        self._forget_update()
+        self.probe.end()
+
+    def _forget_update(self) -> None:
+        self._losses, self._attempt, self._started, self._forwards = [], None, None, 0
+
+
+def check_objects(model, optimizer, scaler, scheduler) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise MonitorError(f"amp_tui.monitor(model, ...): model is a {type(model).__name__}, not a torch.nn.Module")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise MonitorError(f"amp_tui.monitor(model, optimizer, ...): optimizer is a {type(optimizer).__name__}, "
+                           "not a torch.optim.Optimizer")
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise MonitorError(f"scaler= is a {type(scaler).__name__}, not a torch.amp.GradScaler")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise MonitorError(f"scheduler= is a {type(scheduler).__name__} with no step() method")
+
+
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a wrapper that steps it (Accelerate's AcceleratedOptimizer keeps
+    it as `.optimizer`): the one whose step hooks fire and which GradScaler is handed."""
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer):
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
+    return optimizer
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    raise MonitorError("amp_tui.monitor(model, ...): the model has no parameters to watch")
+
+
+def _closure_given(args: tuple, kwargs: dict) -> bool:
+    return (bool(args) and args[0] is not None) or kwargs.get("closure") is not None
+
+
+def _found_inf(per_device: dict, device: torch.device) -> torch.Tensor | None:
+    """GradScaler's found-inf for one optimizer, on `device` and summed over the devices it
+    came from (one, mostly)."""
+    values = [v.to(device) for v in per_device.values()]
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else sum(values)

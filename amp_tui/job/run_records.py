@@ -1,0 +1,90 @@
+"""What a run writes in its own words, built in one place whatever drives the steps: the session
+header and a non-finite step's event (docs/session-format.md)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from datetime import datetime
+from typing import Any
+
+import torch
+
+import amp_tui
+from amp_tui.core import precision
+from amp_tui.core.jsonsafe import encode_float
+from amp_tui.core.numfmt import number
+from amp_tui.training.devices import describe_device
+from amp_tui.training.engine import StepResult
+
+# The run controller (job/controller.py), which imports this module: named, not imported.
+RunController = Any
+
+
+def session_header(controller: RunController, described: dict) -> dict:
+    """The header of a session: the same keys in the same order whatever drives the steps."""
+    t, driver = controller.training, controller.driver
+    ranks = controller.ranks
+    return {
+        "amp_tui_version": amp_tui.__version__,
+        "torch_version": torch.__version__,
+        "python_version": sys.version.split()[0],
+        "device": describe_device(controller.device),
+        "script": described["script"],
+        "argv": list(described["argv"]),
+        "command": list(described["command"]),
+        "dtype": t.dtype,
+        "init_scale": controller.precision.starting_scale,
+        "steps": described.get("steps"),
+        "accumulate": described.get("accumulate"),
+        "max_grad_norm": described.get("max_grad_norm"),
+        "probe_every": described["probe_every"],
+        "underflow_every": described["underflow_every"],
+        "on_nonfinite": controller.on_nonfinite,
+        "checkpoint_every": controller.checkpoint_every,
+        "optimizer": type(driver.optimizer).__name__,
+        "scheduler": type(t.scheduler).__name__ if t.scheduler is not None else None,
+        "parameters": sum(p.numel() for p in driver.model.parameters()),
+        "layers": described["layers"],
+        "compile": described.get("compile"),
+        "fp32_modules": controller.local_fp32.names,
+        "guards": dict(vars(controller.guard.config)),
+        "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        **(ranks.header_fields() if ranks else {}),
+    }
+
+
+def nonfinite_message(result: StepResult) -> str:
+    """A non-finite step in words: what went non-finite, where it started, and what was done."""
+    layer = result.first_nonfinite_layer
+    short = precision.SHORT[result.dtype]
+    rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
+    on = f" on rank {rank}" if rank is not None else ""
+    outcome = "update skipped" if result.skipped else "the loop applied the update (no GradScaler to skip it)"
+    if result.nonfinite == "loss":
+        where = f"; first non-finite output: {layer}" if layer else ""
+        if result.diagnosis is not None and result.diagnosis.input_nonfinite:
+            where += " (its input was already non-finite)"
+        return f"non-finite loss ({number(result.loss, 4)}){on} in {short}{where}: {outcome}"
+    where = f"; first non-finite gradient: {layer}" if layer else ""
+    if result.skipped and result.scale is not None:
+        return (f"gradients overflowed at scale {result.scale:g}{on}{where}: update skipped, "
+                f"scale now {result.next_scale:g}")
+    return f"non-finite gradients{on} in {short}{where}: {outcome}"
+
+
+def nonfinite_fields(result: StepResult) -> dict:
+    layer = result.first_nonfinite_layer
+    if result.diagnosis is not None:
+        origin = result.diagnosis.as_fields()
+    else:   # from the probes' figures: the forward's first non-finite output, or the backward's
+        origin = {"origin": layer} if result.nonfinite == "loss" else {"backward_origin": layer}
+    rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
+    return {"where": result.nonfinite, "layer": layer, "loss": encode_float(result.loss),
+            "scale": result.scale, "dtype": result.dtype, **origin,
+            **({"rank": rank} if rank is not None else {})}
+
+
