@@ -6,7 +6,7 @@
 #   2. every demo in demos/ that follows the script contract (a setup() for amp-tui train) for 30
 #      steps, headless, on cuda, in fp16 and in bf16 (two at a time)     (demo-*.log, runs/)
 #   3. the test suite's CUDA-marked tests: pytest -m cuda                  (pytest-cuda.log)
-#      They include tests/unit/test_integration_cuda.py: the Hugging Face Trainer with fp16=True
+#      They include tests/integrations/test_integration_cuda.py: the Hugging Face Trainer with fp16=True
 #      and Lightning with precision="16-mixed", which get a GradScaler only on a GPU (on the CPU
 #      the test suite hands them one by hand); run on their own too     (frameworks-fp16.log)
 #   4. the overhead benchmark on a GPT-2-small-sized model (12 blocks, d_model 768, vocab 50257,
@@ -175,7 +175,7 @@ if [ "$DEVICE" = "cpu" ]; then
     say "skip  frameworks-fp16: the CPU gives the frameworks no fp16 GradScaler"
 elif "$PY" -c "import pytest, transformers, accelerate, lightning" >/dev/null 2>&1; then
     part frameworks-fp16 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" \
-        "$ROOT/tests/unit/test_integration_cuda.py"
+        "$ROOT/tests/integrations/test_integration_cuda.py"
     verdict frameworks-fp16
 else
     say "FAIL  frameworks-fp16: transformers, accelerate or lightning is missing for $PY (pip install -e '.[test]')"

@@ -1,7 +1,7 @@
 """amp-tui benchmarks: one entry point, one table, the same figures as JSON.
 
-    python bench/run.py --quick        # about a minute on a 2-core CPU: smaller models, fewer rounds,
-                                       # the 20k-step replay recording
+    python bench/run.py --quick        # about 70 s on an idle 2-core CPU: smaller models, fewer rounds
+                                       # and pairs, the 20k-step replay recording
     python bench/run.py                # the full run (several minutes): the figures in
                                        # docs/performance.md, the 100k-step recording
     python bench/run.py --gpu          # on a CUDA/ROCm machine: the overhead benchmark on a
@@ -30,6 +30,8 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+
+STARTED = time.perf_counter()   # the total printed at the end counts torch's import too
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -76,6 +78,7 @@ class Preset:
     process: list = field(default_factory=list)   # (case model, dtype) for the whole-process section
     process_steps: int = 400
     process_pairs: int = 5
+    process_warmup_steps: int | None = None   # the warm-up pair's steps (None: process_steps)
     readside_repeats: int = 5
     readside_runs: int = 8
     replay_steps: int = 0
@@ -96,8 +99,10 @@ def presets(kind: str, device: str) -> Preset:
                       (MlpSpec(depth=20, width=64, batch=32), "float16"),
                       (BlocksSpec(), "bfloat16")],
             rounds=20, budget_s=3.0, min_rounds=10,
-            process=[("blocks", "bfloat16")], process_steps=100, process_pairs=5, readside_repeats=3,
-            readside_runs=4,
+            # The process section is most of a quick run (each process starts torch): 4 pairs, and
+            # a warm-up pair of 2 steps, which loads all that the measured processes load.
+            process=[("blocks", "bfloat16")], process_steps=100, process_pairs=4, process_warmup_steps=2,
+            readside_repeats=3, readside_runs=4,
             dashboard=(MlpSpec(depth=20, width=64, batch=32), "float16"), windows=1, window_s=1.5,
             presses=8, checkpoint=MlpSpec(depth=10, width=384, batch=8), checkpoint_rounds=3,
             replay_steps=20_000)
@@ -153,7 +158,7 @@ def run_process(p: Preset) -> list[dict]:
             f"{p.process_pairs} pairs{' + the baseline checkout' if p.baseline else ''} ...")
         out.append(whole_process.measure(model, dtype, steps=p.process_steps, pairs=p.process_pairs,
                                          device=p.device, threads=p.threads if p.device == "cpu" else None,
-                                         baseline=p.baseline, log=log))
+                                         baseline=p.baseline, warmup_steps=p.process_warmup_steps, log=log))
     return out
 
 
@@ -396,14 +401,16 @@ def render(results: dict) -> str:
         rows = [[t["verdict"], t["target"], t["limit"], t["value"], t["note"]] for t in results["targets"]]
         lines.append(common.table(rows))
     lines.append("")
-    lines.append(f"total {results['elapsed_s']:.0f} s; written to {results.get('json_path', '-')}")
+    sections = ", ".join(f"{k} {v:.0f} s" for k, v in results.get("section_seconds", {}).items())
+    lines.append(f"total {results.get('total_s', results['elapsed_s']):.0f} s ({sections}); "
+                 f"written to {results.get('json_path', '-')}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--quick", action="store_true", help="about a minute: small models, few rounds, 20k replay")
+    ap.add_argument("--quick", action="store_true", help="about 70 s: small models, few rounds, 20k replay")
     ap.add_argument("--gpu", action="store_true", help="the overhead benchmark on GPT-2-small size on --device")
     ap.add_argument("--device", default=None, help="cpu (default) or cuda / cuda:N (default with --gpu)")
     ap.add_argument("--only", default=None, help=f"comma-separated sections: {', '.join(SECTIONS)}")
@@ -459,6 +466,7 @@ def main(argv=None) -> int:
     results["targets"] = targets(results)
     results["machine"]["load_average_at_end"] = common.load_average()
     results["elapsed_s"] = round(time.perf_counter() - started, 1)
+    results["total_s"] = round(time.perf_counter() - STARTED, 1)   # with the imports and set-up
     out_dir = args.out or Path(os.environ.get("AMP_TUI_BENCH_OUT", RESULTS))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{common.stamp()}-{kind}.json"

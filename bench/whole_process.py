@@ -3,7 +3,8 @@
 (`bench/bare_loop.py`) over the same case (`bench/cases/train_case.py`), as two processes.
 
 Each pair runs one process of each, in a random order; a warm-up pair comes first (the page
-cache then holds torch for both). Per process, as `/usr/bin/time` gives them: the wall time from
+cache then holds torch for both; `warmup_steps` may make it shorter: what it warms is loaded by
+the first steps). Per process, as `/usr/bin/time` gives them: the wall time from
 spawn to exit, the CPU time (user + system, the child's own rusage) and its peak RSS; and the time
 to the first step: from spawn to the first call of loss_fn, which the case stamps with the wall
 clock (in amp-tui that call is the pre-flight forward, which is the first step's forward).
@@ -112,11 +113,12 @@ def checkout_env(checkout: Path) -> dict:
 
 def measure(model: str = "blocks", dtype: str = "bfloat16", *, steps: int = 400, pairs: int = 5,
             device: str = "cpu", threads: int | None = 1, baseline: Path | None = None, seed: int = 0,
-            timeout: float = 600.0, log=print) -> dict:
+            timeout: float = 600.0, warmup_steps: int | None = None, log=print) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="amp-tui-bench-process-"))
     stamp = tmp / "first-step"
     cmds = commands(model, dtype, steps, device, tmp, baseline)
-    for _, env in cmds.values():
+    warmup = commands(model, dtype, warmup_steps or steps, device, tmp, baseline)
+    for _, env in [*cmds.values(), *warmup.values()]:
         env["AMP_TUI_BENCH_STAMP"] = str(stamp)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
@@ -129,7 +131,7 @@ def measure(model: str = "blocks", dtype: str = "bfloat16", *, steps: int = 400,
             rng.shuffle(order)
             for name in order:
                 shutil.rmtree(tmp / "run", ignore_errors=True)
-                cmd, env = cmds[name]
+                cmd, env = (cmds if k else warmup)[name]
                 r = run_process(cmd, env, stamp, timeout, cwd=tmp)
                 if k:
                     runs[name].append(r)

@@ -36,7 +36,7 @@ from support import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 
 def digests(folder) -> list[str]:

@@ -29,13 +29,39 @@ from amp_tui.ui.hangup import INPUT_CLOSED
 from amp_tui.ui.screens.help_screen import HelpScreen
 
 from fixed_source import FixedSource, synthetic_records
-from support import HANGING_SCRIPT, REPO, SIZE, FullDisk, build_live, restorable, run_async, toasts, until
+from support import REPO, SIZE, FullDisk, build_live, restorable, run_async, toasts, until
 
 SCRIPT = REPO / "demos" / "healthy.py"
 EXIT_BOUND_S = 15.0
 # q (and Ctrl+C, SIGINT) waits up to STOP_TIMEOUT_S for the step, then forces the exit; a hang is
 # what this bound catches, not a slow machine's shutdown.
 QUIT_BOUND_S = 40.0
+
+# HANGING_SCRIPT with its step held until the test lets it go (a file beside the script) instead of
+# for 1.5 s: on a loaded machine the two presses can take longer than that, and the step would end
+# (a clean stop, not a forced exit) before the second one.
+HELD_SCRIPT = '''
+import time
+from pathlib import Path
+import torch
+from torch import nn
+
+steps = {"n": 0}
+release = Path(__file__).with_name("release")
+
+def setup(ctx=None):
+    model = nn.Linear(4, 1)
+    xs = torch.randn(8, 4)
+    def loss_fn(model, batch):
+        if model.training:           # every call is a step's (the pre-flight check is step 0's forward)
+            steps["n"] += 1
+            deadline = time.monotonic() + 120
+            while steps["n"] > 2 and not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)     # from step 2 on, every step waits for the test
+        return model(batch).pow(2).mean()
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=1e-2),
+            "loss_fn": loss_fn, "batches": [xs]}
+'''
 
 
 # ---- standard input at end of file, no SIGHUP ----------------------------------------------------
@@ -179,7 +205,8 @@ async def test_ctrl_c_stops_at_a_step_boundary_flushes_and_exits_like_q(mlp_scri
 
 @run_async
 async def test_a_second_ctrl_c_forces_the_exit_while_a_step_hangs(write_script, tmp_path):
-    run, source = build_live(write_script(HANGING_SCRIPT), tmp_path / "run", dtype="float32")
+    script = write_script(HELD_SCRIPT)
+    run, source = build_live(script, tmp_path / "run", dtype="float32")
     app = create_app(source, stop_timeout=60.0)   # only the second Ctrl+C can end this quickly
     try:
         async with app.run_test(size=SIZE, notifications=True) as pilot:
@@ -193,6 +220,7 @@ async def test_a_second_ctrl_c_forces_the_exit_while_a_step_hangs(write_script, 
             assert time.monotonic() - pressed < 5
         assert app.forced_exit
     finally:
+        script.with_name("release").touch()
         assert source.stop(10.0), "the run stops once the slow step is over"
     assert read_session(run.session_path).end["status"] == "stopped"
 

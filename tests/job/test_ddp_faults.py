@@ -34,7 +34,7 @@ from support import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 
 def documented_rank_fields() -> set[tuple[str, str]]:

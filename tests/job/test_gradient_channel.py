@@ -20,7 +20,7 @@ import pytest
 
 from support import run_rank_worker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 WORKER = '''
 import datetime, gc, hashlib, json, sys, weakref

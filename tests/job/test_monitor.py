@@ -188,6 +188,9 @@ def test_every_key_over_the_socket_applies_at_a_boundary_and_is_recorded(tmp_pat
         answers.append((command, answer["ok"], answer["message"]))
         if command == "pause":
             held = len(read_session(run_dir).steps)
+            paused_at = send(run_dir, "status")["status"]["step"]
+        if command == "step":   # taken before "resume" goes, which would cancel a step still to come
+            assert wait_for(lambda at=paused_at + 1: send(run_dir, "status")["status"]["step"] == at)
     thread.join(60)
     assert not thread.is_alive(), "stop ended the loop (monitor.should_stop)"
     assert all(ok for _, ok, _ in answers), answers

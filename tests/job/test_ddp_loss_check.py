@@ -21,7 +21,7 @@ import pytest
 
 from support import run_rank_worker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 # (the wrapper, micro-batches per step, the micro-batch whose input holds the NaN on rank 1,
 # torch.compile, the check carried in the gradients' all-reduce): amp-tui's
