@@ -16,7 +16,7 @@ from amp_tui.core.commands import Command
 from amp_tui.job.control import send
 from amp_tui.recording.reader import read_session
 
-from frameworks import at_steps, hf_trainer
+from frameworks import at_steps, command, hf_trainer, lightning_module_class, pl_trainer, regression_loader
 from support import wait_for
 
 
@@ -85,9 +85,19 @@ def test_a_note_under_the_hugging_face_trainer(tmp_path):
 
 
 def test_a_note_under_lightning(tmp_path):
-    from test_integration_lightning import fit
-    *_, session = fit(tmp_path, steps=4, plan={2: "note=lightning shard"})
-    assert [(e["step"], e["text"]) for e in session.events if e["kind"] == "note"] == [(2, "lightning shard")]
+    from lightning.pytorch import Callback
+
+    from amp_tui.integrations.lightning import AmpTuiCallback
+    callback = AmpTuiCallback(run_dir=tmp_path / "run", announce=False)
+
+    class NoteAtStep2(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2 and not notes(tmp_path / "run"):
+                callback.monitor.submit(command("note=lightning shard"))
+    trainer = pl_trainer([callback, NoteAtStep2()], steps=4)
+    torch.manual_seed(0)
+    trainer.fit(lightning_module_class()(), regression_loader())
+    assert notes(tmp_path / "run") == [(2, "lightning shard", "api")]
 
 
 @pytest.mark.parametrize("micro", [1, 2, 3])
