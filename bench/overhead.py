@@ -110,7 +110,7 @@ def make_contenders(names, model, batches, loss_fn, *, dtype: str, device: str, 
                             run_dir=tmp / name.replace("/", "-"))
             run = Run(cfg, TrainSetup(model=m, optimizer=opt, loss_fn=loss_fn, batches=batches), dev, feed)
             run.open()
-            out[name] = Contender(name, run._one_step, trainer=run.trainer, every=every, close=run.close)
+            out[name] = Contender(name, run.driver.step, trainer=run.trainer, every=every, close=run.close)
         elif name == "DebugUnderflowOverflow":
             duo = transformers_debug()
             if duo is None:
