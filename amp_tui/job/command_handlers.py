@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from amp_tui.core import precision
-from amp_tui.core.commands import Command, Outcome
+from amp_tui.core.commands import Command, CommandError, Outcome, note_text
 from amp_tui.training.engine import PrecisionRefused
 from amp_tui.training.guards import LadderMove
 from amp_tui.training.local_fp32 import ModuleMatchError, match_modules
@@ -72,8 +72,12 @@ def toggle_fp32(run: RunController, command: Command) -> Outcome:
 
 
 def note(run: RunController, command: Command) -> Outcome:
-    """A note of the user's, recorded at this boundary (what changed outside the run)."""
-    text = str(command.value)
+    """A note of the user's, recorded at this boundary (what changed outside the run). Checked
+    here too: a program may submit a Command without the parser."""
+    try:
+        text = note_text(str(command.value or ""))
+    except CommandError as exc:
+        return run.refused(command, str(exc))
     who = {"client": command.client} if command.client else {}
     run.event("note", text, text=text, source=command.source, **who)
     return Outcome(True, "note recorded")

@@ -70,8 +70,12 @@ def test_a_note_in_a_loop_with_the_monitor(tmp_path):
     def before_step(i, monitor):
         if i == 3:
             monitor.submit(Command("note", "from the loop", "api"))
+        if i == 4:   # submitted without the parser: checked by the handler all the same
+            monitor.submit(Command("note", "two\nlines", "api"))
     _loop(tmp_path / "run", before_step=before_step)
     assert notes(tmp_path / "run") == [(3, "from the loop", "api")]
+    refused = [e for e in read_session(tmp_path / "run").events if e["kind"] == "error"]
+    assert [(e["step"], e["during"]) for e in refused] == [(4, "note")] and "one line" in refused[0]["message"]
 
 
 def test_a_note_under_the_hugging_face_trainer(tmp_path):
