@@ -81,6 +81,7 @@ def test_attention_scores_overflow_in_the_forward_and_the_module_in_fp32_fixes_i
     assert (fixed.fix, fixed.fix_verified) == ("--fp32-modules 'blocks.1.attn'", True)
     assert fixed.tried == [{"fix": "--fp32-modules 'blocks.1.attn'", "verified": True,
                             "message": "no op made a non-finite value in the replay"}]
+    json.dumps(fixed.as_fields())
     assert type(model.blocks[1].attn).forward is Attention.forward and "forward" not in vars(model.blocks[1].attn)
 
 
@@ -289,3 +290,26 @@ def test_the_rng_snapshot_replays_the_same_dropout():
     assert torch.equal(seen[0], step_output)
     restore_rng_snapshot(snapshot)
     assert torch.equal(model(x), step_output)
+
+
+class CausalMix(nn.Module):
+    def forward(self, x):
+        scores = x @ x.transpose(-2, -1)
+        future = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool).triu(1)
+        return scores.masked_fill(future, float("-inf")).softmax(-1) @ x
+
+
+@pytest.mark.parametrize("plant", [None, 5000.0])
+def test_a_mask_of_minus_inf_is_passed_over_for_the_overflow_after_it(plant):
+    model = nn.Sequential()
+    model.add_module("mix", CausalMix())
+    model.add_module("out", nn.Linear(D, D))
+    if plant:
+        with torch.no_grad():
+            model.out.weight.fill_(plant)
+    x = torch.rand(2, 8, D) + 1.0
+    trace = trace_step(model, lambda: model(x).float().mean(), scale=1.0, dtype="fp16")
+    if plant:
+        assert (trace.op, trace.op_module, trace.op_phase) == ("aten.addmm", "out", "forward")
+    else:
+        assert trace.op is None and trace.step_finite
