@@ -1,0 +1,233 @@
+"""Which steps are probed: a fixed schedule (every N steps), or an adaptive one under a budget.
+
+The adaptive schedule (`every="auto"`) measures what a probed step costs over an unprobed one on
+this model and device, from the durations the steps already measure (an exponential moving
+average of each), and spaces the probed steps so that probing takes at most `budget` percent of
+the training time. It still probes once every `live_seconds` of training, so a dashboard stays
+live, and probes the first steps, to measure both costs.
+
+From the first sign of trouble (a skipped update, a scale drop, a non-finite loss, a layer under
+`alert_bits` of headroom, a dtype change, a restore or a resume) every step is probed, until
+`clean_steps` clean steps in a row bring it back to the budget. `p` in the dashboard (the `probe`
+command) pins every step, or lets go back to the schedule.
+
+One object for both drivers: the engine's `GuardedTrainer` and the hook driver of the user's own
+loop ask `probing(step)` before a step and tell `observe(...)` after it; the changes of mode wait
+in `drain()` for the run to record them as `probes` events. Deterministic: no clock of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from amp_tui.core.precision import MAX_FINITE, SHORT
+
+Mode = Literal["every", "auto"]
+
+FIRST_PROBED = 3        # the first steps are probed (the first one's duration is not counted)
+EMA_WEIGHT = 0.2        # of the newest duration in each moving average
+FIRST_INTERVAL = 10     # one step in this many while a cost is still unknown
+
+
+@dataclass(frozen=True)
+class ProbeChange:
+    """An escalation to every step, or a return to the schedule: a `probes` event."""
+
+    mode: Mode
+    reason: str         # skip, scale_drop, nonfinite, headroom, dtype, restore, resume, command, clean
+    message: str
+
+
+class ProbeSchedule:
+    """`every`: "auto" (the budget), or N (every Nth step, as it always was; escalations on
+    trouble are the adaptive schedule's, the `probe` command works on both)."""
+
+    def __init__(self, every: int | str = "auto", *, budget: float = 1.0, alert_bits: float = 3.0,
+                 live_seconds: float = 2.0, clean_steps: int = 50, weights_every: int = 4,
+                 names: list[str] | None = None):
+        self.auto = every == "auto"
+        self.every = 1 if self.auto else max(1, int(every))
+        self.budget = max(0.0, float(budget))
+        self.alert_bits = float(alert_bits)
+        self.live_seconds = float(live_seconds)
+        self.clean_steps = max(1, int(clean_steps))
+        self.weights_every = max(1, int(weights_every))
+        self.names = list(names or [])
+        self.escalated: str | None = None   # why every step is probed (a trouble's words)
+        self.pinned = False                 # `probe=every`: until `probe=auto`
+        self.probed_ema: float | None = None
+        self.plain_ema: float | None = None
+        self.observed = 0                   # steps observed
+        self.probed_steps = 0               # planned probed steps observed
+        self.since_probe = 0                # unprobed steps since the last probed one ...
+        self.seconds_since_probe = 0.0      # ... and their training time
+        self.clean = 0                      # clean steps in a row while escalated
+        self.probe_seconds = 0.0            # what probing cost so far (measured) ...
+        self.total_seconds = 0.0            # ... out of this much training time
+        self._changes: list[ProbeChange] = []
+
+    # ---- before a step ----------------------------------------------------------------------
+    @property
+    def mode(self) -> Mode:
+        return "every" if self.escalated is not None or self.pinned else "auto"
+
+    def probing(self, step: int) -> bool:
+        """Whether step `step` is probed (asked any number of times: only `observe` moves it on)."""
+        if self.mode == "every" or (self.auto and self.budget >= 100):
+            return True
+        if not self.auto:
+            return step % self.every == 0
+        if self.observed < FIRST_PROBED:
+            return True
+        if self.plain_ema is None:
+            return False   # an unprobed step first, to know what probing adds
+        return self.since_probe + 1 >= self.interval() or self.seconds_since_probe >= self.live_seconds
+
+    def interval(self) -> int:
+        """One step in this many is probed, for probing to cost at most `budget` percent:
+        cost / (k * plain + cost) <= b gives k >= cost * (1 - b) / (b * plain)."""
+        if not self.auto:
+            return self.every
+        if self.probed_ema is None or self.plain_ema is None:
+            return FIRST_INTERVAL
+        share = self.budget / 100
+        if share >= 1:
+            return 1
+        cost = max(0.0, self.probed_ema - self.plain_ema)
+        if share <= 0 or self.plain_ema <= 0:
+            return 1 << 30   # only the live floor probes
+        # At least every other step unprobed, so that both averages keep up with the run.
+        return max(2, math.ceil(cost * (1 - share) / (share * self.plain_ema)))
+
+    def weights_due(self) -> bool:
+        """Whether the step being probed reads the weights: every `weights_every`th probed step
+        of the adaptive schedule, and every escalated one (a fixed schedule: every probed step)."""
+        return not self.auto or self.mode == "every" or self.probed_steps % self.weights_every == 0
+
+    def share(self) -> float:
+        """The share of the training time probing took so far, as measured (0..1)."""
+        return self.probe_seconds / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    # ---- after a step -----------------------------------------------------------------------
+    def observe(self, *, planned: bool, duration: float, skipped: bool = False, nonfinite: str | None = None,
+                scale: float | None = None, next_scale: float | None = None, dtype: str = "float32",
+                act: list | None = None, grad: list | None = None, step: int | None = None) -> None:
+        """A step's outcome: `planned` whether it was probed as planned, its duration, and its
+        figures (`act`, `grad`: None when not measured)."""
+        self.observed += 1
+        trouble = self._trouble(skipped, nonfinite, scale, next_scale, dtype, act, grad, step)
+        if planned:
+            self.probed_steps += 1
+        self._measure(planned, duration, counted=trouble is None and self.observed > 1)
+        if trouble is not None:
+            self.clean = 0
+            if self.escalated is None and self.auto:
+                self._escalate(*trouble)
+        elif self.escalated is not None:
+            self.clean += 1
+            if self.clean >= self.clean_steps:
+                self.escalated = None
+                if not self.pinned:
+                    self._changes.append(ProbeChange("auto", "clean", f"probing back to {self.describe_budget()} "
+                                                                      f"after {self.clean} clean steps"))
+
+    def _measure(self, planned: bool, duration: float, *, counted: bool) -> None:
+        self.total_seconds += duration
+        if planned:
+            if self.plain_ema is not None:
+                self.probe_seconds += max(0.0, duration - self.plain_ema)
+            self.since_probe, self.seconds_since_probe = 0, 0.0
+        else:
+            self.since_probe += 1
+            self.seconds_since_probe += duration
+        if not counted:   # the first step (warm-up) and trouble steps (a diagnosis) say nothing of the cost
+            return
+        if planned:
+            self.probed_ema = _moved(self.probed_ema, duration)
+        else:
+            self.plain_ema = _moved(self.plain_ema, duration)
+
+    def _trouble(self, skipped, nonfinite, scale, next_scale, dtype, act, grad, step) -> tuple[str, str] | None:
+        at = f" at step {step}" if step is not None else ""
+        if nonfinite == "loss":
+            return "nonfinite", f"a non-finite loss{at}"
+        if skipped:
+            return "skip", f"an update skipped{at}"
+        if nonfinite is not None:
+            return "nonfinite", f"non-finite gradients{at}"
+        if scale is not None and next_scale is not None and next_scale < scale:
+            return "scale_drop", f"the loss scale dropped {scale:g} → {next_scale:g}{at}"
+        low = self.least_headroom(dtype, scale, act, grad)
+        if low is not None and low[1] < self.alert_bits:
+            return "headroom", f"{low[0]} at {low[1]:.1f} bits of headroom"
+        return None
+
+    def least_headroom(self, dtype: str, scale: float | None, act: list | None,
+                       grad: list | None) -> tuple[str, float] | None:
+        """The layer with the least headroom (act, or grad × scale, in bits to the dtype's max)."""
+        top = MAX_FINITE.get(dtype, MAX_FINITE["float32"])
+        worst: tuple[str, float] | None = None
+        for figures, times in ((act, 1.0), (grad, scale or 1.0)):
+            for i, v in enumerate(figures or ()):
+                if v is None or v == 0:
+                    continue
+                v = abs(v) * times
+                bits = math.log2(top / v) if math.isfinite(v) else -math.inf
+                if worst is None or bits < worst[1]:
+                    worst = (self.names[i] if i < len(self.names) else f"layer {i}", bits)
+        return worst
+
+    # ---- from outside: commands, dtype changes, restores, resumes -------------------------------
+    def escalate(self, reason: str, why: str) -> None:
+        """Every step from the next one on, for `why` (the adaptive schedule only)."""
+        self.clean = 0
+        if self.auto and self.escalated is None:
+            self._escalate(reason, why)
+
+    def _escalate(self, reason: str, why: str) -> None:
+        was = self.mode
+        self.escalated = why
+        if was != "every":
+            self._changes.append(ProbeChange("every", reason, f"probing every step: {why}"))
+
+    def set_mode(self, mode: Mode) -> ProbeChange | None:
+        """The `probe` command: `every` pins every step, `auto` lets go (None: nothing changes)."""
+        if mode == "every":
+            if self.pinned:
+                return None
+            was, self.pinned = self.mode, True
+            change = ProbeChange("every", "command", "probing every step: asked for")
+            return change if was != "every" else None
+        if not self.pinned and self.escalated is None:
+            return None
+        self.pinned, self.escalated, self.clean = False, None, 0
+        return ProbeChange("auto", "command", f"probing back to {self.describe_budget()}: asked for")
+
+    def drain(self) -> list[ProbeChange]:
+        changes, self._changes = self._changes, []
+        return changes
+
+    # ---- in words ----------------------------------------------------------------------------
+    def describe_budget(self) -> str:
+        return f"the budget ({self.budget:g}% of the training time)" if self.auto else f"every {self.every} steps"
+
+    def header_fields(self) -> dict:
+        return {"probe_every": "auto" if self.auto else self.every, "probe_budget": self.budget}
+
+    def record_field(self) -> dict | None:
+        """What a step record carries of the schedule (None: a fixed schedule, as planned)."""
+        if self.mode == "every":
+            return {"mode": "every", "why": self.escalated or "asked for"}
+        if not self.auto:
+            return None
+        return {"mode": "auto", "every": self.interval(), "cost": round(100 * self.share(), 2)}
+
+
+def dtype_change_reason(before: str, after: str) -> str:
+    return f"the dtype changed {SHORT.get(before, before)} → {SHORT.get(after, after)}"
+
+
+def _moved(average: float | None, value: float) -> float:
+    return value if average is None else average + EMA_WEIGHT * (value - average)

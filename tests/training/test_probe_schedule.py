@@ -1,0 +1,154 @@
+"""The probe schedule on its own, fed made-up step durations: deterministic, no wall time."""
+
+import pytest
+
+from amp_tui.training.probe_schedule import FIRST_PROBED, ProbeSchedule
+
+PLAIN = 0.010     # an unprobed step, seconds
+PROBED = 0.030    # a probed step: probing costs 20 ms over 10 ms
+
+
+def run(schedule: ProbeSchedule, steps: int, *, plain=PLAIN, probed=PROBED, first_step=0, **outcome):
+    """Feed `steps` steps; returns which were probed."""
+    seen = []
+    for step in range(first_step, first_step + steps):
+        planned = schedule.probing(step)
+        seen.append(planned)
+        schedule.observe(planned=planned, duration=probed if planned else plain, step=step, **outcome)
+    return seen
+
+
+def test_costly_probes_are_spaced_to_the_budget():
+    schedule = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
+    seen = run(schedule, 3000)
+    assert all(seen[:FIRST_PROBED])
+    # cost 20 ms over 10 ms steps at 1%: one probed step in ceil(0.02 * 0.99 / (0.01 * 0.01)) = 198
+    assert schedule.interval() == 198
+    probes = [i for i, p in enumerate(seen) if p and i >= 100]
+    stretch = seen[probes[0]:probes[-1]]   # whole intervals, each with its probed step
+    cost = sum(PROBED - PLAIN for p in stretch if p)
+    total = sum(PROBED if p else PLAIN for p in stretch)
+    assert cost / total <= 0.01 + 1e-9
+    assert schedule.share() <= 0.012   # its own measure, the first steps included
+    assert schedule.mode == "auto" and not schedule.drain()
+
+
+def test_a_larger_budget_probes_more_often():
+    tight = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
+    loose = ProbeSchedule("auto", budget=10.0, live_seconds=1e9)
+    assert sum(run(loose, 2000)) > 5 * sum(run(tight, 2000))
+    everything = ProbeSchedule("auto", budget=100.0)
+    assert all(run(everything, 50))
+
+
+def test_the_cost_is_measured_as_it_goes():
+    schedule = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
+    run(schedule, 2000)
+    before = schedule.interval()
+    run(schedule, 4000, probed=PLAIN * 1.2, first_step=2000)   # probing became cheap
+    assert schedule.interval() == 20 < before / 9   # ceil(0.002 * 0.99 / 0.0001)
+
+
+def test_a_probe_at_least_every_few_seconds_of_training():
+    schedule = ProbeSchedule("auto", budget=1.0, live_seconds=2.0)
+    seen = run(schedule, 3000, plain=0.5, probed=5.0)   # probing is very costly here
+    probed = [i for i, p in enumerate(seen) if p]
+    gaps = [b - a for a, b in zip(probed, probed[1:])]
+    assert max(gaps[2:]) <= 5   # 4 unprobed steps of 0.5 s, then a probe
+
+
+def test_a_fixed_schedule_is_as_it_was():
+    schedule = ProbeSchedule(10)
+    assert run(schedule, 30, skipped=True) == [s % 10 == 0 for s in range(30)]
+    assert schedule.weights_due() and not schedule.drain()
+
+
+@pytest.mark.parametrize("outcome, reason", [
+    ({"skipped": True, "nonfinite": "gradients"}, "skip"),
+    ({"nonfinite": "loss", "skipped": True}, "nonfinite"),
+    ({"scale": 65536.0, "next_scale": 32768.0}, "scale_drop"),
+    ({"act": [1.0, 60000.0 / 2 ** 2.4], "dtype": "float16"}, "headroom"),
+    ({"grad": [1e-3, 1.0], "scale": 2.0 ** 14, "dtype": "float16"}, "headroom"),
+])
+def test_trouble_probes_every_step_until_a_clean_stretch(outcome, reason):
+    schedule = ProbeSchedule("auto", budget=1.0, live_seconds=1e9, clean_steps=50, names=["stem", "blocks.3"])
+    run(schedule, 500)
+    step = 500
+    planned = schedule.probing(step)
+    schedule.observe(planned=planned, duration=PLAIN, step=step, **outcome)
+    (change,) = schedule.drain()
+    assert (change.mode, change.reason) == ("every", reason)
+    if reason == "headroom":
+        assert "blocks.3 at" in change.message and "bits of headroom" in change.message
+    assert all(run(schedule, 49, first_step=501))
+    assert not schedule.drain()
+    assert run(schedule, 1, first_step=550) == [True]
+    (back,) = schedule.drain()
+    assert (back.mode, back.reason) == ("auto", "clean")
+    assert not any(run(schedule, 5, first_step=551))
+
+
+def test_more_trouble_while_escalated_starts_the_clean_stretch_again():
+    schedule = ProbeSchedule("auto", clean_steps=10)
+    run(schedule, 100)
+    run(schedule, 1, first_step=100, skipped=True)
+    run(schedule, 8, first_step=101)
+    run(schedule, 1, first_step=109, skipped=True)
+    assert all(run(schedule, 9, first_step=110))
+    assert [c.reason for c in schedule.drain()] == ["skip"]
+    run(schedule, 1, first_step=119)
+    assert [c.reason for c in schedule.drain()] == ["clean"]
+
+
+def test_the_command_pins_every_step_and_lets_go():
+    schedule = ProbeSchedule("auto", clean_steps=5)
+    run(schedule, 100)
+    change = schedule.set_mode("every")
+    assert (change.mode, change.reason) == ("every", "command")
+    assert schedule.set_mode("every") is None
+    assert all(run(schedule, 20, first_step=100))   # no clean stretch lets a pin go
+    assert not schedule.drain()
+    back = schedule.set_mode("auto")
+    assert (back.mode, back.reason) == ("auto", "command")
+    assert schedule.set_mode("auto") is None
+    fixed = ProbeSchedule(4)
+    fixed.set_mode("every")
+    assert all(run(fixed, 6))
+    fixed.set_mode("auto")
+    assert run(fixed, 4, first_step=8) == [True, False, False, False]
+
+
+def test_an_outside_escalation_is_said_once():
+    schedule = ProbeSchedule("auto")
+    run(schedule, 100)
+    schedule.escalate("dtype", "the dtype changed fp16 → bf16")
+    schedule.escalate("restore", "a checkpoint restored")
+    (change,) = schedule.drain()
+    assert change.reason == "dtype" and change.message == "probing every step: the dtype changed fp16 → bf16"
+    fixed = ProbeSchedule(10)
+    fixed.escalate("dtype", "the dtype changed")
+    assert fixed.mode == "auto" and not fixed.drain()   # a fixed schedule stays as asked
+
+
+def test_weights_every_few_probed_steps_and_on_every_escalated_one():
+    schedule = ProbeSchedule("auto", weights_every=4, live_seconds=1e9)
+    reads = []
+    for step in range(2000):
+        planned = schedule.probing(step)
+        if planned:
+            reads.append(schedule.weights_due())
+        schedule.observe(planned=planned, duration=PROBED if planned else PLAIN, step=step)
+    assert reads[:8] == [True, False, False, False, True, False, False, False]
+    schedule.escalate("command", "asked")
+    assert schedule.weights_due()
+
+
+def test_the_record_says_the_schedule_and_its_cost():
+    schedule = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
+    run(schedule, 1000)
+    field = schedule.record_field()
+    assert field["mode"] == "auto" and field["every"] == 198 and 0 < field["cost"] <= 1.2
+    schedule.escalate("headroom", "blocks.3 at 2.4 bits of headroom")
+    assert schedule.record_field() == {"mode": "every", "why": "blocks.3 at 2.4 bits of headroom"}
+    assert ProbeSchedule(3).record_field() is None
+    assert ProbeSchedule(3).header_fields() == {"probe_every": 3, "probe_budget": 1.0}
