@@ -49,6 +49,17 @@ def whole(minimum: int):
 
 positive_int = whole(1)
 nonnegative_int = whole(0)
+budget = bounded(lambda v: 0 <= v <= 100, "a percentage between 0 and 100")
+
+
+def probe_every(text: str) -> int | str:
+    """`auto` (the adaptive schedule) or a whole number of steps."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use auto or a whole number of steps, 1 or more") from None
 
 
 def dtype(text: str) -> str:

@@ -40,8 +40,15 @@ def add_parser(sub) -> None:
                        help="continue RUN_DIR from its newest valid checkpoint, appending to its session")
     train.add_argument("--checkpoint-every", type=argtypes.positive_int, default=None, metavar="N",
                        help="save a checkpoint every N steps")
-    train.add_argument("--probe-every", type=argtypes.positive_int, default=1, metavar="N",
-                       help="collect per-layer figures every N steps (default 1)")
+    train.add_argument("--probe-every", type=argtypes.probe_every, default="auto", metavar="auto|N",
+                       help="per-layer figures: auto (default) spaces them to --probe-budget and probes "
+                            "every step from the first sign of trouble; N: every N steps")
+    train.add_argument("--probe-budget", type=argtypes.budget, default=1.0, metavar="PERCENT",
+                       help="with --probe-every auto: the most probing may cost, in percent of the "
+                            "training time (default 1)")
+    train.add_argument("--probe-alert-bits", type=argtypes.nonnegative, default=3.0, metavar="BITS",
+                       help="with --probe-every auto: every step is probed once a layer has less "
+                            "headroom than this (default 3)")
     train.add_argument("--underflow-every", type=argtypes.positive_int, default=10, metavar="N",
                        help="underflow shares on every Nth probed step (default 10; 1 = every probe)")
     train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback"), default=None,

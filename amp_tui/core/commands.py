@@ -16,7 +16,9 @@ from amp_tui.core import precision
 # Every command a run applies. `status` (ctl) is not one: the control socket answers it without
 # the run. The order is part of how rank 0 hands a command to the other ranks (its index is the
 # command's code): add new actions at the end.
-Action = Literal["dtype", "scale", "save", "restore", "pause", "resume", "step", "stop", "fp32", "note"]
+Action = Literal["dtype", "scale", "save", "restore", "pause", "resume", "step", "stop", "fp32", "note",
+                 "probe"]
+PROBE_MODES = ("every", "auto")
 ACTIONS: tuple[Action, ...] = get_args(Action)
 NO_VALUE_ACTIONS: tuple[Action, ...] = ("save", "pause", "resume", "step", "stop")
 # A note is a line for whoever reads the recording later, not a document.
@@ -55,7 +57,8 @@ class Command:
 
 def parse_action(text: str, source: str = "api") -> Command:
     """`dtype=bf16`, `scale=4096`, `scale=half`, `save`, `restore=latest|PATH`, `pause`, `resume`,
-    `step`, `stop`, `fp32=MODULE_PATTERN` (toggles local fp32), `note=TEXT` (recorded as it is)."""
+    `step`, `stop`, `fp32=MODULE_PATTERN` (toggles local fp32), `note=TEXT` (recorded as it is),
+    `probe=every|auto` (every step probed, or the probe schedule)."""
     raw = text.strip()
     name, _, value = raw.partition("=")
     name = name.strip().lower()
@@ -83,12 +86,16 @@ def parse_action(text: str, source: str = "api") -> Command:
         return Command("fp32", value, source)
     if name == "note":
         return Command("note", note_text(value), source)
+    if name == "probe":
+        if value.lower() not in PROBE_MODES:
+            raise CommandError(f"{raw!r}: use probe=every (every step probed) or probe=auto (the schedule)")
+        return Command("probe", value.lower(), source)
     if name in NO_VALUE_ACTIONS:
         if value:
             raise CommandError(f"{name!r} takes no value (got {raw!r})")
         return Command(name, None, source)
     raise CommandError(f"unknown action {raw!r}: use dtype=…, scale=…, save, restore=…, pause, "
-                       "resume, step, stop, fp32=MODULE or note=TEXT")
+                       "resume, step, stop, fp32=MODULE, note=TEXT or probe=every|auto")
 
 
 def note_text(text: str) -> str:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.numfmt import byte_size
 from amp_tui.core.text import plural
+from amp_tui.job.probe_events import escalate_probes
 from amp_tui.job.rng_states import restore_rng, rng_problem, saved_world_size
 from amp_tui.recording.reader import read_session
 from amp_tui.training import checkpoint as ckpt
@@ -159,6 +160,7 @@ class RunCheckpoints:
         run.event("checkpoint_restored", message, path=self.relative(path), checkpoint_step=ck_step,
                   checkpoint_dtype=loaded.dtype, checkpoint_kind=loaded.kind, source=command.source,
                   before=before, after=after)
+        escalate_probes(run, "restore", f"restored {self.relative(path)}")
         return Outcome(True, message)
 
     def resume(self, path: Path, *, steps: int | None, skipped: list[tuple[str, str]],
@@ -201,6 +203,7 @@ class RunCheckpoints:
                   steps=None if stop is None else stop - start, until_step=stop,
                   updates=t.updates_applied, skipped_total=t.skipped_total,
                   skipped_checkpoints=[{"path": p, "reason": why} for p, why in skipped])
+        escalate_probes(run, "resume", f"resumed from {self.relative(path)}")
         return stop
 
     def _apply(self, loaded: ckpt.LoadedCheckpoint) -> None:

@@ -10,9 +10,11 @@ from typing import Any
 
 from amp_tui.core import precision
 from amp_tui.core.commands import Command, CommandError, Outcome, note_text
+from amp_tui.job.probe_events import escalate_probes
 from amp_tui.training.engine import PrecisionRefused
 from amp_tui.training.guards import LadderMove
 from amp_tui.training.local_fp32 import ModuleMatchError, match_modules
+from amp_tui.training.probe_schedule import dtype_change_reason
 
 # The run controller (job/controller.py), which imports this module: named, not imported.
 RunController = Any
@@ -25,8 +27,11 @@ def set_dtype(run: RunController, command: Command) -> Outcome:
         return run.refused(command, f"dtype change refused: {exc}")
     b, a = change["before"], change["after"]
     note = f" (scale {a['scale']:g})" if a.get("scale") is not None else ""
-    return run.intervention(command, b, a, f"dtype {precision.SHORT[b['dtype']]} → "
-                            f"{precision.SHORT[a['dtype']]}{note}")
+    outcome = run.intervention(command, b, a, f"dtype {precision.SHORT[b['dtype']]} → "
+                               f"{precision.SHORT[a['dtype']]}{note}")
+    if b["dtype"] != a["dtype"]:
+        escalate_probes(run, "dtype", dtype_change_reason(b["dtype"], a["dtype"]))
+    return outcome
 
 
 def set_scale(run: RunController, command: Command) -> Outcome:
@@ -83,6 +88,20 @@ def note(run: RunController, command: Command) -> Outcome:
     return Outcome(True, "note recorded")
 
 
+def set_probes(run: RunController, command: Command) -> Outcome:
+    """`probe=every` probes every step until `probe=auto` lets the schedule decide again."""
+    schedule = getattr(run.training, "probe_schedule", None)
+    if schedule is None:
+        return run.refused(command, "this run has no probes")
+    change = schedule.set_mode(str(command.value))
+    if change is None:
+        return Outcome(True, "probing every step already" if schedule.mode == "every"
+                       else f"probing at {schedule.describe_budget()} already")
+    who = {"client": command.client} if command.client else {}
+    run.event("probes", change.message, mode=change.mode, reason=change.reason, source=command.source, **who)
+    return Outcome(True, change.message)
+
+
 def fall_back(run: RunController, move: LadderMove) -> None:
     """The fallback ladder's move (--on-nonfinite fallback): with --rollback, restore the newest
     checkpoint from before the trouble began first, then the next dtype down."""
@@ -101,3 +120,5 @@ def fall_back(run: RunController, move: LadderMove) -> None:
     run.event("intervention", f"fallback {precision.SHORT[before['dtype']]} → "
               f"{precision.SHORT[move.to_dtype]}: {move.reason}", action="dtype",
               value=move.to_dtype, source="fallback", reason=move.reason, before=before, after=after)
+    if before["dtype"] != after["dtype"]:
+        escalate_probes(run, "dtype", dtype_change_reason(before["dtype"], after["dtype"]))

@@ -88,9 +88,9 @@ class RunController:
         # One handler per action: a new command is one entry here (docs/architecture.md).
         self._handlers: dict[str, Handler] = {
             "dtype": partial(handlers.set_dtype, self), "scale": partial(handlers.set_scale, self),
-            "save": partial(handlers.save, self), "restore": partial(handlers.restore, self),
-            "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self),
-            "pause": self._pause, "resume": self._resume, "step": self._single_step, "stop": self._stop,
+            "save": partial(handlers.save, self), "restore": partial(handlers.restore, self), "stop": self._stop,
+            "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self), "pause": self._pause,
+            "probe": partial(handlers.set_probes, self), "resume": self._resume, "step": self._single_step,
         }
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in at:

@@ -16,6 +16,7 @@ import torch
 
 from amp_tui.job.distributed import Ranks, RanksLost, communication_failure
 from amp_tui.job.feed import BatchFeed
+from amp_tui.job.probe_events import announce_probe_changes, probe_every_of
 from amp_tui.recording.format import step_record
 from amp_tui.training.engine import GuardedTrainer, LossError, StepResult
 from amp_tui.training.local_fp32 import LocalFp32
@@ -50,7 +51,8 @@ class EngineDriver:
             ranks.replicate(setup.model) if ranks else setup.model, setup.optimizer, setup.loss_fn,
             device=device, dtype=config.dtype,
             init_scale=config.init_scale, scheduler=setup.scheduler,
-            max_grad_norm=setup.max_grad_norm, probe_every=config.probe_every,
+            max_grad_norm=setup.max_grad_norm, probe_every=probe_every_of(config.probe_every, ranks),
+            probe_budget=config.probe_budget, probe_alert_bits=config.probe_alert_bits,
             underflow_every=config.underflow_every)
         self.training = self.trainer
         self.local_fp32 = LocalFp32(setup.model, device.type)
@@ -77,7 +79,7 @@ class EngineDriver:
         cfg, setup = self.config, self.setup
         return {"script": str(cfg.script), "argv": cfg.script_argv, "command": cfg.command_line,
                 "steps": cfg.steps, "accumulate": setup.accumulate, "max_grad_norm": setup.max_grad_norm,
-                "probe_every": cfg.probe_every, "underflow_every": cfg.underflow_every,
+                **self.trainer.probe_schedule.header_fields(), "underflow_every": cfg.underflow_every,
                 "layers": self.trainer.layer_names, "compile": self.trainer.compile_info()}
 
     def fp32_root(self) -> torch.nn.Module:
@@ -145,6 +147,7 @@ class EngineDriver:
             run.after_step(result)
         else:
             run.record_step(result)
+        announce_probe_changes(run)
         if self.trainer.act_unmeasured and not self._act_unmeasured_said:
             self._act_unmeasured_said = True
             run.alert("act_not_measured", self.trainer.act_unmeasured, step=result.step,

@@ -26,11 +26,13 @@ import time
 import torch
 
 from amp_tui.core import precision as dtypes
+from amp_tui.job.probe_events import probe_every_of
 from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.engine import StepResult, to_host
 from amp_tui.training.local_fp32 import LocalFp32
 from amp_tui.training.precision_state import BorrowedScaling, PrecisionRefused
+from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
 from amp_tui.training.probes import LayerProbe
 
 
@@ -57,8 +59,8 @@ class HookDriver:
     `in_step()` says whether the loop is inside a monitored step (the hooks only count there)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
-                 dtype: str | None = None, probe_every: int = 1, underflow_every: int = 10,
-                 framework: str | None = None):
+                 dtype: str | None = None, probe_every: int | str = "auto", probe_budget: float = 1.0,
+                 probe_alert_bits: float = 3.0, underflow_every: int = 10, framework: str | None = None):
         check_objects(model, optimizer, scaler, scheduler)
         # A framework's callback starts the dtype it chose, recorded as it is (fp16 without a
         # GradScaler included, which the callback warns about).
@@ -72,12 +74,18 @@ class HookDriver:
         self.device = device_of(model)
         fix = f"start {framework} in fp16 for one" if framework else "pass scaler= to amp_tui.monitor"
         self.precision = BorrowedScaling(self.device, self._starting_dtype(dtype, scaler), scaler, fp16_fix=fix)
-        self.probe_every = max(1, int(probe_every))
         self.underflow_every = max(1, int(underflow_every))
         eager = original_module(model)
         self.eager_model = eager
         self.compiled_modules = compiled_module_names(model)
         self.probe = LayerProbe(eager, keep_hooks=bool(self.compiled_modules))
+        self.probe_schedule = ProbeSchedule(probe_every, budget=probe_budget, alert_bits=probe_alert_bits,
+                                            names=self.probe.names)
+        self.probe_every = "auto" if probe_every == "auto" else self.probe_schedule.every
+        # A skipped step that was not probed still gets its gradients' figures (not with several
+        # ranks: they gather the planned steps only).
+        self.unplanned_figures = True
+        self._planned = False                   # this update was planned to be probed
         self.local_fp32 = LocalFp32(eager, self.device.type)
         self.training = self
         self.step_index = 0
@@ -95,6 +103,15 @@ class HookDriver:
         self._handles: list = []
         self._patched: list[str] = []
         self.run = None
+
+    def probe_like_every_rank(self) -> None:
+        """Several ranks probe the same steps, and gather the planned ones only: a fixed schedule
+        (each rank's own timing would choose differently; job/probe_events.py)."""
+        every = probe_every_of(self.probe_every, ranks=True)
+        self.probe_schedule = ProbeSchedule(every, budget=self.probe_schedule.budget,
+                                            alert_bits=self.probe_schedule.alert_bits, names=self.probe.names)
+        self.probe_every = self.probe_schedule.every
+        self.unplanned_figures = False
 
     @property
     def scaler(self):
@@ -128,7 +145,7 @@ class HookDriver:
         from pathlib import Path
         script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else Path("python")
         return {"script": str(script), "argv": sys.argv[1:], "command": [sys.executable, *sys.argv],
-                "probe_every": self.probe_every, "underflow_every": self.underflow_every,
+                **self.probe_schedule.header_fields(), "underflow_every": self.underflow_every,
                 "layers": self.probe.names,
                 "compile": ({"modules": list(self.compiled_modules), "act": "in_graph", "diagnosis": "none"}
                             if self.compiled_modules else None)}
@@ -223,8 +240,24 @@ class HookDriver:
                 # GradScaler's own decision, for this optimizer, whatever the kind of optimizer.
                 found = self.scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
                 self._attempt.found_inf = _found_inf(found, self.device)
+                self._measure_unplanned_skip(optimizer)
             return result
         return step
+
+    def _measure_unplanned_skip(self, optimizer) -> None:
+        """A step GradScaler skipped that was not planned to be probed: its gradients (never
+        applied) and weights are measured now, before the loop zeroes them. A skip is seen without
+        a sync of ours: GradScaler didn't call the optimizer's step. A fused optimizer is stepped
+        anyway, and only its verdict, read here, says it."""
+        attempt = self._attempt
+        if self.probe.active or not self.unplanned_figures or attempt.found_inf is None:
+            return
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if (attempt.stepped and not fused) or (fused and not attempt.found_inf.item()):
+            return
+        self.probe.begin()
+        self.probe.record_gradients(self.precision.scale, underflow=False)
+        self.probe.record_weights()
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not self.in_step():
@@ -267,9 +300,8 @@ class HookDriver:
             return
         attempt.gradients, attempt.scaled = True, scaled
         if self.probe.active:
-            probed = self.step_index // self.probe_every
-            self.probe.record_gradients(self.precision.scale,
-                                        underflow=not scaled and probed % self.underflow_every == 0)
+            underflow = self.probe_schedule.underflow_due(self.step_index, self.underflow_every)
+            self.probe.record_gradients(self.precision.scale, underflow=not scaled and underflow)
             self.probe.record_weights()
 
     # ---- an update, from its first block to its end ------------------------------------------------
@@ -277,8 +309,9 @@ class HookDriver:
         if self._started is None:
             self._started = time.perf_counter()
             self.autocast_used = False
-            if self.probing():
-                self.probe.begin()
+            self._planned = self.probing()
+            if self._planned:
+                self.probe.begin(weights=self.probe_schedule.weights_due())
 
     def block_ends(self, loss: torch.Tensor) -> bool:
         """A block's loss; True when the update it belongs to happened (or was skipped)."""
@@ -286,7 +319,7 @@ class HookDriver:
         return self._attempt is not None
 
     def probing(self) -> bool:
-        return self.step_index % self.probe_every == 0
+        return self.probe_schedule.probing(self.step_index)
 
     def finish_update(self) -> StepResult:
         """The update's result, from one transfer: the losses, the scale and GradScaler's
@@ -326,12 +359,14 @@ class HookDriver:
         if nonfinite is not None and figures is not None:
             index = figures.first_nonfinite("act" if nonfinite == "loss" else "grad")
             first = self.probe.names[index] if index is not None else None
-        return StepResult(
+        result = StepResult(
             step=self.step_index, loss=mean_loss, scale=used_scale, skipped=skipped,
             skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
             micro_batches=max(self._forwards, n), nonfinite=nonfinite, first_nonfinite_layer=first,
             lr=attempt.lr, figures=figures, next_scale=self.precision.scale,
             duration=time.perf_counter() - self._started)
+        observe_step(self.probe_schedule, result, planned=self._planned)
+        return result
 
     def update_done(self) -> None:
         self.autocast_used_last = self.autocast_used

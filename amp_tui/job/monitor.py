@@ -43,6 +43,7 @@ from amp_tui.core.signals import install_handlers, restore_handlers
 from amp_tui.job.controller import RunController
 from amp_tui.job.distributed import Ranks
 from amp_tui.job.hook_driver import HookDriver, MonitorError
+from amp_tui.job.probe_events import announce_probe_changes
 from amp_tui.job.states import IoPolicy
 from amp_tui.training.autocast import autocast, torch_dtype
 from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
@@ -64,19 +65,21 @@ class MonitoredStep:
 
 
 def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
-            dtype: str | None = None, run_dir: str | Path | None = None, probe_every: int = 1,
-            underflow_every: int = 10, checkpoint_every: int | None = None, control: bool = True,
-            announce: bool = True, tensorboard_dir: str | Path | None = None) -> Monitor:
+            dtype: str | None = None, run_dir: str | Path | None = None, probe_every: int | str = "auto",
+            probe_budget: float = 1.0, underflow_every: int = 10, checkpoint_every: int | None = None,
+            control: bool = True, announce: bool = True, tensorboard_dir: str | Path | None = None) -> Monitor:
     """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
 
     `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default fp16
     when an enabled GradScaler is given, else bf16 where the device has it (fp32 otherwise).
     `run_dir`: where the session goes (default: $AMP_TUI_RUN_DIR, set by `amp-tui run`, or
-    runs/<time>-<script>). `announce`: print one line saying how to attach. `tensorboard_dir`:
+    runs/<time>-<script>). `probe_every`: "auto" (per-layer figures spaced so that they cost at
+    most `probe_budget` percent of the training time, every step from the first sign of trouble)
+    or N (every N steps). `announce`: print one line saying how to attach. `tensorboard_dir`:
     also write the recording there as TensorBoard event files, live (pip install
     'amp-tui[tensorboard]')."""
     return Monitor(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, run_dir=run_dir,
-                   probe_every=probe_every, underflow_every=underflow_every,
+                   probe_every=probe_every, probe_budget=probe_budget, underflow_every=underflow_every,
                    checkpoint_every=checkpoint_every, control=control, announce=announce,
                    tensorboard_dir=tensorboard_dir)
 
@@ -85,21 +88,24 @@ class Monitor(RunController):
     STOP_ANSWER = "stopping: monitor.should_stop is now True"
 
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
-                 probe_every=1, underflow_every=10, checkpoint_every=None, control=True, announce=True,
-                 tensorboard_dir=None, framework: str | None = None):
+                 probe_every="auto", probe_budget=1.0, underflow_every=10, checkpoint_every=None, control=True,
+                 announce=True, tensorboard_dir=None, framework: str | None = None):
         # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the
         # steps from its hooks.
         self.framework = framework
         self.model = model
         driver = HookDriver(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype,
-                            probe_every=probe_every, underflow_every=underflow_every, framework=framework)
+                            probe_every=probe_every, probe_budget=probe_budget, underflow_every=underflow_every,
+                            framework=framework)
         self.optimizer = driver.optimizer
         self.scheduler = scheduler
-        self.probe_every = driver.probe_every
         script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else Path("python")
         # A loop under torchrun: rank 0 records and serves the socket, every rank agrees at the
         # boundaries (job/distributed.py).
         ranks = Ranks.of_loop(model)
+        if ranks:
+            driver.probe_like_every_rank()
+        self.probe_every = driver.probe_every
         run_dir = Path(run_dir or os.environ.get(RUN_DIR_VARIABLE) or default_run_dir(script))
         if ranks:
             run_dir = Path(ranks.share(str(run_dir)))
@@ -207,6 +213,7 @@ class Monitor(RunController):
         if self.ranks:
             result = self.ranks.gather_step(result, self.driver.probe.names, details=False)
         self.record_step(result, batched=True)
+        announce_probe_changes(self, step=result.step + 1)   # (the step counter moves on below)
         self.driver.update_done()
         self.after_update()
         # The boundary after the update: a stop asked for during the step is seen by the loop

@@ -39,7 +39,7 @@ def pack_figures(result: StepResult, compute_s: float, kinds: tuple[str, ...] = 
     f = result.figures
     if f is not None:
         for kind in kinds:
-            values += [UNMEASURED if v is None else v for v in getattr(f, kind)]
+            values += [UNMEASURED if v is None else v for v in getattr(f, kind) or [None] * len(f.act)]
     return torch.tensor(values, dtype=torch.float64)
 
 

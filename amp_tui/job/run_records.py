@@ -40,6 +40,7 @@ def session_header(controller: RunController, described: dict) -> dict:
         "accumulate": described.get("accumulate"),
         "max_grad_norm": described.get("max_grad_norm"),
         "probe_every": described["probe_every"],
+        "probe_budget": described.get("probe_budget"),
         "underflow_every": described["underflow_every"],
         "on_nonfinite": controller.on_nonfinite,
         "checkpoint_every": controller.checkpoint_every,

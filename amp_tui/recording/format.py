@@ -127,6 +127,9 @@ def step_record(result) -> EncodedStep:
         record["grad_norm"] = enc(result.grad_norm, FIGURE_DIGITS)
     if result.nonfinite:
         record["nonfinite"] = result.nonfinite
+    probes = getattr(result, "probes", None)
+    if probes is not None:   # the adaptive schedule's state, for the status bar
+        record["probes"] = probes
     ranks = getattr(result, "per_rank", None)
     if ranks is not None:   # several ranks: theirs, in rank order (the layers hold their maximum)
         record["rank_loss"] = [enc(v) for v in ranks.loss]
@@ -136,7 +139,9 @@ def step_record(result) -> EncodedStep:
         record.line = head
         return record
     f = result.figures
-    arrays = {"act": figures_json(f.act), "grad": figures_json(f.grad), "weight": figures_json(f.weight)}
+    arrays = {"act": figures_json(f.act), "grad": figures_json(f.grad)}
+    if f.weight is not None:   # read on some probed steps only
+        arrays["weight"] = figures_json(f.weight)
     if f.underflow is not None:
         arrays["underflow"] = figures_json(f.underflow, SHARE_DIGITS)
     if f.underflow_scaled is not None:

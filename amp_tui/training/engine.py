@@ -22,6 +22,7 @@ from amp_tui.training.autocast import autocast
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.diagnose import Diagnosis, diagnose
 from amp_tui.training.precision_state import OwnedScaling, PrecisionRefused
+from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
 from amp_tui.training.probes import LayerFigures, LayerProbe
 
 __all__ = ["GuardedTrainer", "LossError", "PrecisionRefused", "StepResult", "check_loss", "to_host"]
@@ -60,6 +61,7 @@ class StepResult:
     duration: float = 0.0
     wall_time: float = field(default_factory=time.time)
     per_rank: Any = None          # several ranks: each rank's figures (job/rank_figures.py)
+    probes: list | None = None    # the probe schedule after this step (ProbeSchedule.record_field)
 
 
 @dataclass
@@ -98,7 +100,9 @@ class GuardedTrainer:
         scheduler: Any = None,
         max_grad_norm: float | None = None,
         probe: bool = True,
-        probe_every: int = 1,
+        probe_every: int | str = 1,
+        probe_budget: float = 1.0,
+        probe_alert_bits: float = 3.0,
         underflow_every: int = 10,
         diagnose: bool = True,
     ):
@@ -115,7 +119,9 @@ class GuardedTrainer:
         # Set once a probed step of a compiled model ran none of the hooks: its graph was
         # compiled before they were attached, and activations can't be measured inside it.
         self.act_unmeasured: str | None = None
-        self.probe_every = max(1, int(probe_every))
+        self.probe_schedule = ProbeSchedule(probe_every, budget=probe_budget, alert_bits=probe_alert_bits,
+                                            names=self.probe.names) if probe else None
+        self.probe_every = "auto" if probe_every == "auto" else max(1, int(probe_every))
         self.underflow_every = max(1, int(underflow_every))  # in probed steps
         self.diagnose_bad_steps = diagnose
         # Several ranks: the finite-loss check agreed by all of them. Called with the loss, it
@@ -199,7 +205,10 @@ class GuardedTrainer:
 
     # ---- the guarded step ---------------------------------------------------------------
     def probing_next(self) -> bool:
-        return self.probe is not None and self.step_index % self.probe_every == 0
+        return self.probe is not None and self.probe_schedule.probing(self.step_index)
+
+    def _begin_probe(self) -> None:
+        self.probe.begin(weights=self.probe_schedule.weights_due())
 
     def start_step(self, batch: Any) -> torch.Tensor:
         """Run the next step's forward on `batch` now, and keep it: when step() is then given
@@ -211,7 +220,7 @@ class GuardedTrainer:
         started = time.perf_counter()
         probe = self.probe if self.probing_next() else None
         if probe:
-            probe.begin()
+            self._begin_probe()
         try:
             loss = self._forward(batch)
         except BaseException:
@@ -236,7 +245,7 @@ class GuardedTrainer:
         started = time.perf_counter()
         probe = self.probe if self.probing_next() else None
         if probe and ahead is None:
-            probe.begin()  # (start_step began it for its forward)
+            self._begin_probe()  # (start_step began it for its forward)
         try:
             result = self._step(micro_batches, probe, ahead.loss if ahead is not None else None)
         except BaseException:
@@ -246,6 +255,8 @@ class GuardedTrainer:
         result.duration = time.perf_counter() - started + (ahead.seconds if ahead is not None else 0.0)
         if probe and self.compiled_modules and result.figures is not None and not result.figures.order:
             self.act_unmeasured = self.act_unmeasured or ACT_UNMEASURED_UNDER_COMPILE
+        if self.probe_schedule is not None:
+            observe_step(self.probe_schedule, result, planned=probe is not None)
         self.step_index += 1
         if probe and not self.probing_next():
             probe.end()  # the hooks stay on only while the next step is probed too
@@ -286,6 +297,8 @@ class GuardedTrainer:
             skipped, figures, host = self._update_unscaled(probe, found_inf, extra)
         if grad_norm is not None:
             grad_norm = host[-1]
+        if skipped and figures is None:
+            figures = self._unplanned_gradient_figures(used_scale)
         if not skipped and self.scheduler is not None:
             self.scheduler.step()   # only after an update really applied: skipped steps don't count
         first, diagnosis = self._locate_nonfinite_gradient(micro_batches, used_scale, figures) if skipped \
@@ -362,8 +375,8 @@ class GuardedTrainer:
         bf16/fp32 (unprobed steps, parameters no probed module owns), a device-side flag that is
         1 when a gradient holds inf/NaN."""
         if probe:
-            probed = self.step_index // self.probe_every
-            probe.record_gradients(used_scale, underflow=probed % self.underflow_every == 0)
+            underflow = self.probe_schedule.underflow_due(self.step_index, self.underflow_every)
+            probe.record_gradients(used_scale, underflow=underflow)
         if self.scaler is None and (self._unprobed_params or not probe):
             params = self._unprobed_params if probe else self._params
             return _nonfinite_flag([p.grad for p in params if p.grad is not None], self.device)
@@ -390,6 +403,18 @@ class GuardedTrainer:
         if not skipped:
             self.optimizer.step()
         return skipped, figures, host
+
+    def _unplanned_gradient_figures(self, used_scale: float | None) -> LayerFigures | None:
+        """A skipped step that was not probed: its gradients (unscaled, never applied) and the
+        weights are still there, until the diagnosis or the next step zeroes them. Its
+        activations are gone. With several ranks, only planned steps are gathered."""
+        if self.probe is None or self.agree_finite is not None:
+            return None
+        self.probe.begin()
+        self.probe.record_gradients(used_scale, underflow=False)
+        figures, _ = self.probe.collect()
+        self.probe.end()
+        return figures
 
     def _locate_nonfinite_gradient(self, micro_batches, used_scale, figures):
         """The checked second pass over a skipped step, then the probes' own figures."""

@@ -106,6 +106,11 @@ class ProbeSchedule:
         of the adaptive schedule, and every escalated one (a fixed schedule: every probed step)."""
         return not self.auto or self.mode == "every" or self.probed_steps % self.weights_every == 0
 
+    def underflow_due(self, step: int, every: int) -> bool:
+        """Whether the step being probed counts the underflow shares: every `every`th probed step."""
+        probed = step // self.every if not self.auto else self.probed_steps
+        return probed % every == 0
+
     def share(self) -> float:
         """The share of the training time probing took so far, as measured (0..1)."""
         return self.probe_seconds / self.total_seconds if self.total_seconds > 0 else 0.0
@@ -216,13 +221,24 @@ class ProbeSchedule:
     def header_fields(self) -> dict:
         return {"probe_every": "auto" if self.auto else self.every, "probe_budget": self.budget}
 
-    def record_field(self) -> dict | None:
-        """What a step record carries of the schedule (None: a fixed schedule, as planned)."""
+    def record_field(self) -> list | None:
+        """What a step record carries of the schedule: ["auto", one step in N, the measured
+        cost in percent of the training time] or ["every", why]; None for a fixed schedule, as
+        planned. A flat list keeps the record on the replay index's fast path."""
         if self.mode == "every":
-            return {"mode": "every", "why": self.escalated or "asked for"}
+            return ["every", self.escalated or "asked for"]
         if not self.auto:
             return None
-        return {"mode": "auto", "every": self.interval(), "cost": round(100 * self.share(), 2)}
+        return ["auto", self.interval(), round(100 * self.share(), 2)]
+
+
+def observe_step(schedule: ProbeSchedule, result, *, planned: bool) -> None:
+    """A StepResult told to the schedule, which the result then carries (`probes`)."""
+    f = result.figures
+    schedule.observe(planned=planned, duration=result.duration, skipped=result.skipped,
+                     nonfinite=result.nonfinite, scale=result.scale, next_scale=result.next_scale,
+                     dtype=result.dtype, act=f.act if f else None, grad=f.grad if f else None, step=result.step)
+    result.probes = schedule.record_field()
 
 
 def dtype_change_reason(before: str, after: str) -> str:

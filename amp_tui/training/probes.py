@@ -31,7 +31,7 @@ class LayerFigures:
 
     act: list[float | None]
     grad: list[float | None]
-    weight: list[float | None]
+    weight: list[float | None] | None   # None: the weights were not read in this step
     # Layer indices in the order their forward ran first (for "first non-finite layer").
     order: list[int] = field(default_factory=list)
     # Share of nonzero gradient elements fp16 would flush to zero (below 2**-24): as they are
@@ -147,6 +147,7 @@ class LayerProbe:
         self._act_parts: list[torch.Tensor] = []    # per-output maxima (device vectors) ...
         self._act_meta: list[tuple[list[int], int]] = []   # ... the layer of each, and the length
         self._weight_layers: torch.Tensor | None = None
+        self._weights_wanted = True
         self._grad: tuple | None = None             # (plan, per-layer maxima, judged maximum)
         self._under: tuple | None = None            # (plan, per-layer count sums, scaled?)
 
@@ -165,8 +166,10 @@ class LayerProbe:
         """id() of every parameter the probed modules own."""
         return {id(p) for p in self._params}
 
-    def begin(self) -> None:
-        """Start probing a step: unprobed steps (with the hooks off) pay nothing."""
+    def begin(self, *, weights: bool = True) -> None:
+        """Start probing a step: unprobed steps (with the hooks off) pay nothing. `weights`:
+        read the weights too (they change little from one step to the next)."""
+        self._weights_wanted = weights
         self._calls.clear()
         self._kept.clear()
         self._kept_layers.clear()
@@ -351,7 +354,7 @@ class LayerProbe:
 
     def record_weights(self) -> None:
         """Call before the optimizer step, so the weights are those this step's forward used."""
-        if self._weight_layers is not None:
+        if self._weight_layers is not None or not self._weights_wanted:
             return
         with torch.no_grad():
             try:
@@ -381,14 +384,16 @@ class LayerProbe:
             # dtype's extremes exact.
             parts = [torch.stack([t.reshape(()).double() for t in extra])] if extra else []
             parts += self._act_parts
-            parts.append(self._weight_layers)
+            weights = self._weight_layers
+            if weights is not None:
+                parts.append(weights)
             if grad is not None:
                 parts.append(grad[1])
                 if grad[2] is not None:
                     parts.append(grad[2].reshape(1))
             if under is not None:
                 parts.append(under[1].reshape(-1))
-            host = torch.cat(parts).tolist()
+            host = torch.cat(parts).tolist() if parts else []
         n_extra = len(extra)
         extra_host, pos = host[:n_extra], n_extra
         act: list[float | None] = [UNMEASURED] * n_layers
@@ -397,8 +402,10 @@ class LayerProbe:
                 seen = act[layer]
                 act[layer] = v if seen is None or seen < v or v != v else seen   # NaN wins
             pos += size
-        weight = _read_layers(host, pos, self._weight_plan)
-        pos += n_layers
+        weight = None
+        if weights is not None:
+            weight = _read_layers(host, pos, self._weight_plan)
+            pos += n_layers
         grads, nonfinite = [UNMEASURED] * n_layers, False
         if grad is not None:
             grads = _read_layers(host, pos, grad[0])

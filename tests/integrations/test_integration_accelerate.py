@@ -64,7 +64,7 @@ def train(accelerator, model, optimizer, loader, monitor, *, before=None, clip=F
 def test_an_accelerate_loop_with_accumulation_records_one_step_per_update(tmp_path):
     accelerator, model, optimizer, loader = prepared("bf16", accumulate=4)
     with amp_tui.monitor(model, optimizer, scaler=accelerator.scaler, run_dir=tmp_path / "run",
-                         announce=False) as monitor:
+                         announce=False, probe_every=1) as monitor:
         train(accelerator, model, optimizer, loader, monitor)
     session = read_session(tmp_path / "run")
     assert [(s["step"], s["micro_batches"], s["updates"]) for s in session.steps] == \

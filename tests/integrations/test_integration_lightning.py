@@ -48,8 +48,10 @@ class Seen(Callback):
         self.hooks.append("on_fit_end")
 
 
-def fit(tmp_path, *, steps=6, package="lightning", gain=1.0, optimizer="adamw", plan=None, **trainer_kwargs):
-    callback = AmpTuiCallback(run_dir=tmp_path / "run", announce=False)
+def fit(tmp_path, *, steps=6, package="lightning", gain=1.0, optimizer="adamw", plan=None, probe_every=1,
+        **trainer_kwargs):
+    # Every step probed unless asked otherwise: the figures are compared step by step.
+    callback = AmpTuiCallback(run_dir=tmp_path / "run", announce=False, probe_every=probe_every)
     seen = Seen(plan, lambda: callback.monitor)
     trainer = pl_trainer([callback, seen], package=package, steps=steps, **trainer_kwargs)
     torch.manual_seed(0)

@@ -23,7 +23,8 @@ from support import wait_for
 
 def watched(tmp_path, **kwargs):
     trainer = hf_trainer(tmp_path, **kwargs)
-    callback = AmpTuiCallback(trainer, run_dir=tmp_path / "run", announce=False)
+    # Every step probed: the figures are compared step by step.
+    callback = AmpTuiCallback(trainer, run_dir=tmp_path / "run", announce=False, probe_every=1)
     trainer.add_callback(callback)
     return trainer, callback
 

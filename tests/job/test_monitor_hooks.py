@@ -30,7 +30,7 @@ def test_begin_and_end_step_record_what_a_with_block_records(tmp_path):
     runs = {}
     for way in ("with", "hooks"):
         model, opt = build()
-        monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / way, announce=False)
+        monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / way, announce=False, probe_every=1)
         for x, y in batches() * 2:
             opt.zero_grad()
             if way == "with":
@@ -57,7 +57,7 @@ def test_an_optimizer_stepped_with_a_closure_is_measured_on_its_own_gradients(tm
     """As Lightning steps it: the forward and backward run inside optimizer.step(closure), after
     the step's pre-hook. The first step's gradients exist only then."""
     model, opt = build()
-    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False)
+    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False, probe_every=1)
     expected = []
     for x, y in batches():
         monitor.begin_step()
@@ -82,7 +82,7 @@ def test_an_optimizer_stepped_with_a_closure_is_measured_on_its_own_gradients(tm
 
 def test_a_failed_step_is_recorded_with_its_traceback_and_the_run_ends_in_error(tmp_path):
     model, opt = build()
-    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False)
+    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False, probe_every=1)
     monitor.begin_step()
     try:
         raise ValueError("the framework's step broke")
@@ -97,7 +97,7 @@ def test_a_failed_step_is_recorded_with_its_traceback_and_the_run_ends_in_error(
 
 def test_a_step_ended_without_a_loss_is_not_recorded(tmp_path):
     model, opt = build()
-    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False)
+    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False, probe_every=1)
     monitor.begin_step()
     monitor.end_step(None)
     (x, y), = batches()[:1]
@@ -112,7 +112,7 @@ def test_a_step_ended_without_a_loss_is_not_recorded(tmp_path):
 
 def test_a_refused_key_says_why(tmp_path):
     model, opt = build()
-    monitor = Monitor(model, opt, run_dir=tmp_path / "run", announce=False, framework="the Trainer")
+    monitor = Monitor(model, opt, run_dir=tmp_path / "run", announce=False, framework="the Trainer", probe_every=1)
     monitor.refuse("scale", "scale change refused: DeepSpeed owns the loss scale")
     answers = []
     order = command("scale=1024")

@@ -164,8 +164,11 @@ def test_a_compiled_model_trains_with_the_names_and_figures_of_the_uncompiled_on
     assert lines[0]["layers"] == eager[0]["layers"] == NAMES
     assert lines[0]["compile"] == {"modules": [""], "act": "in_graph", "diagnosis": "eager"}
     assert eager[0]["compile"] is None
-    assert [r["step"] for r in probed_steps(lines)] == [0, 2]   # armed, disarmed, armed again
-    for mine, theirs in zip(probed_steps(lines), probed_steps(eager)):
+    planned = [r for r in probed_steps(lines) if r["step"] % 2 == 0]
+    assert [r["step"] for r in planned] == [0, 2]   # armed, disarmed, armed again
+    # (a step skipped in between has its gradients' figures, measured after the fact)
+    assert all(r["skipped"] for r in probed_steps(lines) if r["step"] % 2)
+    for mine, theirs in zip(planned, [r for r in probed_steps(eager) if r["step"] % 2 == 0]):
         for figure in ("act", "grad", "weight"):
             assert all(v is not None for v in mine["layers"][figure]), figure
             assert mine["layers"][figure] == pytest.approx(theirs["layers"][figure], rel=0.02), figure
@@ -192,7 +195,7 @@ def test_a_planted_overflow_under_compile_names_the_real_layer(write_script, tmp
 def test_act_that_the_compiled_graph_cannot_show_is_said_once_not_left_blank(
         write_script, tmp_path, fresh_dynamo, capsys):
     script = script_for(write_script, compiled=True, warm_up=True, name="warm")
-    status, lines = train(script, tmp_path, "--dtype", "bf16", "--steps", "3", name="warm")
+    status, lines = train(script, tmp_path, "--dtype", "bf16", "--steps", "3", "--probe-every", "1", name="warm")
     assert status == 0
     said = [e for e in events(lines, "alert") if e.get("reason") == "act_not_measured"]
     assert len(said) == 1 and said[0]["step"] == 0

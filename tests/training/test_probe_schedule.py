@@ -146,9 +146,9 @@ def test_weights_every_few_probed_steps_and_on_every_escalated_one():
 def test_the_record_says_the_schedule_and_its_cost():
     schedule = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
     run(schedule, 1000)
-    field = schedule.record_field()
-    assert field["mode"] == "auto" and field["every"] == 198 and 0 < field["cost"] <= 1.2
+    mode, every, cost = schedule.record_field()
+    assert mode == "auto" and every == 198 and 0 < cost <= 1.2
     schedule.escalate("headroom", "blocks.3 at 2.4 bits of headroom")
-    assert schedule.record_field() == {"mode": "every", "why": "blocks.3 at 2.4 bits of headroom"}
+    assert schedule.record_field() == ["every", "blocks.3 at 2.4 bits of headroom"]
     assert ProbeSchedule(3).record_field() is None
     assert ProbeSchedule(3).header_fields() == {"probe_every": 3, "probe_budget": 1.0}
