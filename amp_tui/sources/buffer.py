@@ -89,11 +89,14 @@ class RunBuffer:
         layers = r.get("layers")
         if isinstance(layers, dict):
             n = len(self._layers.names)
+            weight, weight_step = read_floats(layers.get("weight"), n), None
+            if "weight" not in layers and self._layers.step is not None:   # the last weights known
+                known = self._layers
+                weight, weight_step = known.weight, known.step if known.weight_step is None else known.weight_step
             self._layers = LayerView(
                 self._layers.names,
                 read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n),
-                read_floats(layers.get("weight"), n),
-                step, r.get("dtype"))
+                weight, step, r.get("dtype"), weight_step)
         ranks = rank_view(r)
         if ranks is not None:
             self._ranks = ranks

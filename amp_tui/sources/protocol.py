@@ -52,6 +52,9 @@ class LayerView:
     weight: list[float | None]
     step: int | None
     dtype: str | None
+    # The step `weight` was read at, when that is an earlier probed step than `step` (the
+    # adaptive schedule reads the weights on some probed steps only); None: at `step`.
+    weight_step: int | None = None
 
 
 @dataclass

@@ -42,6 +42,8 @@ from amp_tui.sources.protocol import (
 if TYPE_CHECKING:
     from amp_tui.core.commands import Command
 
+WEIGHT_LOOKBACK = 64   # probed steps looked back at for the last weights read (4 apart, mostly)
+
 
 @dataclasses.dataclass
 class ReplaySnapshot(Snapshot):
@@ -429,8 +431,25 @@ class ReplaySource:
         if r is None:
             return LayerView(list(names), [None] * n, [None] * n, [None] * n, None, None)
         layers = r["layers"]
+        weight, weight_step = read_floats(layers.get("weight"), n), None
+        if "weight" not in layers:
+            weight, weight_step = self._last_weights(j, n)
         return LayerView(list(names), read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n),
-                         read_floats(layers.get("weight"), n), r.get("step"), r.get("dtype"))
+                         weight, r.get("step"), r.get("dtype"), weight_step)
+
+    def _last_weights(self, j: int, n: int) -> tuple[list[float | None], int | None]:
+        """The weights of the newest probed step before frame `j` that read them (the adaptive
+        schedule reads them every few probed steps), and its step; a few dozen looked at at most."""
+        idx = self.index
+        for _ in range(WEIGHT_LOOKBACK):
+            j = idx.probed.rfind(1, 0, j)
+            if j < 0:
+                break
+            r = self._step_record(j)
+            layers = r.get("layers") if r is not None else None
+            if isinstance(layers, dict) and "weight" in layers:
+                return read_floats(layers["weight"], n), r.get("step")
+        return [None] * n, None
 
     def _ranks(self, i: int, last: dict | None) -> RankView | None:
         """A session of several ranks: their figures at the shown step, or at the newest probed

@@ -99,7 +99,8 @@ class ProbeSchedule:
         if share <= 0 or self.plain_ema <= 0:
             return 1 << 30   # only the live floor probes
         # At least every other step unprobed, so that both averages keep up with the run.
-        return max(2, math.ceil(cost * (1 - share) / (share * self.plain_ema)))
+        # (rounded first: an exact 18 computed as 18.000000000000004 is 18)
+        return max(2, math.ceil(round(cost * (1 - share) / (share * self.plain_ema), 6)))
 
     def weights_due(self) -> bool:
         """Whether the step being probed reads the weights: every `weights_every`th probed step

@@ -64,6 +64,8 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
               "Run exactly one step while paused"),
     KeyAction("amp.note", "m", "add_note", "note", "Add a note…",
               "Type a line to record in the session at the next step boundary (Enter records, Esc cancels)"),
+    KeyAction("amp.probes", "p", "toggle_probes", "probes", "Probe every step / the schedule",
+              "Probe every step from the next one on, or go back to the probe schedule (the budget)"),
     KeyAction("amp.replay.faster", "plus", "replay_faster", "faster", "Replay faster",
               "Double the playback speed", key_display="+", modes=REPLAY, priority=True),
     KeyAction("amp.replay.slower", "minus", "replay_slower", "slower", "Replay slower",

@@ -36,7 +36,7 @@ from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
 from amp_tui.ui.screens.dashboard import DashboardScreen
 from amp_tui.ui.screens.help_screen import HelpScreen
 from amp_tui.ui.screens.output_screen import OutputScreen
-from amp_tui.ui.view import SORTS, current_precision, nonfinite_pause
+from amp_tui.ui.view import SORTS, current_precision, nonfinite_pause, probing_every_step
 
 STOP_TIMEOUT_S = 10.0     # how long `q` waits for the current step before forcing the exit
 FORCED_EXIT_DELAY_S = 1.5  # leave the "forcing the exit" message on screen this long
@@ -44,7 +44,8 @@ COMMAND_SOURCE = "dashboard"
 NOTIFY_LIMIT = 400         # characters of a recorded text in a notification (the event log has more)
 COMMAND_TITLES: dict[Action, str] = {
     "dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore", "pause": "pause",
-    "resume": "resume", "step": "single step", "stop": "stop", "fp32": "local fp32", "note": "note"}
+    "resume": "resume", "step": "single step", "stop": "stop", "fp32": "local fp32", "note": "note",
+    "probe": "probes"}
 
 
 class AmpTuiApp(App[int]):
@@ -325,6 +326,11 @@ class AmpTuiApp(App[int]):
 
     def action_single_step(self) -> None:
         self.send("step")
+
+    def action_toggle_probes(self) -> None:
+        pending = self._pending_value("probe")
+        every = pending == "every" if pending is not None else probing_every_step(self.source.snapshot())
+        self.send("probe", "auto" if every else "every")
 
     def action_add_note(self) -> None:
         def chosen(text: str | None) -> None:

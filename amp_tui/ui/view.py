@@ -222,6 +222,28 @@ def unmeasured_note(snap: Snapshot) -> str | None:
     return None
 
 
+def probing_every_step(snap: Snapshot) -> bool:
+    """Whether every step is probed now: a `probes` event for a step not recorded yet (a command
+    applied meanwhile), else what the last step record says of the schedule."""
+    last = snap.last or {}
+    for event in reversed(snap.events):
+        if event.get("kind") == "probes":
+            if event.get("step", -1) > last.get("step", -1):
+                return event.get("mode") == "every"
+            break
+    probes = last.get("probes")
+    return isinstance(probes, list) and probes[:1] == ["every"]
+
+
+def weights_note(snap: Snapshot) -> str | None:
+    """The weights shown were read at an earlier probed step than the rest (the adaptive
+    schedule reads them every few probed steps)."""
+    layers = snap.layers
+    if layers.weight_step is None or layers.weight_step == layers.step:
+        return None
+    return f"weights from step {layers.weight_step}"
+
+
 def nonfinite_origin(snap: Snapshot) -> str | None:
     """The module the newest step's non-finite event names as the origin (None when that step was
     healthy): the layer table highlights it."""

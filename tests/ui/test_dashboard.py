@@ -152,6 +152,32 @@ async def test_d_cycles_dtype_fp16_bf16_fp32_fp16(paused_run):
 
 
 @run_async
+async def test_p_probes_every_step_then_lets_the_schedule_decide(paused_run):
+    run, source = paused_run
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await wait_paused(pilot, source)
+        await pilot.press("p")
+        await until(pilot, lambda: dashboard_events(run, "probes"), "the escalation")
+        await until(pilot, lambda: "probing every step: asked for" in toasts(app), "ack")
+        await pilot.press("n")   # one step: its record says so in the status bar
+        await until(pilot, lambda: "probes every step · " in str(app.dashboard.status_bar.render()),
+                    "the status bar")
+        await pilot.press("p")
+        await until(pilot, lambda: len(dashboard_events(run, "probes")) == 2, "the return")
+    every, auto = dashboard_events(run, "probes")
+    assert (every["mode"], every["reason"], auto["mode"], auto["reason"]) == ("every", "command", "auto", "command")
+
+
+def test_the_status_bar_says_the_probe_schedule():
+    from amp_tui.ui.widgets.status_bar import probes_text
+    assert probes_text(["auto", 9, 0.8]) == ("auto 1/9 · 0.8%", "bold")
+    why = "blocks.3 at 2.4 bits of headroom"
+    assert probes_text(["every", why]) == (f"every step · {why}", "bold yellow")
+    assert probes_text(None) is None and probes_text(["later", 1]) is None
+
+
+@run_async
 async def test_s_halves_and_S_sets_an_exact_loss_scale(paused_run):
     run, source = paused_run
     app = create_app(source)
@@ -314,7 +340,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
     source = FixedSource(synthetic_records(), answer=Outcome(True, "checkpoint saved: x"))
     app = create_app(source, clock=lambda: FROZEN)
     keys = {b.key: b for b in AmpTuiApp.BINDINGS}
-    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "m", "question_mark", "q", "ctrl+c"}
+    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "m", "p", "question_mark", "q", "ctrl+c"}
     assert all(b.id and b.description for b in keys.values())
     # ctrl+c is a second key for quit: in the help, not in the footer or the palette
     assert [k for k, b in keys.items() if not b.show] == ["ctrl+c"]
@@ -326,7 +352,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
         assert sum(t.startswith("Quit") for t in titles) == 1
         for action in ("Cycle the dtype", "Halve the loss scale", "Set the loss scale",
                        "Save a checkpoint", "Restore a checkpoint", "Pause / resume",
-                       "Run one step", "Add a note", "Help", "Quit"):
+                       "Run one step", "Add a note", "Probe every step", "Help", "Quit"):
             assert any(t.startswith(action) for t in titles), action
         assert any(t.startswith("Sort layers") for t in titles)
         # a palette entry runs the same action as its key

@@ -35,6 +35,7 @@ from amp_tui.ui.view import (
     nonfinite_pause,
     rank_summary,
     unmeasured_note,
+    weights_note,
 )
 from amp_tui.ui.widgets.charts import LossChart, ScaleChart
 from amp_tui.ui.widgets.error_panel import ErrorPanel
@@ -185,7 +186,7 @@ class DashboardScreen(Screen):
                 self.scale_chart.show(h)
             else:
                 done = False
-        note = unmeasured_note(snap)
+        note = " · ".join(n for n in (unmeasured_note(snap), weights_note(snap)) if n) or None
         layers_key = (snap.layers.step, len(snap.layers.names), prec, origin, note, snap.ranks)
         if layers_key != self._layers_key:
             if urgent != self._table_urgent or tick - self._table_at >= pace.table_s:

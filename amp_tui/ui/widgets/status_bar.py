@@ -12,6 +12,7 @@ from textual.widget import Widget
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.precision import short_name
 from amp_tui.core.records import STEERED_MODES
+from amp_tui.core.text import one_line
 from amp_tui.sources.protocol import Snapshot
 from amp_tui.ui.text import literal, loss_text, same_text
 from amp_tui.ui.view import Precision, rank_summary
@@ -121,12 +122,28 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
     # A paused rate means nothing; a replay's pace is its playback speed, shown above.
     running = snap.state == "running" and snap.playback_state is None and snap.steps_per_second
     _field(text, "it/s", f"{snap.steps_per_second:.1f}" if running else "-")
+    probes = probes_text(last.get("probes"))
+    if probes is not None:
+        _field(text, "probes", *probes)
     ranks = rank_summary(snap)
     if ranks is not None:
         _field(text, "ranks", str(ranks.world_size))
         if ranks.slowest is not None:
             _field(text, "slowest", f"rank {ranks.slowest}", "bold yellow")
     return text
+
+
+def probes_text(probes) -> tuple[str, str] | None:
+    """The probe schedule a step record carries, in words and a style: "auto 1/9 · 0.8%" (one
+    step in 9 probed, probing has cost 0.8% of the training time), or "every step · why"."""
+    if not isinstance(probes, list) or not probes:
+        return None
+    if probes[0] == "every":
+        why = probes[1] if len(probes) > 1 and isinstance(probes[1], str) else ""
+        return (f"every step · {one_line(why)}" if why else "every step"), "bold yellow"
+    if probes[0] == "auto" and len(probes) >= 3 and all(isinstance(v, (int, float)) for v in probes[1:3]):
+        return f"auto 1/{probes[1]:g} · {probes[2]:.2g}%", "bold"
+    return None
 
 
 def _field(text: Text, label: str, value: str, style: str = "bold") -> None:

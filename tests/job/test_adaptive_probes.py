@@ -1,0 +1,245 @@
+"""The adaptive probe schedule in a run: `amp-tui train`, a monitored loop and a callback alike.
+
+Every step's duration comes from a made-up clock (each step takes STEP seconds, a probed step
+PROBE_COST more), so which steps are probed depends on the run's own progress, never on how
+busy the machine is.
+"""
+
+import math
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import amp_tui
+import amp_tui.job.hook_driver as hook_driver_module
+import amp_tui.training.engine as engine_module
+from amp_tui.core.commands import parse_action
+from amp_tui.recording.reader import read_session
+from amp_tui.sources.buffer import RunBuffer
+from amp_tui.training.probe_schedule import FIRST_PROBED
+from amp_tui.training.probes import LayerProbe
+
+from frameworks import command, lightning_module_class, pl_trainer, regression_loader
+from support import train_run
+
+STEP = 0.005         # seconds an unprobed step takes, by the made-up clock
+PROBE_COST = 0.01    # what probing adds to a step
+# 10% budget: one probed step in ceil(0.01 * 0.9 / (0.1 * 0.005)) = 18
+BUDGET = 10.0
+INTERVAL = 18
+
+
+@pytest.fixture
+def made_up_clock(monkeypatch):
+    """Each call of the drivers' perf_counter moves it on by STEP (a step's duration is the
+    difference of two calls); collecting a probed step's figures costs PROBE_COST more."""
+    clock = types.SimpleNamespace(now=0.0)
+
+    def perf_counter():
+        clock.now += STEP
+        return clock.now
+    fake_time = types.SimpleNamespace(perf_counter=perf_counter, time=__import__("time").time)
+    monkeypatch.setattr(engine_module, "time", fake_time)
+    monkeypatch.setattr(hook_driver_module, "time", fake_time)
+    collect = LayerProbe.collect
+
+    def costly_collect(self, *args, **kwargs):
+        clock.now += PROBE_COST
+        return collect(self, *args, **kwargs)
+    monkeypatch.setattr(LayerProbe, "collect", costly_collect)
+    return clock
+
+
+HOT = range(60, 90)      # activations at 2 bits of headroom to fp16's max
+OVERFLOW = 90            # and one step past it
+STEPS = 170
+GROWING = f'''
+import torch
+from torch import nn
+
+def size(step):
+    return 1e5 if step == {OVERFLOW} else 16000.0 if {HOT.start} <= step < {HOT.stop} else 1.0
+
+def setup(ctx=None):
+    model = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[1].weight.fill_(1e-3)
+    return {{"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.0),
+            "loss_fn": lambda m, x: m(x).float().mean(),
+            "batches": [torch.full((4, 1), size(s)) for s in range({STEPS})]}}
+'''
+
+
+def probes_events(session):
+    return [e for e in session.events if e["kind"] == "probes"]
+
+
+def test_trouble_probes_every_step_until_a_clean_stretch(write_script, tmp_path, made_up_clock):
+    run_dir = tmp_path / "run"
+    run = train_run(write_script(GROWING), run_dir, steps=STEPS, dtype="float16", init_scale=1.0,
+                    probe_budget=BUDGET, control=False)
+    assert run.run() == 0
+    session = read_session(run_dir)
+    assert session.header["probe_every"] == "auto" and session.header["probe_budget"] == BUDGET
+    steps = {r["step"]: r for r in session.steps}
+    probed = [s for s in range(STEPS) if "layers" in steps[s]]
+    assert probed[:FIRST_PROBED] == list(range(FIRST_PROBED))
+    before = [s for s in probed if FIRST_PROBED <= s < HOT.start]
+    assert before and all(b - a == INTERVAL for a, b in zip(before, before[1:]))   # the budget
+    escalation, back = probes_events(session)
+    first_hot = min(s for s in probed if s in HOT)
+    assert (escalation["mode"], escalation["reason"], escalation["step"]) == ("every", "headroom", first_hot + 1)
+    assert "bits of headroom" in escalation["message"] and escalation["message"].startswith("probing every step: ")
+    assert all("layers" in steps[s] for s in range(first_hot, back["step"]))
+    overflow = steps[OVERFLOW]
+    assert overflow["nonfinite"] == "loss" and overflow["layers"]["act"][0] == "Infinity"
+    (event,) = [e for e in session.events if e["kind"] == "nonfinite"]
+    assert event["step"] == OVERFLOW and event["origin"] == "0"
+    # 50 clean steps after the overflow (the trouble before it kept the stretch from starting)
+    assert (back["mode"], back["reason"], back["step"]) == ("auto", "clean", OVERFLOW + 51)
+    after = [s for s in range(back["step"], STEPS) if "layers" not in steps[s]]
+    assert after and steps[STEPS - 1]["probes"][0] == "auto"
+    assert steps[OVERFLOW]["probes"][0] == "every"
+
+
+def test_the_budget_holds_with_costly_probes(tmp_path, made_up_clock, mlp_script):
+    run_dir = tmp_path / "run"
+    run = train_run(mlp_script, run_dir, steps=200, dtype="float32", probe_budget=BUDGET, control=False)
+    assert run.run() == 0
+    steps = read_session(run_dir).steps
+    probed = [r["step"] for r in steps if "layers" in r]
+    # the first steps; one unprobed to measure it; then one step in INTERVAL
+    assert probed == [0, 1, 2, *range(FIRST_PROBED - 1 + INTERVAL, 200, INTERVAL)]
+    mode, every, cost = steps[-1]["probes"]
+    assert (mode, every) == ("auto", INTERVAL)
+    # what the run measured for itself: at most the budget, the first steps included
+    assert 0 < cost <= BUDGET * 1.2
+
+
+def test_weights_every_fourth_probed_step_and_the_last_ones_shown(tmp_path, made_up_clock, mlp_script):
+    run_dir = tmp_path / "run"
+    run = train_run(mlp_script, run_dir, steps=100, dtype="float32", probe_budget=BUDGET, control=False)
+    assert run.run() == 0
+    session = read_session(run_dir)
+    probed = [r for r in session.steps if "layers" in r]
+    assert ["weight" in r["layers"] for r in probed[:5]] == [True, False, False, False, True]
+    assert all(isinstance(v, (int, float)) for v in probed[0]["layers"]["weight"])
+    # the dashboard's buffer: the last weights read, with their step
+    buffer = RunBuffer()
+    for record in [session.header, *probed[:3]]:
+        buffer.feed(record)
+    layers = buffer.snapshot().layers
+    assert layers.step == probed[2]["step"] and layers.weight_step == probed[0]["step"]
+    assert layers.weight == probed[0]["layers"]["weight"]
+    # a replay: the same, found by looking back
+    from amp_tui.sources.replay import ReplaySource
+    source = ReplaySource(run_dir / "session.jsonl", autoplay=False)
+    source.seek(probed[2]["step"] + 1)
+    layers = source.snapshot().layers
+    assert layers.step == probed[2]["step"] and layers.weight_step == probed[0]["step"]
+    assert layers.weight == probed[0]["layers"]["weight"]
+    source.seek(probed[4]["step"])
+    assert source.snapshot().layers.weight_step is None   # read at the step shown
+
+
+# ---- a step that was not planned to be probed, skipped -----------------------------------------
+
+def test_an_unplanned_skip_has_its_gradient_figures_under_train(tmp_path, mlp_script):
+    run_dir = tmp_path / "run"
+    run = train_run(mlp_script, run_dir, steps=6, dtype="float16", init_scale=2.0 ** 40, probe_every=10,
+                    control=False)
+    assert run.run() == 0
+    session = read_session(run_dir)
+    unplanned = [r for r in session.steps if r["step"] % 10 and r["skipped"]]
+    assert unplanned, "the huge scale overflows the first steps"
+    for r in unplanned:
+        layers = r["layers"]
+        assert all(v is None for v in layers["act"])           # gone by the time the skip is known
+        assert all(v is not None for v in layers["grad"])       # measured before they were zeroed
+        assert all(v is not None for v in layers["weight"])
+    named = {e["step"]: e["layer"] for e in session.events if e["kind"] == "nonfinite"}
+    assert all(named[r["step"]] is not None for r in unplanned)
+
+
+def monitored_loop(run_dir, steps, *, probe_every="auto", init_scale=2.0 ** 40, bad_step=None, plan=None, **kw):
+    """A plain loop under the monitor; `bad_step`: its loss is made infinite there; `plan`: commands
+    submitted before the given steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=run_dir, announce=False,
+                              probe_every=probe_every, control=False, **kw)
+    x = torch.randn(16, 4)
+    for i in range(steps):
+        if plan and i in plan:
+            monitor.submit(parse_action(plan[i], source="api"))
+        opt.zero_grad()
+        with monitor.step() as step:
+            with monitor.autocast():
+                loss = model(x).float().pow(2).mean()
+            if i == bad_step:
+                loss = loss * math.inf
+            step.loss = loss
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    monitor.close()
+    return read_session(run_dir)
+
+
+def test_an_unplanned_skip_has_its_gradient_figures_in_a_monitored_loop(tmp_path):
+    session = monitored_loop(tmp_path / "run", 6, probe_every=10)
+    unplanned = [r for r in session.steps if r["step"] % 10 and r["skipped"]]
+    assert unplanned
+    for r in unplanned:
+        assert all(v is None for v in r["layers"]["act"])
+        assert all(v is not None for v in r["layers"]["grad"])
+
+
+def test_the_same_events_in_a_monitored_loop(tmp_path, made_up_clock):
+    """Trouble escalates, a clean stretch comes back, as under `amp-tui train`."""
+    session = monitored_loop(tmp_path / "run", 120, init_scale=1.0, bad_step=40, probe_budget=BUDGET)
+    assert session.header["probe_every"] == "auto" and session.header["probe_budget"] == BUDGET
+    steps = {r["step"]: r for r in session.steps}
+    probed = [s for s in range(40) if "layers" in steps[s]]
+    assert probed == [0, 1, 2, 20, 38]   # the first steps, then the budget
+    escalation, back = probes_events(session)
+    assert (escalation["mode"], escalation["reason"], escalation["step"]) == ("every", "nonfinite", 41)
+    # not planned, skipped: its gradients (NaN from the infinite loss) measured after the fact
+    assert steps[40]["skipped"] and steps[40]["layers"]["grad"] == ["NaN", "NaN"]
+    assert (back["mode"], back["reason"], back["step"]) == ("auto", "clean", 91)
+    assert all("layers" in steps[s] for s in range(41, 91))
+    assert any("layers" not in steps[s] for s in range(91, 120))
+
+
+def lightning_fit(run_dir, steps, plan):
+    """A Lightning fit under the callback (the adaptive schedule, its default); `plan`: commands
+    submitted at the end of the given optimizer steps (applied at the next boundary)."""
+    from lightning.pytorch import Callback
+
+    from amp_tui.integrations.lightning import AmpTuiCallback
+    callback = AmpTuiCallback(run_dir=run_dir, announce=False)
+
+    class Planned(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step in plan:
+                callback.monitor.submit(command(plan[trainer.global_step]))
+    trainer = pl_trainer([callback, Planned()], steps=steps)
+    torch.manual_seed(0)
+    trainer.fit(lightning_module_class()(), regression_loader())
+    return read_session(run_dir)
+
+
+def test_the_probe_command_in_a_monitored_loop_and_under_lightning(tmp_path):
+    session = monitored_loop(tmp_path / "loop", 8, init_scale=1.0, plan={2: "probe=every", 5: "probe=auto"})
+    # (a Lightning step's end submits for the next boundary)
+    under_lightning = lightning_fit(tmp_path / "lightning", 8, {2: "probe=every", 5: "probe=auto"})
+    for s, at in ((session, (2, 5)), (under_lightning, (2, 5))):
+        assert [(e["step"], e["mode"], e["reason"], e["source"]) for e in probes_events(s)] == \
+            [(at[0], "every", "command", "api"), (at[1], "auto", "command", "api")]
+        assert probes_events(s)[0]["message"] == "probing every step: asked for"
+        assert all("layers" in r for r in s.steps if at[0] <= r["step"] < at[1])
