@@ -1,8 +1,9 @@
 """Which steps are probed: a fixed schedule (every N steps), or an adaptive one under a budget.
 
 The adaptive schedule (`every="auto"`) measures what a probed step costs over an unprobed one on
-this model and device, from the durations the steps already measure (an exponential moving
-average of each), and spaces the probed steps so that probing takes at most `budget` percent of
+this model and device, from the durations the steps already measure (the median of each kind's
+recent steps: one slow step of a busy machine moves a median little, where it would throw a
+moving average far off), and spaces the probed steps so that probing takes at most `budget` percent of
 the training time. It still probes once every `live_seconds` of training, so a dashboard stays
 live, and probes the first steps, to measure both costs.
 
@@ -19,6 +20,8 @@ in `drain()` for the run to record them as `probes` events. Deterministic: no cl
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,8 +29,9 @@ from amp_tui.core.precision import MAX_FINITE, SHORT
 
 Mode = Literal["every", "auto"]
 
-FIRST_PROBED = 3        # the first steps are probed (the first one's duration is not counted)
-EMA_WEIGHT = 0.2        # of the newest duration in each moving average
+FIRST_PROBED = 3        # the first steps are probed; warming up, their durations are not counted
+PROBED_WINDOW = 15      # recent probed steps whose median duration is a probed step's
+PLAIN_WINDOW = 31       # recent unprobed steps whose median duration is an unprobed step's
 FIRST_INTERVAL = 10     # one step in this many while a cost is still unknown
 
 
@@ -57,8 +61,10 @@ class ProbeSchedule:
         self.names = list(names or [])
         self.escalated: str | None = None   # why every step is probed (a trouble's words)
         self.pinned = False                 # `probe=every`: until `probe=auto`
-        self.probed_ema: float | None = None
-        self.plain_ema: float | None = None
+        self._probed_times: deque[float] = deque(maxlen=PROBED_WINDOW)
+        self._plain_times: deque[float] = deque(maxlen=PLAIN_WINDOW)
+        self.probed_time: float | None = None   # a probed step's duration (the recent median) ...
+        self.plain_time: float | None = None    # ... and an unprobed one's
         self.observed = 0                   # steps observed
         self.probed_steps = 0               # planned probed steps observed
         self.since_probe = 0                # unprobed steps since the last probed one ...
@@ -81,7 +87,7 @@ class ProbeSchedule:
             return step % self.every == 0
         if self.observed < FIRST_PROBED:
             return True
-        if self.plain_ema is None:
+        if self.plain_time is None:
             return False   # an unprobed step first, to know what probing adds
         return self.since_probe + 1 >= self.interval() or self.seconds_since_probe >= self.live_seconds
 
@@ -90,17 +96,17 @@ class ProbeSchedule:
         cost / (k * plain + cost) <= b gives k >= cost * (1 - b) / (b * plain)."""
         if not self.auto:
             return self.every
-        if self.probed_ema is None or self.plain_ema is None:
+        if self.probed_time is None or self.plain_time is None:
             return FIRST_INTERVAL
         share = self.budget / 100
         if share >= 1:
             return 1
-        cost = max(0.0, self.probed_ema - self.plain_ema)
-        if share <= 0 or self.plain_ema <= 0:
+        cost = max(0.0, self.probed_time - self.plain_time)
+        if share <= 0 or self.plain_time <= 0:
             return 1 << 30   # only the live floor probes
         # At least every other step unprobed, so that both averages keep up with the run.
         # (rounded first: an exact 18 computed as 18.000000000000004 is 18)
-        return max(2, math.ceil(round(cost * (1 - share) / (share * self.plain_ema), 6)))
+        return max(2, math.ceil(round(cost * (1 - share) / (share * self.plain_time), 6)))
 
     def weights_due(self) -> bool:
         """Whether the step being probed reads the weights: every `weights_every`th probed step
@@ -126,7 +132,7 @@ class ProbeSchedule:
         trouble = self._trouble(skipped, nonfinite, scale, next_scale, dtype, act, grad, step)
         if planned:
             self.probed_steps += 1
-        self._measure(planned, duration, counted=trouble is None and self.observed > 1)
+        self._measure(planned, duration, counted=trouble is None and self.observed > FIRST_PROBED)
         if trouble is not None:
             self.clean = 0
             if self.escalated is None and self.auto:
@@ -142,18 +148,20 @@ class ProbeSchedule:
     def _measure(self, planned: bool, duration: float, *, counted: bool) -> None:
         self.total_seconds += duration
         if planned:
-            if self.plain_ema is not None:
-                self.probe_seconds += max(0.0, duration - self.plain_ema)
+            if self.plain_time is not None:
+                self.probe_seconds += max(0.0, duration - self.plain_time)
             self.since_probe, self.seconds_since_probe = 0, 0.0
         else:
             self.since_probe += 1
             self.seconds_since_probe += duration
-        if not counted:   # the first step (warm-up) and trouble steps (a diagnosis) say nothing of the cost
+        if not counted:   # the first steps (warm-up) and trouble steps (a diagnosis) say nothing of the cost
             return
+        times = self._probed_times if planned else self._plain_times
+        times.append(duration)
         if planned:
-            self.probed_ema = _moved(self.probed_ema, duration)
+            self.probed_time = statistics.median(times)
         else:
-            self.plain_ema = _moved(self.plain_ema, duration)
+            self.plain_time = statistics.median(times)
 
     def _trouble(self, skipped, nonfinite, scale, next_scale, dtype, act, grad, step) -> tuple[str, str] | None:
         at = f" at step {step}" if step is not None else ""
@@ -245,6 +253,3 @@ def observe_step(schedule: ProbeSchedule, result, *, planned: bool) -> None:
 def dtype_change_reason(before: str, after: str) -> str:
     return f"the dtype changed {SHORT.get(before, before)} → {SHORT.get(after, after)}"
 
-
-def _moved(average: float | None, value: float) -> float:
-    return value if average is None else average + EMA_WEIGHT * (value - average)

@@ -18,7 +18,7 @@ import amp_tui.training.engine as engine_module
 from amp_tui.core.commands import parse_action
 from amp_tui.recording.reader import read_session
 from amp_tui.sources.buffer import RunBuffer
-from amp_tui.training.probe_schedule import FIRST_PROBED
+from amp_tui.training.probe_schedule import FIRST_INTERVAL, FIRST_PROBED
 from amp_tui.training.probes import LayerProbe
 
 from frameworks import command, lightning_module_class, pl_trainer, regression_loader
@@ -111,8 +111,10 @@ def test_the_budget_holds_with_costly_probes(tmp_path, made_up_clock, mlp_script
     assert run.run() == 0
     steps = read_session(run_dir).steps
     probed = [r["step"] for r in steps if "layers" in r]
-    # the first steps; one unprobed to measure it; then one step in INTERVAL
-    assert probed == [0, 1, 2, *range(FIRST_PROBED - 1 + INTERVAL, 200, INTERVAL)]
+    # the first steps (warming up: not measured); one step in FIRST_INTERVAL while the cost is
+    # unknown; then one step in INTERVAL
+    first = FIRST_PROBED - 1 + FIRST_INTERVAL
+    assert probed == [0, 1, 2, *range(first, 200, INTERVAL)]
     mode, every, cost = steps[-1]["probes"]
     assert (mode, every) == ("auto", INTERVAL)
     # what the run measured for itself: at most the budget, the first steps included
@@ -206,7 +208,7 @@ def test_the_same_events_in_a_monitored_loop(tmp_path, made_up_clock):
     assert session.header["probe_every"] == "auto" and session.header["probe_budget"] == BUDGET
     steps = {r["step"]: r for r in session.steps}
     probed = [s for s in range(40) if "layers" in steps[s]]
-    assert probed == [0, 1, 2, 20, 38]   # the first steps, then the budget
+    assert probed == [0, 1, 2, 12, 30]   # the first steps, one in FIRST_INTERVAL, then the budget
     escalation, back = probes_events(session)
     assert (escalation["mode"], escalation["reason"], escalation["step"]) == ("every", "nonfinite", 41)
     # not planned, skipped: its gradients (NaN from the infinite loss) measured after the fact
