@@ -45,10 +45,14 @@ def stratified_median(times: Sequence[float], probed: Sequence[bool], every: int
     the probe's cost; the mean would let one slow step of the machine's noise decide. So: the
     median of each kind, weighted by how often that kind occurs. With every == 1 it is the median.
     """
-    if every <= 1:
-        return median(times)
     on = [t for t, p in zip(times, probed) if p]
     off = [t for t, p in zip(times, probed) if not p]
+    if every == "auto":   # the adaptive schedule: each kind weighted by how often it came
+        if not on or not off:
+            return median(times)
+        return (len(on) * median(on) + len(off) * median(off)) / len(times)
+    if every <= 1:
+        return median(times)
     if not on or not off:
         return median(times)
     return (median(on) + (every - 1) * median(off)) / every

@@ -5,8 +5,8 @@ same order, the same dtype and init_scale:
 
 - ``bare``: ``GuardedTrainer(probe=False)``: the guarded step with no probe and no session;
 - ``probes/1``, ``probes/10``: ``GuardedTrainer(probe=True, probe_every=1 | 10)``;
-- ``run/1``, ``run/10``: the full ``Run`` step (probes + the session file + guards), as
-  ``amp-tui train`` runs it;
+- ``run/1``, ``run/10``, ``run/auto``: the full ``Run`` step (probes + the session file + guards),
+  as ``amp-tui train`` runs it (``run/auto``: the adaptive schedule, 1% budget, its default);
 - ``DebugUnderflowOverflow``: the bare loop with ``transformers.debug_utils.DebugUnderflowOverflow``
   attached (forward hooks on every module; forward only);
 - ``detect_anomaly``: the bare loop inside ``torch.autograd.detect_anomaly()`` (backward only).
@@ -38,8 +38,8 @@ from amp_tui.training.engine import GuardedTrainer
 from amp_tui.training.script import TrainSetup
 from bench import common
 
-ALL = ("bare", "probes/1", "probes/10", "run/1", "run/10", "DebugUnderflowOverflow", "detect_anomaly")
-OURS = ("probes/1", "probes/10", "run/1", "run/10")
+ALL = ("bare", "probes/1", "probes/10", "run/1", "run/10", "run/auto", "DebugUnderflowOverflow", "detect_anomaly")
+OURS = ("probes/1", "probes/10", "run/1", "run/10", "run/auto")
 THEIRS = ("DebugUnderflowOverflow", "detect_anomaly")
 
 # What each contender tells the user about a step (for the table in docs/performance.md).
@@ -50,6 +50,7 @@ REPORTS = {
     "probes/10": "the same, every 10th step",
     "run/1": "probes/1 + the session file and guards",
     "run/10": "probes/10 + the session file and guards",
+    "run/auto": "the probes on the steps the adaptive schedule picks (1% budget) + the session file and guards",
     "DebugUnderflowOverflow": "abs min/max of every module's weights, inputs and outputs in the last "
                               "21 forward frames, printed when the forward produces inf/nan (then "
                               "raises); nothing about the backward",
@@ -67,7 +68,7 @@ def transformers_debug():
 
 
 class Contender:
-    def __init__(self, name: str, step, *, trainer: GuardedTrainer, every: int = 1, close=None):
+    def __init__(self, name: str, step, *, trainer: GuardedTrainer, every: int | str = 1, close=None):
         self.name = name
         self.step = step
         self.trainer = trainer
@@ -104,7 +105,8 @@ def make_contenders(names, model, batches, loss_fn, *, dtype: str, device: str, 
             t = trainer(True, every)
             out[name] = Contender(name, lambda t=t, f=feed: t.step(f.take(1)), trainer=t, every=every)
         elif name.startswith("run/"):
-            every = int(name.split("/")[1])
+            every = name.split("/")[1]
+            every = every if every == "auto" else int(every)
             m, opt = fresh()
             cfg = RunConfig(script=Path("bench.py"), dtype=dtype, init_scale=init_scale, probe_every=every,
                             run_dir=tmp / name.replace("/", "-"))
@@ -234,6 +236,15 @@ def summarize(contenders: dict[str, Contender], n: int) -> dict:
             "skipped_updates": c.trainer.skipped_total,
             "probe_every": c.every if c.trainer.probe is not None else None,
         }
+        if c.every == "auto":
+            # What probing took of the steps: as the schedule measured it for itself, and as the
+            # benchmark does (the probed share of steps times probes/1's paired cost per step).
+            row["probed_share"] = common.rnd(sum(c.probed) / max(1, len(c.probed)), 4)
+            row["schedule_share_pct"] = common.rnd(100 * c.trainer.probe_schedule.share(), 2)
+            row["schedule_interval"] = c.trainer.probe_schedule.interval()
+            if "probes/1" in contenders:
+                cost = paired(contenders["probes/1"], everything)
+                row["bench_share_pct"] = common.rnd(100 * row["probed_share"] * cost / t, 2)
         if name != "bare":
             lo, hi = common.bootstrap_interval(lambda idx, c=c: 100 * paired(c, idx) / own(bare, idx), n)
             row["overhead_pct_90ci"] = [common.rnd(lo, 2), common.rnd(hi, 2)]

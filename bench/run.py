@@ -321,6 +321,14 @@ def render(results: dict) -> str:
             lines.append(f"  not measured (not installed): {', '.join(r['missing'])}")
         for name, why in r.get("failed", {}).items():
             lines.append(f"  left out, it raised: {name}: {why}")
+        auto = r["contenders"].get("run/auto")
+        if auto and "schedule_share_pct" in auto:
+            ratios = ", ".join(f"{n} {r['contenders'][n]['time_ratio']:.3f}x" for n in ("run/1", "run/10", "run/auto")
+                               if n in r["contenders"])
+            lines.append(f"  run/auto: one step in {auto['schedule_interval']} probed "
+                         f"({100 * auto['probed_share']:.1f}% of the steps); probing's share of the time: "
+                         f"{fmt(auto['schedule_share_pct'], '.2f')}% as the schedule measured it, "
+                         f"{fmt(auto.get('bench_share_pct'), '.2f')}% as measured here; step time / bare: {ratios}")
     for r in results.get("process", []):
         lines.append("")
         lines.append(f"Whole process: amp-tui train {r['model']} --headless --dtype {r['dtype']} --steps {r['steps']} "
