@@ -44,6 +44,7 @@ from amp_tui.job.controller import RunController
 from amp_tui.job.distributed import Ranks
 from amp_tui.job.hook_driver import HookDriver, MonitorError
 from amp_tui.job.probe_events import announce_probe_changes
+from amp_tui.job.process_slot import ProcessSlot
 from amp_tui.job.states import IoPolicy
 from amp_tui.training.autocast import autocast, torch_dtype
 from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
@@ -53,8 +54,7 @@ __all__ = ["Monitor", "MonitorError", "MonitoredStep", "monitor"]
 RUN_DIR_VARIABLE = "AMP_TUI_RUN_DIR"   # set by `amp-tui run`: where the monitor records
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
-_current: Monitor | None = None        # one monitor per process: it owns the control socket
-_current_lock = threading.Lock()
+_SLOT = ProcessSlot()   # one monitor per process: it owns the control socket
 
 
 class MonitoredStep:
@@ -103,12 +103,11 @@ class Monitor(RunController):
         # A loop under torchrun: rank 0 records and serves the socket, every rank agrees at the
         # boundaries (job/distributed.py).
         ranks = Ranks.of_loop(model)
-        if ranks:
-            driver.probe_like_every_rank()
-        self.probe_every = driver.probe_every
         run_dir = Path(run_dir or os.environ.get(RUN_DIR_VARIABLE) or default_run_dir(script))
         if ranks:
+            driver.probe_like_every_rank()
             run_dir = Path(ranks.share(str(run_dir)))
+        self.probe_every = driver.probe_every
         main = not ranks or ranks.is_main
         super().__init__(driver, device=driver.device, run_dir=run_dir, script=script, ranks=ranks,
                          io_policy=IoPolicy.CARRY_ON, checkpoint_every=checkpoint_every,
@@ -123,7 +122,9 @@ class Monitor(RunController):
         self._previous_signals: dict = {}
         if tensorboard_dir is not None and main:   # before anything is made: a missing package
             self.recorder.observers.append(_tensorboard_observer(Path(tensorboard_dir)))
-        _claim(self)
+        _SLOT.claim(self, still_open=lambda m: not m._closed, refusal=lambda m: MonitorError(
+            f"a monitor already watches a loop in this process (recording to {m.run_dir}): close it "
+            "first (monitor.close())"))
         try:
             driver.attach()
             if wrapped_in_autocast(model) is not None:
@@ -305,7 +306,7 @@ class Monitor(RunController):
         self.driver.close()
         restore_handlers(self._previous_signals)
         self._previous_signals = {}
-        _release(self)
+        _SLOT.release(self)
 
     def __enter__(self) -> Monitor:
         return self
@@ -339,19 +340,3 @@ def _tensorboard_observer(logdir: Path):
         raise MonitorError(f"tensorboard_dir={str(logdir)!r}: {exc}") from None
     except OSError as exc:
         raise MonitorError(f"tensorboard_dir={str(logdir)!r}: {exc.strerror or exc}") from None
-
-
-def _claim(m: Monitor) -> None:
-    global _current
-    with _current_lock:
-        if _current is not None and not _current._closed:
-            raise MonitorError(f"a monitor already watches a loop in this process (recording to "
-                               f"{_current.run_dir}): close it first (monitor.close())")
-        _current = m
-
-
-def _release(m: Monitor) -> None:
-    global _current
-    with _current_lock:
-        if _current is m:
-            _current = None
