@@ -29,7 +29,9 @@ def set_dtype(run: RunController, command: Command) -> Outcome:
     note = f" (scale {a['scale']:g})" if a.get("scale") is not None else ""
     outcome = run.intervention(command, b, a, f"dtype {precision.SHORT[b['dtype']]} → "
                                f"{precision.SHORT[a['dtype']]}{note}")
-    if b["dtype"] != a["dtype"]:
+    # Before the run's first step (`--at 0:dtype=...`) this is the starting dtype, not a change:
+    # the first steps are probed anyway.
+    if b["dtype"] != a["dtype"] and run.step_index > 0:
         escalate_probes(run, "dtype", dtype_change_reason(b["dtype"], a["dtype"]))
     return outcome
 
