@@ -2,9 +2,9 @@
 
 Every picture comes from a FixedSource fed with a synthetic run and a frozen clock: no training
 thread, no wall time, so the SVGs are byte-for-byte stable. Update them after an intended change
-with `pytest tests/test_snapshots.py --snapshot-update` and look at the report.
+with `pytest tests/ui/test_snapshots.py --snapshot-update` and look at the report.
 
-`python tests/test_snapshots.py` writes the same scenes to docs/images/ for docs/dashboard.md.
+`python tests/ui/test_snapshots.py` writes the same scenes to docs/images/ for docs/dashboard.md.
 """
 
 from __future__ import annotations
