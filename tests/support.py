@@ -137,6 +137,63 @@ def setup(ctx=None):
 '''
 
 
+# Block 1's q and k grown 200 times: its attention scores overflow fp16 in the forward product.
+ATTENTION_SCRIPT = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+D = 16
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D)
+        return self.o(self.drop(scores.softmax(-1)) @ v)
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention()
+        self.norm = nn.LayerNorm(D)
+
+    def forward(self, x):
+        return self.norm(x + self.attn(x))
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(D, 4)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+def setup(ctx=None):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    with torch.no_grad():
+        model.blocks[1].attn.q.weight.mul_(200.0)
+        model.blocks[1].attn.k.weight.mul_(200.0)
+    batches = [(torch.randn(2, 8, D), torch.randint(0, 4, (2, 8))) for _ in range(4)]
+    def loss_fn(model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.0),
+            "loss_fn": loss_fn, "batches": batches}
+'''
+
+
 def train_config(script, run_dir, *, at=(), **fields) -> RunConfig:
     """What `amp-tui train SCRIPT --run-dir RUN_DIR` asks for: `at` in `--at`'s words ("4:save"),
     the other fields as RunConfig names them (steps=12, dtype="float32"). Like the command

@@ -59,7 +59,25 @@ def session_header(controller: RunController, described: dict) -> dict:
 
 
 def nonfinite_message(result: StepResult) -> str:
-    """A non-finite step in words: what went non-finite, where it started, and what was done."""
+    """A non-finite step in words: what went non-finite, where it started, and what was done;
+    then the op that made it and the fix, where the step was replayed op by op."""
+    said = _step_message(result)
+    op = op_sentence(result.op_trace or {})
+    return f"{said}. {op}" if op else said
+
+
+def op_sentence(fields: dict) -> str:
+    """The op that made inf or NaN and its fix in words ("" when no op was found)."""
+    message = fields.get("op_message") if fields.get("op") else None
+    if not message:
+        return ""
+    fix = fields.get("fix")
+    if fix:
+        message += f"; fix: {fix} ({'verified on this step' if fields.get('fix_verified') else 'not verified'})"
+    return message
+
+
+def _step_message(result: StepResult) -> str:
     layer = result.first_nonfinite_layer
     short = precision.SHORT[result.dtype]
     rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
@@ -86,6 +104,6 @@ def nonfinite_fields(result: StepResult) -> dict:
     rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
     return {"where": result.nonfinite, "layer": layer, "loss": encode_float(result.loss),
             "scale": result.scale, "dtype": result.dtype, **origin,
-            **({"rank": rank} if rank is not None else {})}
+            **({"rank": rank} if rank is not None else {}), **(result.op_trace or {})}
 
 

@@ -45,6 +45,7 @@ class Summary:
     checkpoints: int
     errors: list[str] = field(default_factory=list)
     notes: list[dict] = field(default_factory=list)   # {"step", "text"}: the run's notes, in order
+    op_traces: list[dict] = field(default_factory=list)   # the ops that made a step non-finite
     skipped_lines: int = 0
     unknown_records: int = 0
     long_lines: int = 0        # of skipped_lines: longer than the readers' limit, never read
@@ -85,6 +86,7 @@ class RecordingDigest:
     event_kinds: Counter         # events by kind
     errors: list[str]            # the messages of the error events, in file order
     notes: list[dict] = field(default_factory=list)   # {"step", "text"} of the note events, in file order
+    op_traces: list[dict] = field(default_factory=list)   # `op_trace_of` each non-finite event naming an op
     skipped_lines: int = 0
     unknown_records: int = 0
     long_lines: int = 0
@@ -98,6 +100,7 @@ def digest_of(session: Session) -> RecordingDigest:
         end=session.end, event_kinds=Counter(e.get("kind") for e in events),
         errors=[str(e.get("message", "")) for e in events if e.get("kind") == "error"],
         notes=[_note(e) for e in events if e.get("kind") == "note"],
+        op_traces=[op_trace_of(e) for e in events if e.get("kind") == "nonfinite" and e.get("op")],
         skipped_lines=session.skipped_lines, unknown_records=session.unknown_records,
         long_lines=session.long_lines)
 
@@ -137,11 +140,24 @@ def read_digest(target: str | Path) -> RecordingDigest:
             note = index.kind_code("note")
             notes = [_note(_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {})
                      for k, code in enumerate(index.event_kinds) if code == note]
+            nonfinite = index.kind_code("nonfinite")
+            op_traces = [op_trace_of(e) for e in
+                         (_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {}
+                          for k, code in enumerate(index.event_kinds) if code == nonfinite)
+                         if e.get("op")]
             unknown, long_lines = index.unknown_records, index.long_lines
     return RecordingDigest(
         header=header, path=path, steps=steps, skipped_steps=skipped_steps, last_step=last, end=end,
-        event_kinds=kinds, errors=errors, notes=notes, skipped_lines=skipped_lines, unknown_records=unknown,
-        long_lines=long_lines)
+        event_kinds=kinds, errors=errors, notes=notes, op_traces=op_traces, skipped_lines=skipped_lines,
+        unknown_records=unknown, long_lines=long_lines)
+
+
+def op_trace_of(event: dict) -> dict:
+    """What a report says of a non-finite event that names its op: the step, the op's sentence
+    and the fix."""
+    return {"step": event.get("step"), "op": event.get("op"), "op_module": event.get("op_module"),
+            "op_phase": event.get("op_phase"), "message": str(event.get("op_message", "")),
+            "fix": event.get("fix"), "fix_verified": event.get("fix_verified") is True}
 
 
 def _note(event: dict) -> dict:
@@ -181,6 +197,7 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         checkpoints=d.event_kinds.get("checkpoint_saved", 0),
         errors=list(d.errors),
         notes=list(d.notes),
+        op_traces=list(d.op_traces),
         skipped_lines=d.skipped_lines,
         unknown_records=d.unknown_records,
         long_lines=d.long_lines,
@@ -251,11 +268,20 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
         rows.append(("errors", str(len(s.errors))))
     if s.notes:
         rows.append(("notes", str(len(s.notes))))
+    if s.op_traces:
+        rows.append(("first bad op", _op_line(s.op_traces[0])
+                     + (f" (and {len(s.op_traces) - 1} more steps)" if len(s.op_traces) > 1 else "")))
     if s.skipped_lines or s.unknown_records:
         long = f" ({s.long_lines} over {MAX_LINE_BYTES >> 20} MiB)" if s.long_lines else ""
         rows.append(("unreadable records",
                      f"{s.skipped_lines} damaged{long}, {s.unknown_records} unknown"))
     return rows
+
+
+def _op_line(trace: dict) -> str:
+    fix = trace["fix"]
+    said = f"; fix: {fix} ({'verified' if trace['fix_verified'] else 'not verified'})" if fix else ""
+    return f"step {trace['step']}: {trace['message']}{said}"
 
 
 def describe_records(counts: dict[str, int]) -> str:

@@ -21,9 +21,11 @@ import torch
 from amp_tui.training.autocast import autocast
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.diagnose import Diagnosis, diagnose
+from amp_tui.training.op_trace import RngSnapshot, rng_snapshot
 from amp_tui.training.precision_state import OwnedScaling, PrecisionRefused
 from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
 from amp_tui.training.probes import LayerFigures, LayerProbe
+from amp_tui.training.step_trace import trace_failing_step
 
 __all__ = ["GuardedTrainer", "LossError", "PrecisionRefused", "StepResult", "check_loss", "to_host"]
 
@@ -62,6 +64,7 @@ class StepResult:
     wall_time: float = field(default_factory=time.time)
     per_rank: Any = None          # several ranks: each rank's figures (job/rank_figures.py)
     probes: list | None = None    # the probe schedule after this step (ProbeSchedule.record_field)
+    op_trace: dict | None = None  # a non-finite step replayed op by op: the op and its fix (step_trace.py)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class _StartedStep:
     batch: Any             # the micro-batch the forward ran on (step() checks it is the same)
     loss: torch.Tensor     # with its graph, for the step's backward
     seconds: float         # the forward's time, counted in the step's duration
+    rng: RngSnapshot       # the generators before that forward, for a replay of it
 
 
 def check_loss(loss: Any) -> torch.Tensor:
@@ -105,6 +109,7 @@ class GuardedTrainer:
         probe_alert_bits: float = 3.0,
         underflow_every: int = 10,
         diagnose: bool = True,
+        trace_ops: bool = True,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -124,6 +129,10 @@ class GuardedTrainer:
         self.probe_every = "auto" if probe_every == "auto" else max(1, int(probe_every))
         self.underflow_every = max(1, int(underflow_every))  # in probed steps
         self.diagnose_bad_steps = diagnose
+        # A non-finite step replayed under the op tracer; the RNG state each micro-batch started
+        # from is kept for it (5 KB copied, about 3 µs, per micro-batch: docs/performance.md).
+        self.trace_ops = trace_ops
+        self._batch_rng: list[RngSnapshot] = []
         # Several ranks: the finite-loss check agreed by all of them. Called with the loss, it
         # starts the check and returns its answer to wait for (True: finite on every rank),
         # which the step asks for after the micro-batch's backward.
@@ -218,6 +227,7 @@ class GuardedTrainer:
         for a loss that is not a scalar), keeping nothing."""
         self.discard_started_step()
         started = time.perf_counter()
+        rng = rng_snapshot()
         probe = self.probe if self.probing_next() else None
         if probe:
             self._begin_probe()
@@ -227,7 +237,7 @@ class GuardedTrainer:
             if probe:
                 probe.end()
             raise
-        self._started = _StartedStep(batch, loss, time.perf_counter() - started)
+        self._started = _StartedStep(batch, loss, time.perf_counter() - started, rng)
         return loss
 
     def discard_started_step(self) -> None:
@@ -243,6 +253,7 @@ class GuardedTrainer:
         if ahead is not None and ahead.batch is not micro_batches[0]:
             ahead = None  # kept for another batch
         started = time.perf_counter()
+        self._batch_rng = [ahead.rng] if ahead is not None else []
         probe = self.probe if self.probing_next() else None
         if probe and ahead is None:
             self._begin_probe()  # (start_step began it for its forward)
@@ -279,11 +290,11 @@ class GuardedTrainer:
         used_scale = self.precision.scale
         lr = self._lr_in_use()
         self._zero_grad()
-        losses, bad_batch = self._forward_and_backward(micro_batches, first_loss)
+        losses, bad = self._forward_and_backward(micro_batches, first_loss)
         mean_loss = sum(losses) / len(losses)
         n = len(micro_batches)
-        if bad_batch is not None:
-            return self._skip_nonfinite_loss(bad_batch, mean_loss, used_scale, lr, probe, n)
+        if bad is not None:
+            return self._skip_nonfinite_loss(micro_batches, bad, mean_loss, used_scale, lr, probe)
         self._unscale(used_scale)
         found_inf = self._measure_gradients(probe, used_scale)
         grad_norm = (torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
@@ -303,13 +314,16 @@ class GuardedTrainer:
             self.scheduler.step()   # only after an update really applied: skipped steps don't count
         first, diagnosis = self._locate_nonfinite_gradient(micro_batches, used_scale, figures) if skipped \
             else (None, None)
+        op_trace = self._trace_ops(micro_batches, range(n), used_scale) if skipped else None
         return self._finish(mean_loss, used_scale, lr, skipped=skipped,
                             nonfinite="gradients" if skipped else None, first_layer=first,
-                            figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis)
+                            figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis,
+                            op_trace=op_trace)
 
     def _forward_and_backward(self, micro_batches, first_loss: torch.Tensor | None):
         """Autocast forward and scaled backward of each micro-batch, stopping once a loss is
-        known not to be finite. Returns the losses seen and the batch whose loss was not, or None.
+        known not to be finite. Returns the losses seen and the index of the micro-batch whose loss
+        was not, or None.
 
         One process: it is known at once, and that batch gets no backward (it would only spread
         the inf/NaN). Several ranks (`agree_finite`): the check goes round while the backward runs
@@ -321,24 +335,26 @@ class GuardedTrainer:
         losses: list[float] = []
         first_bad = None   # this rank's first micro-batch whose loss was not finite
         for i, batch in enumerate(micro_batches):
+            if self.trace_ops and len(self._batch_rng) <= i:
+                self._batch_rng.append(rng_snapshot())
             with self._gradient_sync(i == n - 1):
                 loss = first_loss if i == 0 and first_loss is not None else self._forward(batch)
                 value = float(loss.detach().float())  # the one sync the finite-loss check needs
                 losses.append(value)
                 if self.agree_finite is None:
                     if not math.isfinite(value):
-                        return losses, batch
+                        return losses, i
                     self._backward(loss, n)
                     continue
                 if first_bad is None and not math.isfinite(value):
-                    first_bad = batch
+                    first_bad = i
                 finite_everywhere = self.agree_finite(value)   # started; answered after the backward
                 self._backward(loss, n)
                 if not finite_everywhere():
                     # Every rank learns it here and stops alike. An answer can come a micro-batch
                     # or more after the loss that caused it (one carried by the gradients' own
                     # all-reduce comes with the last): the batch diagnosed is the one that failed.
-                    return losses, first_bad if first_bad is not None else batch
+                    return losses, first_bad if first_bad is not None else i
         return losses, None
 
     def _backward(self, loss: torch.Tensor, micro: int) -> None:
@@ -351,18 +367,19 @@ class GuardedTrainer:
         no_sync = getattr(self.model, "no_sync", None)
         return no_sync() if no_sync is not None and not last else contextlib.nullcontext()
 
-    def _skip_nonfinite_loss(self, bad_batch, mean_loss, used_scale, lr, probe, micro: int) -> StepResult:
+    def _skip_nonfinite_loss(self, micro_batches, bad: int, mean_loss, used_scale, lr, probe) -> StepResult:
         """No update: the gradients (of the backward several ranks ran) go, and nothing of the
         scaler moves (no unscale_, step or update). Then find where the forward went non-finite."""
         self._zero_grad()
         figures = probe.collect()[0] if probe else None
-        diagnosis = self._diagnose([bad_batch], used_scale, backward=False)
+        diagnosis = self._diagnose([micro_batches[bad]], used_scale, backward=False)
+        op_trace = self._trace_ops(micro_batches, [bad], used_scale, backward=False)
         first = diagnosis.forward_layer if diagnosis else None
         if first is None and figures is not None:
             index = figures.first_nonfinite("act")
             first = self.layer_names[index] if index is not None else None
-        return self._finish(mean_loss, used_scale, lr, skipped=True, nonfinite="loss",
-                            first_layer=first, figures=figures, micro=micro, diagnosis=diagnosis)
+        return self._finish(mean_loss, used_scale, lr, skipped=True, nonfinite="loss", first_layer=first,
+                            figures=figures, micro=len(micro_batches), diagnosis=diagnosis, op_trace=op_trace)
 
     def _unscale(self, used_scale: float | None) -> None:
         """Gradients back to their true size before anything reads or clips them."""
@@ -445,7 +462,7 @@ class GuardedTrainer:
         return lr
 
     def _finish(self, loss, scale, lr, *, skipped, nonfinite, first_layer, figures, micro,
-                grad_norm=None, diagnosis=None):
+                grad_norm=None, diagnosis=None, op_trace=None):
         if skipped:
             self.skipped_total += 1
         else:
@@ -456,7 +473,7 @@ class GuardedTrainer:
             dtype=self.dtype, micro_batches=micro, nonfinite=nonfinite,
             first_nonfinite_layer=first_layer, grad_norm=grad_norm,
             lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None,
-            figures=figures, diagnosis=diagnosis, next_scale=self.scale)
+            figures=figures, diagnosis=diagnosis, next_scale=self.scale, op_trace=op_trace)
 
     def _diagnose(self, micro_batches, scale: float | None, *, backward: bool) -> Diagnosis | None:
         """The second, checked pass over a bad step's micro-batches (the first that shows it)."""
@@ -470,6 +487,22 @@ class GuardedTrainer:
                 break
         self._zero_grad()
         return diagnosis
+
+    def _trace_ops(self, micro_batches, indices, scale: float | None, *, backward: bool = True) -> dict | None:
+        """The failing step replayed op by op from the micro-batches at `indices`, with the
+        backward as the step ran it (the loss over the micro-batches, times the scale); without it
+        (`backward` False) for a non-finite loss, which the forward made.
+        Several ranks: not replayed (a rank alone can't run DDP's collectives)."""
+        if not self.trace_ops or self.agree_finite is not None:
+            return None
+        n = len(micro_batches)
+        factor = (scale if scale is not None else 1.0) / n
+        return trace_failing_step(
+            self.eager_model, lambda batch: self.loss_fn(self.eager_model, batch),
+            [micro_batches[i] for i in indices],
+            [self._batch_rng[i] if i < len(self._batch_rng) else None for i in indices],
+            scale=None if scale is None and n == 1 else factor, dtype=self.dtype, device=self.device,
+            backward=backward)
 
     def _forward_unchecked(self, batch, model: torch.nn.Module | None = None):
         with autocast(self.device.type, self.dtype):

@@ -133,6 +133,12 @@ class _NamedTracker(ModuleTracker):
         return latest[len(_MODEL) + 1:]
 
 
+# Ops whose output is memory not yet written (dropout's mask before bernoulli_ fills it): whatever
+# it holds, inf and NaN included, is no op's doing.
+_UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
+                            "empty_permuted"})
+
+
 class OpTracer(TorchDispatchMode):
     """Records every non-view aten op with max |x| of its floating tensors, kept on the device
     until `read_back()`: one host transfer per dtype and device, however many ops ran."""
@@ -145,8 +151,8 @@ class OpTracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.is_view:   # the same values as its input, under another shape
-            return func(*args, **kwargs)
+        if func.is_view or func.overloadpacket.__name__ in _UNINITIALIZED:
+            return func(*args, **kwargs)   # a view: its input's values, under another shape
         inputs = _floating((args, kwargs))
         mutates = func._schema.is_mutable
         in_max = [_max_abs(t) for t in inputs] if mutates else None   # before an in-place op overwrites them
@@ -272,7 +278,8 @@ def replay(model: torch.nn.Module, forward: Callable[[], Any], *, backward: Back
                 tracer.read_back()   # outside the mode, or it would trace its own reductions
                 with tracer:
                     roots, grad_outputs = _backward_from(output, backward, scale)
-                    if roots and params and not (stop_at_origin and origin(tracer.records)):
+                    if backward is not False and roots and params \
+                            and not (stop_at_origin and origin(tracer.records)):
                         grads = torch.autograd.grad(roots, params, grad_outputs=grad_outputs, allow_unused=True)
                 tracer.read_back()
     finally:

@@ -33,8 +33,9 @@ class KeyAction:
     texts: tuple[tuple[str, tuple[str, str, str]], ...] = ()
     priority: bool = False     # before the focused widget's own keys (home/end, arrows)
     always: bool = False       # works in every mode, whatever the run's state (help, quit)
-    shown: bool = True         # in the footer and the palette (False: a second key for an action
-                               # that has its own entry; listed in the help only)
+    shown: bool = True         # in the footer and the palette (False: listed in the help only: a
+                               # second key for an action that has its own entry, or a key that
+                               # only does something after a rare event, like f)
 
     def text(self, mode: str) -> tuple[str, str, str]:
         return dict(self.texts).get(mode, (self.footer, self.title, self.help))
@@ -66,6 +67,11 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
               "Type a line to record in the session at the next step boundary (Enter records, Esc cancels)"),
     KeyAction("amp.probes", "p", "toggle_probes", "probes", "Probe every step / the schedule",
               "Probe every step from the next one on, or go back to the probe schedule (the budget)"),
+    KeyAction("amp.apply_fix", "f", "apply_fix", "fix", "Apply the verified fix",
+              "Apply the fix the last non-finite step verified (fp32=MODULE or dtype=bf16) at the next "
+              "step boundary", modes=ALL, shown=False,
+              texts=(("replay", ("fix", "The verified fix", "Say the last verified fix (a recording "
+                                 "can't be steered: run again with it)")),)),
     KeyAction("amp.replay.faster", "plus", "replay_faster", "faster", "Replay faster",
               "Double the playback speed", key_display="+", modes=REPLAY, priority=True),
     KeyAction("amp.replay.slower", "minus", "replay_slower", "slower", "Replay slower",

@@ -23,6 +23,7 @@ from textual.screen import Screen
 
 from amp_tui.core import precision
 from amp_tui.core.commands import Action, Command, Outcome
+from amp_tui.core.fixes import fix_command, last_verified_fix
 from amp_tui.core.records import ENDED, STEERED_MODES
 from amp_tui.core.signals import handling_signals
 from amp_tui.core.text import clip, visible
@@ -77,6 +78,7 @@ class AmpTuiApp(App[int]):
         self._second: int | None = None
         self._heavy_pending = False
         self._pending: list[Command] = []
+        self._fixed_step: int | None = None   # the step whose verified fix f applied
         self._announced: set[tuple] = set()
         self._last_state: str | None = None
         self._events_seen = 0
@@ -338,6 +340,22 @@ class AmpTuiApp(App[int]):
                 self.send("note", text)
 
         self.push_screen(NoteDialog(), chosen)
+
+    def action_apply_fix(self) -> None:
+        event = last_verified_fix(self.source.snapshot().events)
+        if event is None:
+            self.notify("no verified fix: none of the run's non-finite steps found one", title="fix",
+                        severity="warning", markup=False)
+        elif self.source.mode == "replay":
+            self.notify(visible(f"a recording can't be steered: run again with {event['fix']}"),
+                        title="fix", severity="warning", markup=False)
+        elif self._fixed_step == event.get("step"):   # fp32=MODULE toggles: twice would undo it
+            self.notify(visible(f"{event['fix']} was already applied (the fix of step {event.get('step')})"),
+                        title="fix", severity="warning", markup=False)
+        else:
+            self._fixed_step = event.get("step")
+            command = fix_command(event["fix"])
+            self.send(command.action, command.value)
 
     def action_show_output(self) -> None:
         if self.source.output_path is not None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_tui.training.op_fix import try_fixes
-from amp_tui.training.op_trace import restore_rng_snapshot, rng_snapshot, trace_step
+from amp_tui.training.op_trace import replay, restore_rng_snapshot, rng_snapshot, trace_step
 from amp_tui.training.op_xray import xray
 
 D = 16
@@ -313,3 +313,19 @@ def test_a_mask_of_minus_inf_is_passed_over_for_the_overflow_after_it(plant):
         assert (trace.op, trace.op_module, trace.op_phase) == ("aten.addmm", "out", "forward")
     else:
         assert trace.op is None and trace.step_finite
+
+
+def test_memory_not_yet_written_is_no_op_of_the_model_and_forward_only_runs_no_backward():
+    # Dropout's mask starts as empty memory, which may hold anything (NaN too) until filled.
+    model = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5), nn.Linear(D, 1))
+    x = torch.randn(4, D)
+    backwards = []
+
+    def forward():
+        out = model(x).sum()
+        out.register_hook(lambda grad: backwards.append(grad))
+        return out
+    result = replay(model, forward, backward=False, dtype="fp16")
+    assert not backwards
+    assert not {r.op for r in result.records} & {"aten.empty_like", "aten.empty"}
+    assert any(r.op.startswith("aten.bernoulli") or r.op == "aten.native_dropout" for r in result.records)

@@ -1,0 +1,38 @@
+"""A verified fix of a non-finite event as the command that applies it live.
+
+The op trace names its fix as the flag to run with (`--fp32-modules 'blocks.3.attn'`, `--dtype
+bf16`); a running job takes the same change as a command (`fp32=blocks.3.attn`, `dtype=bf16`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Iterable
+
+from amp_tui.core.commands import Command, CommandError, parse_action
+
+_FLAG_ACTIONS = {"--fp32-modules": "fp32", "--dtype": "dtype"}
+
+
+def fix_command(fix: str, source: str = "api") -> Command | None:
+    """The command for a fix flag; None for a flag no command applies."""
+    try:
+        words = shlex.split(fix)
+    except ValueError:
+        return None
+    if len(words) != 2 or words[0] not in _FLAG_ACTIONS:
+        return None
+    try:
+        return parse_action(f"{_FLAG_ACTIONS[words[0]]}={words[1]}", source)
+    except CommandError:
+        return None
+
+
+def last_verified_fix(events: Iterable[dict]) -> dict | None:
+    """The newest non-finite event whose fix was verified on its step and a command applies."""
+    found = None
+    for event in events:
+        if event.get("kind") == "nonfinite" and event.get("fix_verified") is True \
+                and isinstance(event.get("fix"), str) and fix_command(event["fix"]) is not None:
+            found = event
+    return found
