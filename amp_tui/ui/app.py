@@ -166,6 +166,12 @@ class AmpTuiApp(App[int]):
             elif event.get("kind") == "error" and event.get("during") in ("io", "save"):
                 self.notify(brief(event.get("message", "")), title="could not write",
                             severity="error", timeout=20, markup=False)
+            elif event.get("kind") == "nonfinite" and event.get("fix_verified") is True \
+                    and snap.mode in STEERED_MODES and ("fix", event.get("fix")) not in self._announced:
+                # Once per fix: a run that keeps overflowing the same way verifies it every step.
+                self._announced.add(("fix", event.get("fix")))
+                self.notify(visible(f"{event.get('fix')} made step {event.get('step')} finite: f applies it"),
+                            title="fix verified", severity="warning", timeout=15, markup=False)
             elif event.get("kind") == "paused" and event.get("reason") == "io":
                 # A full disk (the previous checkpoint is intact): freeing space and resuming
                 # writes the records kept meanwhile.

@@ -27,6 +27,9 @@ async def test_f_applies_the_verified_fix_once(write_script, tmp_path):
     try:
         async with app.run_test(size=SIZE, notifications=True) as pilot:
             await until(pilot, lambda: source.snapshot().state == "paused", "the pause on the non-finite loss")
+            # offered once verified, before anyone asks
+            await until(pilot, lambda: "f applies it" in toasts(app) and "blocks.1.attn" in toasts(app),
+                        "the verified fix offered")
             await pilot.press("f")
             await until(pilot, lambda: "blocks.1.attn" in toasts(app) and "local fp32" in toasts(app), "the ack")
             assert run.local_fp32.names == ["blocks.1.attn"]
