@@ -91,6 +91,7 @@ class RunController:
             "save": partial(handlers.save, self), "restore": partial(handlers.restore, self), "stop": self._stop,
             "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self), "pause": self._pause,
             "probe": partial(handlers.set_probes, self), "resume": self._resume, "step": self._single_step,
+            "xray": partial(handlers.xray, self),
         }
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in at:
@@ -416,8 +417,7 @@ class RunController:
 
     def _resume(self, command: Command) -> Outcome:
         before = {"state": self.state}
-        self._single_steps = 0
-        self._pause_reason = None
+        self._single_steps, self._pause_reason = 0, None
         self.set_state("running")
         return self.intervention(command, before, {"state": self.state}, "resumed")
 

@@ -1,8 +1,10 @@
 """What a run writes in its own words, built in one place whatever drives the steps: the session
-header and a non-finite step's event (docs/session-format.md)."""
+header, a non-finite step's event and an X-ray's file and event (docs/session-format.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
 import sys
@@ -15,6 +17,7 @@ import amp_tui
 from amp_tui.core import precision
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.numfmt import number
+from amp_tui.recording.xray_file import xray_file_name, xray_message
 from amp_tui.training.devices import describe_device
 from amp_tui.training.engine import StepResult
 
@@ -107,3 +110,26 @@ def nonfinite_fields(result: StepResult) -> dict:
             **({"rank": rank} if rank is not None else {}), **(result.op_trace or {})}
 
 
+def record_xray(run: RunController, step: int, xray: dict) -> None:
+    """The X-ray of `step` (StepResult.xray) as JSON in the run directory, then its event naming
+    the file and the op closest to its dtype's max. Written whole or not at all (a temporary
+    file renamed): a reader never finds half of one."""
+    name = xray_file_name(step)
+    if "error" in xray:
+        run.event("error", f"X-ray of step {step} failed: {xray['error']}", step=step, during="xray")
+        return
+    path = run.run_dir / name
+    temporary = path.with_name(f".{name}.tmp")
+    try:
+        temporary.write_text(json.dumps(xray, indent=1, allow_nan=False), encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        run.event("error", f"X-ray of step {step} not written: {exc.strerror or exc}: {path}", step=step,
+                  during="xray")
+        return
+    first = (xray.get("closest") or [{}])[0]
+    run.event("xray", xray_message(step, xray), step=step, path=name, dtype=xray.get("dtype"),
+              op=first.get("op"), op_module=first.get("module"), op_phase=first.get("phase"),
+              headroom_bits=first.get("headroom_bits"))
