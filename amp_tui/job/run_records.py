@@ -86,6 +86,9 @@ def _step_message(result: StepResult) -> str:
     rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
     on = f" on rank {rank}" if rank is not None else ""
     outcome = "update skipped" if result.skipped else "the loop applied the update (no GradScaler to skip it)"
+    if result.nonfinite == "activations":
+        return (f"non-finite activation{on} in {short} in {layer}, while the loss and the gradients stayed "
+                "finite (an op after it hid it, e.g. a tanh): update applied")
     if result.nonfinite == "loss":
         where = f"; first non-finite output: {layer}" if layer else ""
         if result.diagnosis is not None and result.diagnosis.input_nonfinite:
@@ -98,12 +101,17 @@ def _step_message(result: StepResult) -> str:
     return f"non-finite gradients{on} in {short}{where}: {outcome}"
 
 
+# The non-finite kinds the forward made: --on-nonfinite pause and stop act on them (a gradient
+# overflow is GradScaler's to handle).
+FORWARD_KINDS = {"loss": "a non-finite loss", "activations": "a non-finite activation"}
+
+
 def nonfinite_fields(result: StepResult) -> dict:
     layer = result.first_nonfinite_layer
     if result.diagnosis is not None:
         origin = result.diagnosis.as_fields()
     else:   # from the probes' figures: the forward's first non-finite output, or the backward's
-        origin = {"origin": layer} if result.nonfinite == "loss" else {"backward_origin": layer}
+        origin = {"origin": layer} if result.nonfinite in FORWARD_KINDS else {"backward_origin": layer}
     rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
     return {"where": result.nonfinite, "layer": layer, "loss": encode_float(result.loss),
             "scale": result.scale, "dtype": result.dtype, **origin,

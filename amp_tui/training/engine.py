@@ -39,8 +39,9 @@ class LossError(Exception):
     """loss_fn returned something that is not a scalar loss."""
 
 
-# Where a step went non-finite: its loss, or its gradients (the loss finite).
-NonfiniteKind = Literal["loss", "gradients"]
+# Where a step went non-finite: its loss, or its gradients (the loss finite), or on a probed step
+# an activation that the loss and the gradients never saw (an fp16 overflow behind a tanh).
+NonfiniteKind = Literal["loss", "gradients", "activations"]
 
 
 @dataclass
@@ -135,6 +136,7 @@ class GuardedTrainer:
         self.trace_ops = trace_ops
         self._batch_rng: list[RngSnapshot] = []
         self._xray_due = False   # request_xray(): the next step is traced op by op first
+        self._hidden_act_layer: str | None = None   # the hidden non-finite activation said last
         # Several ranks: the finite-loss check agreed by all of them. Called with the loss, it
         # starts the check and returns its answer to wait for (True: finite on every rank),
         # which the step asks for after the micro-batch's backward.
@@ -323,10 +325,11 @@ class GuardedTrainer:
         if not skipped and self.scheduler is not None:
             self.scheduler.step()   # only after an update really applied: skipped steps don't count
         first, diagnosis = self._locate_nonfinite_gradient(micro_batches, used_scale, figures) if skipped \
-            else (None, None)
-        op_trace = self._trace_ops(micro_batches, range(n), used_scale) if skipped else None
-        return self._finish(mean_loss, used_scale, lr, skipped=skipped,
-                            nonfinite="gradients" if skipped else None, first_layer=first,
+            else (self._hidden_activation(figures), None)
+        nonfinite = "gradients" if skipped else "activations" if first is not None else None
+        # A hidden activation is found in the forward, replayed on the weights after the update.
+        op_trace = self._trace_ops(micro_batches, range(n), used_scale, backward=skipped) if nonfinite else None
+        return self._finish(mean_loss, used_scale, lr, skipped=skipped, nonfinite=nonfinite, first_layer=first,
                             figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis,
                             op_trace=op_trace)
 
@@ -451,6 +454,19 @@ class GuardedTrainer:
             index = figures.first_nonfinite("grad")
             first = self.layer_names[index] if index is not None else None
         return first, diagnosis
+
+    def _hidden_activation(self, figures: LayerFigures | None) -> str | None:
+        """The first layer whose output held inf/NaN on a probed step whose loss and gradients came
+        out finite (a saturating op after it hid it), when that is news: said once, and again only
+        after a probed step found it finite (or another layer first). Several ranks: not looked
+        for (this rank's figures alone would make the step non-finite on this rank only)."""
+        if figures is None or self.agree_finite is not None:
+            return None
+        index = figures.first_nonfinite("act")
+        layer = self.layer_names[index] if index is not None else None
+        news = layer is not None and layer != self._hidden_act_layer
+        self._hidden_act_layer = layer
+        return layer if news else None
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

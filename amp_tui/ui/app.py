@@ -152,7 +152,8 @@ class AmpTuiApp(App[int]):
         if pause is not None and ("pause", pause.event_index) not in self._announced:
             self._announced.add(("pause", pause.event_index))
             where = f"; first non-finite layer: {brief(pause.layer)}" if pause.layer else ""
-            self.notify(f"non-finite loss at step {pause.step}{where}. Paused: d dtype, "
+            what = "activation" if pause.where == "activations" else "loss"
+            self.notify(f"non-finite {what} at step {pause.step}{where}. Paused: d dtype, "
                         "s halve scale, r restore", title="paused", severity="warning",
                         timeout=10, markup=False)
         error = snap.error
