@@ -67,7 +67,7 @@ def nonfinite_layer(event: Mapping[str, Any]) -> str | None:
     """The module a `nonfinite` event names: where it went wrong first, in the forward pass for a
     non-finite loss (`origin`) and in the backward pass for gradients (`backward_origin`); `layer`
     (the same module, or the probes' first non-finite figure when no diagnosis ran) otherwise."""
-    first = event.get("origin") if event.get("where") == "loss" else event.get("backward_origin")
+    first = event.get("origin") if event.get("where") in ("loss", "activations") else event.get("backward_origin")
     found = first or event.get("layer")
     return str(found) if found else None
 

@@ -1,5 +1,5 @@
 """The commands that change what a run trains with or keeps: the dtype, the loss scale, a module
-in fp32, a checkpoint saved or restored, and a note. Each is one function of the run controller
+in fp32, a checkpoint saved or restored, a note, the probes and an X-ray. Each is one function of the run controller
 and the command, whatever drives the steps; the controller's table maps an action to it. The
 commands that move the run's own state (pause, resume, step, stop) are the controller's.
 """
@@ -102,6 +102,25 @@ def set_probes(run: RunController, command: Command) -> Outcome:
     who = {"client": command.client} if command.client else {}
     run.event("probes", change.message, mode=change.mode, reason=change.reason, source=command.source, **who)
     return Outcome(True, change.message)
+
+
+def xray(run: RunController, command: Command) -> Outcome:
+    """`xray`: the next step traced op by op before it runs (engine.py, `request_xray`); its file
+    and event come once the step ran (run_records.py, `record_xray`)."""
+    request = getattr(run.driver, "request_xray", None)
+    if request is None:
+        return run.refused(command, XRAY_NEEDS_TRAIN)
+    if run.ranks:
+        return run.refused(command, "the X-ray runs with one process only: a rank alone can't run "
+                                    "DDP's collectives in a replay of the step")
+    request()
+    return Outcome(True, f"step {run.step_index} will be X-rayed: its file and event come once it ran")
+
+
+# Only amp-tui's own loop can run a step's forward and backward a second time.
+XRAY_NEEDS_TRAIN = ("the X-ray needs amp-tui train: in your own loop amp-tui only watches the step through "
+                    "hooks and can't run it a second time (run the script with amp-tui train, or call "
+                    "amp_tui.training.op_xray.xray on one batch yourself)")
 
 
 def fall_back(run: RunController, move: LadderMove) -> None:

@@ -34,7 +34,7 @@ from amp_tui.job.checkpoints import RunCheckpoints, TrainingState
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
 from amp_tui.job.driver import Driver
 from amp_tui.job.recorder import Observers, RankEcho, Recorder
-from amp_tui.job.run_records import nonfinite_fields, nonfinite_message, session_header
+from amp_tui.job.run_records import FORWARD_KINDS, nonfinite_fields, nonfinite_message, session_header
 from amp_tui.job.states import EXIT_ERROR, EXIT_NONFINITE_STOP, EXIT_OK, IoPolicy, PauseReason
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.recording.report import RunOutcome, describe_records
@@ -91,6 +91,7 @@ class RunController:
             "save": partial(handlers.save, self), "restore": partial(handlers.restore, self), "stop": self._stop,
             "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self), "pause": self._pause,
             "probe": partial(handlers.set_probes, self), "resume": self._resume, "step": self._single_step,
+            "xray": partial(handlers.xray, self),
         }
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in at:
@@ -275,20 +276,20 @@ class RunController:
     def _on_nonfinite(self, result: StepResult) -> None:
         self.nonfinite_events += 1
         self.event("nonfinite", nonfinite_message(result), step=result.step, **nonfinite_fields(result))
-        if result.nonfinite != "loss":
+        if (said := FORWARD_KINDS.get(result.nonfinite)) is None:
             return
         policy = self.on_nonfinite  # "skip" and "fallback" just go on (the guard decides)
         if policy == "pause" and self.state == "running":
             self._single_steps = 0
             self._pause_reason = PauseReason.NONFINITE
             self.set_state("paused")
-            self.event("paused", f"paused after a non-finite loss at step {result.step} "
+            self.event("paused", f"paused after {said} at step {result.step} "
                                  "(--on-nonfinite pause): change the dtype, cut the scale or restore",
                        reason="nonfinite")
         elif policy == "stop":
             self.exit_status = EXIT_NONFINITE_STOP
             self._stop_requested.set()
-            self.event("stopping", f"stopping after a non-finite loss at step {result.step} "
+            self.event("stopping", f"stopping after {said} at step {result.step} "
                                    "(--on-nonfinite stop)", reason="nonfinite")
 
     def fail(self, message: str, original: BaseException | None, *, step: int | None = None) -> None:
@@ -416,8 +417,7 @@ class RunController:
 
     def _resume(self, command: Command) -> Outcome:
         before = {"state": self.state}
-        self._single_steps = 0
-        self._pause_reason = None
+        self._single_steps, self._pause_reason = 0, None
         self.set_state("running")
         return self.intervention(command, before, {"state": self.state}, "resumed")
 

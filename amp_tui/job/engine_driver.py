@@ -17,6 +17,7 @@ import torch
 from amp_tui.job.distributed import Ranks, RanksLost, communication_failure
 from amp_tui.job.feed import BatchFeed
 from amp_tui.job.probe_events import announce_probe_changes, probe_every_of
+from amp_tui.job.run_records import record_xray
 from amp_tui.recording.format import step_record
 from amp_tui.training.engine import GuardedTrainer, LossError, StepResult
 from amp_tui.training.local_fp32 import LocalFp32
@@ -81,6 +82,9 @@ class EngineDriver:
                 "steps": cfg.steps, "accumulate": setup.accumulate, "max_grad_norm": setup.max_grad_norm,
                 **self.trainer.probe_schedule.header_fields(), "underflow_every": cfg.underflow_every,
                 "layers": self.trainer.layer_names, "compile": self.trainer.compile_info()}
+
+    def request_xray(self) -> None:
+        self.trainer.request_xray()
 
     def fp32_root(self) -> torch.nn.Module:
         return self.trainer.model
@@ -147,6 +151,8 @@ class EngineDriver:
             run.after_step(result)
         else:
             run.record_step(result)
+        if result.xray is not None:
+            record_xray(run, result.step, result.xray)
         announce_probe_changes(run)
         if self.trainer.act_unmeasured and not self._act_unmeasured_said:
             self._act_unmeasured_said = True

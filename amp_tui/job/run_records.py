@@ -1,8 +1,10 @@
 """What a run writes in its own words, built in one place whatever drives the steps: the session
-header and a non-finite step's event (docs/session-format.md)."""
+header, a non-finite step's event and an X-ray's file and event (docs/session-format.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
 import sys
@@ -15,6 +17,7 @@ import amp_tui
 from amp_tui.core import precision
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.numfmt import number
+from amp_tui.recording.xray_file import xray_file_name, xray_message
 from amp_tui.training.devices import describe_device
 from amp_tui.training.engine import StepResult
 
@@ -83,6 +86,9 @@ def _step_message(result: StepResult) -> str:
     rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
     on = f" on rank {rank}" if rank is not None else ""
     outcome = "update skipped" if result.skipped else "the loop applied the update (no GradScaler to skip it)"
+    if result.nonfinite == "activations":
+        return (f"non-finite activation{on} in {short} in {layer}, while the loss and the gradients stayed "
+                "finite (an op after it hid it, e.g. a tanh): update applied")
     if result.nonfinite == "loss":
         where = f"; first non-finite output: {layer}" if layer else ""
         if result.diagnosis is not None and result.diagnosis.input_nonfinite:
@@ -95,15 +101,43 @@ def _step_message(result: StepResult) -> str:
     return f"non-finite gradients{on} in {short}{where}: {outcome}"
 
 
+# The non-finite kinds the forward made: --on-nonfinite pause and stop act on them (a gradient
+# overflow is GradScaler's to handle).
+FORWARD_KINDS = {"loss": "a non-finite loss", "activations": "a non-finite activation"}
+
+
 def nonfinite_fields(result: StepResult) -> dict:
     layer = result.first_nonfinite_layer
     if result.diagnosis is not None:
         origin = result.diagnosis.as_fields()
     else:   # from the probes' figures: the forward's first non-finite output, or the backward's
-        origin = {"origin": layer} if result.nonfinite == "loss" else {"backward_origin": layer}
+        origin = {"origin": layer} if result.nonfinite in FORWARD_KINDS else {"backward_origin": layer}
     rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
     return {"where": result.nonfinite, "layer": layer, "loss": encode_float(result.loss),
             "scale": result.scale, "dtype": result.dtype, **origin,
             **({"rank": rank} if rank is not None else {}), **(result.op_trace or {})}
 
 
+def record_xray(run: RunController, step: int, xray: dict) -> None:
+    """The X-ray of `step` (StepResult.xray) as JSON in the run directory, then its event naming
+    the file and the op closest to its dtype's max. Written whole or not at all (a temporary
+    file renamed): a reader never finds half of one."""
+    name = xray_file_name(step)
+    if "error" in xray:
+        run.event("error", f"X-ray of step {step} failed: {xray['error']}", step=step, during="xray")
+        return
+    path = run.run_dir / name
+    temporary = path.with_name(f".{name}.tmp")
+    try:
+        temporary.write_text(json.dumps(xray, indent=1, allow_nan=False), encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        run.event("error", f"X-ray of step {step} not written: {exc.strerror or exc}: {path}", step=step,
+                  during="xray")
+        return
+    first = (xray.get("closest") or [{}])[0]
+    run.event("xray", xray_message(step, xray), step=step, path=name, dtype=xray.get("dtype"),
+              op=first.get("op"), op_module=first.get("module"), op_phase=first.get("phase"),
+              headroom_bits=first.get("headroom_bits"))

@@ -21,6 +21,7 @@ from amp_tui.recording.reader import (
     resolve_session_path,
     too_long_message,
 )
+from amp_tui.recording.xray_file import CLOSEST_SHOWN, closest_lines, read_xray
 
 TEXT_LIMIT = 1000   # characters of a recorded string (a path, an error message) printed at most
 
@@ -46,6 +47,9 @@ class Summary:
     errors: list[str] = field(default_factory=list)
     notes: list[dict] = field(default_factory=list)   # {"step", "text"}: the run's notes, in order
     op_traces: list[dict] = field(default_factory=list)   # the ops that made a step non-finite
+    # The last X-ray: {"step", "path", "closest"} (its file's closest ops), or "error" for why
+    # its file can't be read; None: the run has none.
+    xray: dict | None = None
     skipped_lines: int = 0
     unknown_records: int = 0
     long_lines: int = 0        # of skipped_lines: longer than the readers' limit, never read
@@ -87,6 +91,7 @@ class RecordingDigest:
     errors: list[str]            # the messages of the error events, in file order
     notes: list[dict] = field(default_factory=list)   # {"step", "text"} of the note events, in file order
     op_traces: list[dict] = field(default_factory=list)   # `op_trace_of` each non-finite event naming an op
+    last_xray: dict | None = None   # the last xray event
     skipped_lines: int = 0
     unknown_records: int = 0
     long_lines: int = 0
@@ -101,6 +106,7 @@ def digest_of(session: Session) -> RecordingDigest:
         errors=[str(e.get("message", "")) for e in events if e.get("kind") == "error"],
         notes=[_note(e) for e in events if e.get("kind") == "note"],
         op_traces=[op_trace_of(e) for e in events if e.get("kind") == "nonfinite" and e.get("op")],
+        last_xray=next((e for e in reversed(events) if e.get("kind") == "xray"), None),
         skipped_lines=session.skipped_lines, unknown_records=session.unknown_records,
         long_lines=session.long_lines)
 
@@ -145,10 +151,15 @@ def read_digest(target: str | Path) -> RecordingDigest:
                          (_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {}
                           for k, code in enumerate(index.event_kinds) if code == nonfinite)
                          if e.get("op")]
+            xray = index.kind_code("xray")
+            xrays = [k for k, code in enumerate(index.event_kinds) if code == xray]
+            last_xray = _record_at(fh, index.event_offsets[xrays[-1]], index.event_lengths[xrays[-1]], "event") \
+                if xrays else None
             unknown, long_lines = index.unknown_records, index.long_lines
     return RecordingDigest(
         header=header, path=path, steps=steps, skipped_steps=skipped_steps, last_step=last, end=end,
-        event_kinds=kinds, errors=errors, notes=notes, op_traces=op_traces, skipped_lines=skipped_lines,
+        event_kinds=kinds, errors=errors, notes=notes, op_traces=op_traces, last_xray=last_xray,
+        skipped_lines=skipped_lines,
         unknown_records=unknown, long_lines=long_lines)
 
 
@@ -198,6 +209,7 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         errors=list(d.errors),
         notes=list(d.notes),
         op_traces=list(d.op_traces),
+        xray=_xray_of(d.last_xray, d.path.parent if d.path is not None else None),
         skipped_lines=d.skipped_lines,
         unknown_records=d.unknown_records,
         long_lines=d.long_lines,
@@ -205,6 +217,20 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
             "unwritten": dict(outcome.unwritten), "recording_error": outcome.recording_error}
            if outcome is not None and outcome.unwritten else {}),
     )
+
+
+def _xray_of(event: dict | None, run_dir: Path | None) -> dict | None:
+    """The last X-ray as a report says it: its event's step and file, the file's closest ops."""
+    if event is None:
+        return None
+    said = {"step": event.get("step"), "path": str(event.get("path", ""))}
+    try:
+        if run_dir is None:
+            raise OSError("the recording's folder is not known")
+        said["closest"] = read_xray(run_dir, said["path"])["closest"]
+    except (OSError, ValueError) as exc:
+        said["error"] = str(exc)
+    return said
 
 
 def _counts(end: dict | None, last: dict | None, d: RecordingDigest) -> tuple[int, int]:
@@ -271,6 +297,8 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
     if s.op_traces:
         rows.append(("first bad op", _op_line(s.op_traces[0])
                      + (f" (and {len(s.op_traces) - 1} more steps)" if len(s.op_traces) > 1 else "")))
+    if s.xray is not None:
+        rows += _xray_rows(s.xray)
     if s.skipped_lines or s.unknown_records:
         long = f" ({s.long_lines} over {MAX_LINE_BYTES >> 20} MiB)" if s.long_lines else ""
         rows.append(("unreadable records",
@@ -282,6 +310,15 @@ def _op_line(trace: dict) -> str:
     fix = trace["fix"]
     said = f"; fix: {fix} ({'verified' if trace['fix_verified'] else 'not verified'})" if fix else ""
     return f"step {trace['step']}: {trace['message']}{said}"
+
+
+def _xray_rows(xray: dict) -> list[tuple[str, str]]:
+    """The last X-ray's file, then its closest ops, least headroom first, one a row."""
+    if "error" in xray:
+        return [("last X-ray", f"step {xray['step']}: {xray['path']} can't be read ({xray['error']})")]
+    lines = closest_lines(xray, CLOSEST_SHOWN)
+    return [("last X-ray", f"step {xray['step']}: {xray['path']}")] + \
+        [("closest to max" if i == 0 else "", line) for i, line in enumerate(lines)]
 
 
 def describe_records(counts: dict[str, int]) -> str:

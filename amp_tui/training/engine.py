@@ -25,7 +25,7 @@ from amp_tui.training.op_trace import RngSnapshot, rng_snapshot
 from amp_tui.training.precision_state import OwnedScaling, PrecisionRefused
 from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
 from amp_tui.training.probes import LayerFigures, LayerProbe
-from amp_tui.training.step_trace import trace_failing_step
+from amp_tui.training.step_trace import trace_failing_step, xray_step
 
 __all__ = ["GuardedTrainer", "LossError", "PrecisionRefused", "StepResult", "check_loss", "to_host"]
 
@@ -39,8 +39,9 @@ class LossError(Exception):
     """loss_fn returned something that is not a scalar loss."""
 
 
-# Where a step went non-finite: its loss, or its gradients (the loss finite).
-NonfiniteKind = Literal["loss", "gradients"]
+# Where a step went non-finite: its loss, or its gradients (the loss finite), or on a probed step
+# an activation that the loss and the gradients never saw (an fp16 overflow behind a tanh).
+NonfiniteKind = Literal["loss", "gradients", "activations"]
 
 
 @dataclass
@@ -65,6 +66,7 @@ class StepResult:
     per_rank: Any = None          # several ranks: each rank's figures (job/rank_figures.py)
     probes: list | None = None    # the probe schedule after this step (ProbeSchedule.record_field)
     op_trace: dict | None = None  # a non-finite step replayed op by op: the op and its fix (step_trace.py)
+    xray: dict | None = None      # the step traced op by op on request (request_xray; op_xray.py)
 
 
 @dataclass
@@ -133,6 +135,8 @@ class GuardedTrainer:
         # from is kept for it (5 KB copied, about 3 µs, per micro-batch: docs/performance.md).
         self.trace_ops = trace_ops
         self._batch_rng: list[RngSnapshot] = []
+        self._xray_due = False   # request_xray(): the next step is traced op by op first
+        self._hidden_act_layer: str | None = None   # the hidden non-finite activation said last
         # Several ranks: the finite-loss check agreed by all of them. Called with the loss, it
         # starts the check and returns its answer to wait for (True: finite on every rank),
         # which the step asks for after the micro-batch's backward.
@@ -245,6 +249,12 @@ class GuardedTrainer:
         the step runs its forward again."""
         self._started = None
 
+    def request_xray(self) -> None:
+        """X-ray the next step: before it runs, its first micro-batch's forward and backward once
+        more under the op tracer, from the same RNG state (the replay leaves the weights, their
+        gradients and the RNG as they were), into `StepResult.xray`."""
+        self._xray_due = True
+
     def step(self, micro_batches: Sequence[Any]) -> StepResult:
         """One iteration over `micro_batches` (already on the device): one update attempt."""
         if not micro_batches:
@@ -252,6 +262,7 @@ class GuardedTrainer:
         ahead, self._started = self._started, None
         if ahead is not None and ahead.batch is not micro_batches[0]:
             ahead = None  # kept for another batch
+        xray = self._xray(micro_batches, ahead) if self._xray_due else None
         started = time.perf_counter()
         self._batch_rng = [ahead.rng] if ahead is not None else []
         probe = self.probe if self.probing_next() else None
@@ -264,6 +275,7 @@ class GuardedTrainer:
                 probe.end()
             raise
         result.duration = time.perf_counter() - started + (ahead.seconds if ahead is not None else 0.0)
+        result.xray = xray
         if probe and self.compiled_modules and result.figures is not None and not result.figures.order:
             self.act_unmeasured = self.act_unmeasured or ACT_UNMEASURED_UNDER_COMPILE
         if self.probe_schedule is not None:
@@ -313,10 +325,11 @@ class GuardedTrainer:
         if not skipped and self.scheduler is not None:
             self.scheduler.step()   # only after an update really applied: skipped steps don't count
         first, diagnosis = self._locate_nonfinite_gradient(micro_batches, used_scale, figures) if skipped \
-            else (None, None)
-        op_trace = self._trace_ops(micro_batches, range(n), used_scale) if skipped else None
-        return self._finish(mean_loss, used_scale, lr, skipped=skipped,
-                            nonfinite="gradients" if skipped else None, first_layer=first,
+            else (self._hidden_activation(figures), None)
+        nonfinite = "gradients" if skipped else "activations" if first is not None else None
+        # A hidden activation is found in the forward, replayed on the weights after the update.
+        op_trace = self._trace_ops(micro_batches, range(n), used_scale, backward=skipped) if nonfinite else None
+        return self._finish(mean_loss, used_scale, lr, skipped=skipped, nonfinite=nonfinite, first_layer=first,
                             figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis,
                             op_trace=op_trace)
 
@@ -442,6 +455,19 @@ class GuardedTrainer:
             first = self.layer_names[index] if index is not None else None
         return first, diagnosis
 
+    def _hidden_activation(self, figures: LayerFigures | None) -> str | None:
+        """The first layer whose output held inf/NaN on a probed step whose loss and gradients came
+        out finite (a saturating op after it hid it), when that is news: said once, and again only
+        after a probed step found it finite (or another layer first). Several ranks: not looked
+        for (this rank's figures alone would make the step non-finite on this rank only)."""
+        if figures is None or self.agree_finite is not None:
+            return None
+        index = figures.first_nonfinite("act")
+        layer = self.layer_names[index] if index is not None else None
+        news = layer is not None and layer != self._hidden_act_layer
+        self._hidden_act_layer = layer
+        return layer if news else None
+
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.untrained_params:
@@ -503,6 +529,18 @@ class GuardedTrainer:
             [self._batch_rng[i] if i < len(self._batch_rng) else None for i in indices],
             scale=None if scale is None and n == 1 else factor, dtype=self.dtype, device=self.device,
             backward=backward)
+
+    def _xray(self, micro_batches, ahead: _StartedStep | None) -> dict:
+        """The step about to run, X-rayed on its first micro-batch with the backward as the step
+        runs it (the loss over the micro-batches, times the scale); not counted in the step's
+        duration. The probes' hooks idle: a forward run ahead may hold their figures."""
+        self._xray_due = False
+        scale, n = self.precision.scale, len(micro_batches)
+        rng = ahead.rng if ahead is not None else rng_snapshot()
+        with self.probe.disarmed() if self.probe else contextlib.nullcontext():
+            return xray_step(self.eager_model, lambda: self.loss_fn(self.eager_model, micro_batches[0]), rng,
+                             scale=None if scale is None and n == 1 else (scale or 1.0) / n,
+                             dtype=self.dtype, device=self.device)
 
     def _forward_unchecked(self, batch, model: torch.nn.Module | None = None):
         with autocast(self.device.type, self.dtype):

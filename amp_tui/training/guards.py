@@ -201,7 +201,7 @@ class PrecisionGuard:
             return diverging
         if result.scale is None:
             return self._cause_without_scaler(result.dtype, layer)
-        if result.nonfinite == "loss" and layer:
+        if result.nonfinite in ("loss", "activations") and layer:
             return (f"an activation overflows fp16's 65504 in {layer}",
                     f"switch to bf16 (d), or run that layer in fp32: --fp32-modules '{layer}'")
         if (self._now_scale is not None and self._now_scale < 1) or "scale_below_one" in self._raised:

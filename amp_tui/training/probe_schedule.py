@@ -165,8 +165,8 @@ class ProbeSchedule:
 
     def _trouble(self, skipped, nonfinite, scale, next_scale, dtype, act, grad, step) -> tuple[str, str] | None:
         at = f" at step {step}" if step is not None else ""
-        if nonfinite == "loss":
-            return "nonfinite", f"a non-finite loss{at}"
+        if nonfinite in ("loss", "activations"):
+            return "nonfinite", f"a non-finite {'loss' if nonfinite == 'loss' else 'activation'}{at}"
         if skipped:
             return "skip", f"an update skipped{at}"
         if nonfinite is not None:

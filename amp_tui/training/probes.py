@@ -11,6 +11,7 @@ itself the non-finite flag).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from dataclasses import dataclass, field
@@ -161,6 +162,16 @@ class LayerProbe:
     @property
     def active(self) -> bool:
         return self._armed
+
+    @contextlib.contextmanager
+    def disarmed(self):
+        """The hooks idle for a forward that is not the step's own (a replay of it under the op
+        tracer), whose outputs must not count in the step's figures."""
+        armed, self._armed = self._armed, False
+        try:
+            yield
+        finally:
+            self._armed = armed
 
     def owned_ids(self) -> set[int]:
         """id() of every parameter the probed modules own."""

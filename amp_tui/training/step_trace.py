@@ -1,7 +1,8 @@
 """A step GuardedTrainer found non-finite, replayed under the op tracer with the RNG state its
-micro-batches started from: the first aten op that made inf or NaN, and the remedy tried on it.
+micro-batches started from: the first aten op that made inf or NaN, and the remedy tried on it;
+and a step X-rayed on request (`xray_step`), before it runs, from the state it starts from.
 
-Runs only on a failing step. The replay leaves the weights, their `.grad`, the optimizer, the
+The failing step's replay runs only on a failing step. The replay leaves the weights, their `.grad`, the optimizer, the
 scaler and the RNG as they were (training/op_trace.py), so the run goes on exactly as without it;
 whatever the replay itself raises is caught and said in `op_trace_error`, never raised.
 """
@@ -16,6 +17,7 @@ import torch
 from amp_tui.core.precision import canonical
 from amp_tui.training.op_fix import try_fixes
 from amp_tui.training.op_trace import RngSnapshot, trace_step
+from amp_tui.training.op_xray import xray
 
 # The fields a found op adds to the non-finite event (with the fix's), `op_message` always.
 OP_FIELDS = ("op", "op_module", "op_phase", "op_inputs", "op_output_dtype", "op_kind")
@@ -51,3 +53,13 @@ def trace_failing_step(model: torch.nn.Module, forward_of: Callable[[Any], Any],
     except Exception as exc:  # noqa: BLE001 - a diagnosis must never stop the run
         return {"op_trace_error": f"{type(exc).__name__}: {exc}"}
 
+
+
+def xray_step(model: torch.nn.Module, forward: Callable[[], Any], rng: RngSnapshot, *, scale: float | None,
+              dtype: str, device: torch.device) -> dict:
+    """A step about to run, traced op by op (op_xray.py) from the RNG state it starts from: the
+    X-ray's dict, or {"error": ...} when the replay failed (never raised: the step still runs)."""
+    try:
+        return xray(model, forward, scale=scale, dtype=dtype, device=device, rng=rng)
+    except Exception as exc:  # noqa: BLE001 - an X-ray must never stop the run
+        return {"error": f"{type(exc).__name__}: {exc}"}

@@ -36,6 +36,10 @@ class KeyAction:
     shown: bool = True         # in the footer and the palette (False: listed in the help only: a
                                # second key for an action that has its own entry, or a key that
                                # only does something after a rare event, like f)
+    hidden_in: frozenset = frozenset()   # modes where it works but is listed in the help only
+
+    def shown_in(self, mode: str) -> bool:
+        return self.shown and mode not in self.hidden_in
 
     def text(self, mode: str) -> tuple[str, str, str]:
         return dict(self.texts).get(mode, (self.footer, self.title, self.help))
@@ -111,6 +115,12 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
     KeyAction("amp.output", "o", "show_output", "output", "Show the job's output",
               "The job's own output (its stdout and stderr, kept in the run directory)", modes=JOB,
               always=True),
+    # Last: where the footer can't hold every key (120 columns) it cuts this one, not quit.
+    KeyAction("amp.xray", "x", "xray", "X-ray", "X-ray the next step",
+              "Trace the next step op by op (amp-tui train): the dtype autocast ran each op in and its "
+              "headroom to that dtype's max, shown once the step ran", modes=ALL, hidden_in=REPLAY,
+              texts=(("replay", ("X-ray", "X-ray", "Say why a recording can't be X-rayed (the X-ray runs a "
+                                 "step again: x in a live run)")),)),
 )
 
 BY_ACTION = {a.action.partition("(")[0]: a for a in KEY_ACTIONS}
@@ -124,7 +134,7 @@ def bindings(mode: str = "live") -> list[Binding]:
             continue
         footer, _, help_line = a.text(mode)
         out.append(Binding(a.key, a.action, footer, key_display=a.key_display, id=a.id,
-                           tooltip=help_line, priority=a.priority, show=a.shown))
+                           tooltip=help_line, priority=a.priority, show=a.shown_in(mode)))
     return out
 
 

@@ -27,12 +27,14 @@ from amp_tui.core.fixes import fix_command, last_verified_fix
 from amp_tui.core.records import ENDED, STEERED_MODES
 from amp_tui.core.signals import handling_signals
 from amp_tui.core.text import clip, visible
+from amp_tui.recording.xray_file import read_xray
 from amp_tui.sources.protocol import Snapshot, Source
 from amp_tui.ui.actions import BY_ACTION, KEY_ACTIONS, bindings, key_label
 from amp_tui.ui.dialogs.goto_dialog import GotoDialog
 from amp_tui.ui.dialogs.note_dialog import NoteDialog
 from amp_tui.ui.dialogs.restore_dialog import RestoreDialog
 from amp_tui.ui.dialogs.scale_dialog import ScaleDialog
+from amp_tui.ui.dialogs.xray_dialog import XrayDialog
 from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
 from amp_tui.ui.screens.dashboard import DashboardScreen
 from amp_tui.ui.screens.help_screen import HelpScreen
@@ -46,7 +48,7 @@ NOTIFY_LIMIT = 400         # characters of a recorded text in a notification (th
 COMMAND_TITLES: dict[Action, str] = {
     "dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore", "pause": "pause",
     "resume": "resume", "step": "single step", "stop": "stop", "fp32": "local fp32", "note": "note",
-    "probe": "probes"}
+    "probe": "probes", "xray": "X-ray"}
 
 
 class AmpTuiApp(App[int]):
@@ -150,7 +152,8 @@ class AmpTuiApp(App[int]):
         if pause is not None and ("pause", pause.event_index) not in self._announced:
             self._announced.add(("pause", pause.event_index))
             where = f"; first non-finite layer: {brief(pause.layer)}" if pause.layer else ""
-            self.notify(f"non-finite loss at step {pause.step}{where}. Paused: d dtype, "
+            what = "activation" if pause.where == "activations" else "loss"
+            self.notify(f"non-finite {what} at step {pause.step}{where}. Paused: d dtype, "
                         "s halve scale, r restore", title="paused", severity="warning",
                         timeout=10, markup=False)
         error = snap.error
@@ -172,6 +175,8 @@ class AmpTuiApp(App[int]):
                 self._announced.add(("fix", event.get("fix")))
                 self.notify(visible(f"{event.get('fix')} made step {event.get('step')} finite: f applies it"),
                             title="fix verified", severity="warning", timeout=15, markup=False)
+            elif event.get("kind") == "xray" and snap.mode in STEERED_MODES:
+                self._show_xray(event)
             elif event.get("kind") == "paused" and event.get("reason") == "io":
                 # A full disk (the previous checkpoint is intact): freeing space and resuming
                 # writes the records kept meanwhile.
@@ -363,6 +368,29 @@ class AmpTuiApp(App[int]):
             command = fix_command(event["fix"])
             self.send(command.action, command.value)
 
+    def action_xray(self) -> None:
+        if self.source.mode == "replay":
+            self.notify("a recording can't be X-rayed: the X-ray runs a step a second time, which only a "
+                        "live amp-tui train can (x there, or amp-tui ctl RUN xray)", title="X-ray",
+                        severity="warning", markup=False)
+        else:
+            self.send("xray")
+
+    def _show_xray(self, event: dict) -> None:
+        """An X-ray's event came: its file in a dialog (over the dashboard only: a dialog the user
+        has open keeps the keys, and the event's message says where the file is)."""
+        step, path = event.get("step"), str(event.get("path", ""))
+        try:
+            xray = read_xray(self.source.run_dir, path)
+        except (OSError, ValueError, TypeError) as exc:
+            self.notify(visible(f"X-ray of step {step}: can't read {path}: {exc}"), title="X-ray",
+                        severity="error", markup=False)
+            return
+        if self.screen is self.dashboard:
+            self.push_screen(XrayDialog(step, path, xray))
+        else:
+            self.notify(brief(event.get("message", "")), title="X-ray", timeout=15, markup=False)
+
     def action_show_output(self) -> None:
         if self.source.output_path is not None:
             self.push_screen(OutputScreen(self.source.output_path))
@@ -487,7 +515,7 @@ class AmpTuiApp(App[int]):
             if command.title != "Quit":   # ours replaces it (clean stop first)
                 yield command
         for a in KEY_ACTIONS:
-            if a.shown and self.available(a):
+            if a.shown_in(self.keys_mode) and self.available(a):
                 _, title, help_line = a.text(self.keys_mode)
                 yield SystemCommand(f"{title}  [{key_label(a)}]", help_line,
                                     partial(self.run_action, a.action))

@@ -195,12 +195,13 @@ def rank_summary(snap: Snapshot) -> RankSummary | None:
 
 @dataclass(frozen=True)
 class NonfinitePause:
-    """The run paused itself after a non-finite loss (on_nonfinite="pause")."""
+    """The run paused itself after a non-finite loss or activation (on_nonfinite="pause")."""
     step: int                   # the step whose loss was non-finite
     layer: str | None           # the first layer whose output was non-finite
     loss: str
     dtype: str | None
     event_index: int            # events_seen count at the paused event (to notify once)
+    where: str = "loss"         # the event's: "activations" for one the loss never saw
 
 
 ACT_NOT_MEASURED = "act not measured under torch.compile"
@@ -287,7 +288,7 @@ def nonfinite_pause(snap: Snapshot) -> NonfinitePause | None:
             cause = next((e for e in reversed(events[:i]) if e.get("kind") == "nonfinite"), {})
             step = cause.get("step", max(int(event.get("step", 1)) - 1, 0))
             return NonfinitePause(int(step), nonfinite_layer(cause), str(cause.get("loss", "non-finite")),
-                                  cause.get("dtype"), first_index + i + 1)
+                                  cause.get("dtype"), first_index + i + 1, str(cause.get("where", "loss")))
     return None
 
 

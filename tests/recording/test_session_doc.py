@@ -117,14 +117,14 @@ def records(tmp_path_factory) -> list[dict]:
         out.extend(strict_lines(run_dir / "session.jsonl"))
         return run_dir
 
-    # Every --at action (a note too), a refused restore, an alert, a pause on a non-finite loss answered over
-    # the control socket (step, then resume: the `client` field), underflow shares on every probe.
+    # Every --at action (a note and an X-ray too), a refused restore, an alert, a pause on a non-finite loss
+    # answered over the control socket (step, then resume: the `client` field), underflow shares on every probe.
     steered = folder / "steered"
     run = train_run(
         script, steered, steps=14, underflow_every=1, on_nonfinite="pause", guard=GuardConfig(min_scale=2048.0),
         at=["1:save", "1:scale=1024", "2:fp32=0", "6:restore=latest", "6:restore=nothing-here.safetensors",
             "8:dtype=bf16", "9:dtype=fp16", "10:pause", "11:note=shard 3 → 4: lr=1e-4", "13:stop",
-            "1:probe=every"])
+            "1:probe=every", "4:xray"])
     answers: list[dict] = []
     pauses = []
 

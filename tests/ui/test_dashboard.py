@@ -340,7 +340,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
     source = FixedSource(synthetic_records(), answer=Outcome(True, "checkpoint saved: x"))
     app = create_app(source, clock=lambda: FROZEN)
     keys = {b.key: b for b in AmpTuiApp.BINDINGS}
-    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "m", "p", "f", "question_mark", "q", "ctrl+c"}
+    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "m", "p", "f", "x", "question_mark", "q", "ctrl+c"}
     assert all(b.id and b.description for b in keys.values())
     # ctrl+c is a second key for quit, f only does something after a verified fix: in the help,
     # not in the footer or the palette
@@ -353,7 +353,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
         assert sum(t.startswith("Quit") for t in titles) == 1
         for action in ("Cycle the dtype", "Halve the loss scale", "Set the loss scale",
                        "Save a checkpoint", "Restore a checkpoint", "Pause / resume",
-                       "Run one step", "Add a note", "Probe every step", "Help", "Quit"):
+                       "Run one step", "Add a note", "Probe every step", "X-ray the next step", "Help", "Quit"):
             assert any(t.startswith(action) for t in titles), action
         assert any(t.startswith("Sort layers") for t in titles)
         # a palette entry runs the same action as its key
@@ -372,7 +372,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
         shown = [str(cell) for cell in help_text(live=True).columns[0]._cells]
-        for key in ("d", "s", "S", "c", "r", "space", "n", "m", "f", "?", "q", "ctrl+c", "headroom bits"):
+        for key in ("d", "s", "S", "c", "r", "space", "n", "m", "f", "x", "?", "q", "ctrl+c", "headroom bits"):
             assert key in shown
         await pilot.press("escape")
         assert app.screen is app.dashboard

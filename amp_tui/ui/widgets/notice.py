@@ -41,7 +41,8 @@ class PauseNotice(Static):
 
 def notice_text(pause: NonfinitePause) -> Text:
     text = Text()
-    text.append(f"Paused: {pause.loss} loss at step {pause.step}", style="bold")
+    said = "non-finite activation (the loss finite)" if pause.where == "activations" else f"{pause.loss} loss"
+    text.append(f"Paused: {said} at step {pause.step}", style="bold")
     if pause.dtype:
         text.append(f" in {short_name(pause.dtype)}")
     if pause.layer:
