@@ -73,6 +73,7 @@ class ProbeSchedule:
         self.probe_seconds = 0.0            # what probing cost so far (measured) ...
         self.total_seconds = 0.0            # ... out of this much training time
         self._changes: list[ProbeChange] = []
+        self._spacing = FIRST_INTERVAL      # the interval the last resolvable cost gave
 
     # ---- before a step ----------------------------------------------------------------------
     @property
@@ -101,12 +102,17 @@ class ProbeSchedule:
         share = self.budget / 100
         if share >= 1:
             return 1
-        cost = max(0.0, self.probed_time - self.plain_time)
+        cost = self.probed_time - self.plain_time
         if share <= 0 or self.plain_time <= 0:
             return 1 << 30   # only the live floor probes
+        if cost <= 0:
+            # A probed step that measures no dearer than an unprobed one is the noise of a busy
+            # machine moving both medians, not a free probe: keep the spacing last measured.
+            return self._spacing
         # At least every other step unprobed, so that both averages keep up with the run.
         # (rounded first: an exact 18 computed as 18.000000000000004 is 18)
-        return max(2, math.ceil(round(cost * (1 - share) / (share * self.plain_time), 6)))
+        self._spacing = max(2, math.ceil(round(cost * (1 - share) / (share * self.plain_time), 6)))
+        return self._spacing
 
     def weights_due(self) -> bool:
         """Whether the step being probed reads the weights: every `weights_every`th probed step
@@ -120,7 +126,7 @@ class ProbeSchedule:
 
     def share(self) -> float:
         """The share of the training time probing took so far, as measured (0..1)."""
-        return self.probe_seconds / self.total_seconds if self.total_seconds > 0 else 0.0
+        return max(0.0, self.probe_seconds) / self.total_seconds if self.total_seconds > 0 else 0.0
 
     # ---- after a step -----------------------------------------------------------------------
     def observe(self, *, planned: bool, duration: float, skipped: bool = False, nonfinite: str | None = None,
@@ -149,7 +155,9 @@ class ProbeSchedule:
         self.total_seconds += duration
         if planned:
             if self.plain_time is not None:
-                self.probe_seconds += max(0.0, duration - self.plain_time)
+                # Signed: a probed step the noise made quicker than the median unprobed one
+                # cancels one it made slower, instead of only the slower ones adding up.
+                self.probe_seconds += duration - self.plain_time
             self.since_probe, self.seconds_since_probe = 0, 0.0
         else:
             self.since_probe += 1

@@ -152,3 +152,21 @@ def test_the_record_says_the_schedule_and_its_cost():
     assert schedule.record_field() == ["every", "blocks.3 at 2.4 bits of headroom"]
     assert ProbeSchedule(3).record_field() is None
     assert ProbeSchedule(3).header_fields() == {"probe_every": 3, "probe_budget": 1.0}
+
+
+def test_a_cost_lost_in_the_noise_keeps_the_last_spacing_instead_of_probing_every_other_step():
+    """A busy machine can make probed steps measure no dearer than unprobed ones for a while:
+    that is noise, not free probing. The spacing the last resolvable cost gave stays, and the
+    share the schedule reports doesn't count only the noise's slower half."""
+    schedule = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
+    run(schedule, 3000)
+    assert schedule.interval() == 198
+    run(schedule, 3000, probed=PLAIN, first_step=3000)   # now a probed step measures as cheap
+    assert schedule.interval() == 198
+    noisy = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
+    seen = []
+    for step in range(600):   # durations alternate around the same median, probed or not
+        planned = noisy.probing(step)
+        seen.append(planned)
+        noisy.observe(planned=planned, duration=PLAIN * (1.5 if step % 2 else 0.5), step=step)
+    assert sum(seen[100:]) <= 500 / 8 and noisy.share() < 0.05
