@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "PASS" if lo >= r["target"] else ("MISS" if hi < r["target"] else "UNSURE")
             rows.append([verdict, f"{r['model']} {dtype}", probes_label(every), f"{r['bare_step_ms']} ms",
                          f"{r['watched_step_ms']} ms", f"{r['steps_per_s_ratio']:.3f} (90% CI {lo:.3f}..{hi:.3f})",
-                         f">= {r['target']}"])
+                         f">= {r['target']}", f"{100 * r['probed_share']:.0f}%"])
     print("AmpTuiCallback against the same Trainer without it (optimizer steps/s ratio, alternating in one process)")
     print(common.table(rows, ["", "model", "probes", "bare", "with callback", "ratio", "target", "probed"]))
     print(f"load average at start {load_at_start}, at end {common.load_average()}; probed: the share of the "
