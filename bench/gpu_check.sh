@@ -206,7 +206,7 @@ fi
 verdict process
 sed -n '/^amp-tui benchmarks/,$p' "$OUT/process.log" > "$OUT/process.txt"
 # the adaptive schedule (the default) side by side with probe_every 1: its target rows, in the summary
-grep -h -E "run/auto|\(defaults\)" "$OUT/overhead.txt" "$OUT/process.txt" > "$OUT/auto-targets.txt" 2>/dev/null
+grep -h -E "^ *(PASS|MISS|UNSURE) .*(run/auto|\(defaults\))" "$OUT/overhead.txt" "$OUT/process.txt" > "$OUT/auto-targets.txt" 2>/dev/null
 if [ -s "$OUT/auto-targets.txt" ]; then
     say "      the adaptive schedule (default):"
     sed 's/^/      /' "$OUT/auto-targets.txt" | tee -a "$SUMMARY"

@@ -7,11 +7,12 @@ step: the main thread lets one Trainer run one step, then the other. A step's ti
 moment its Trainer is let go to the end of its on_step_end, after every other callback's, so it
 holds the whole of the Trainer's loop for that step (the batch, the hooks, the logging check) and
 all of amp-tui's work, including the boundary at on_step_begin. Only one Trainer has the callback
-(one monitor per process), with probes every step, then (a second pass) every 10 steps.
+(one monitor per process), with probes every step, then (a second pass) every 10 steps, then (a
+third) with the default, the adaptive schedule (probe_every="auto", 1% budget).
 
 Reported: the optimizer steps/s ratio with the callback / without it, from the paired step
 times, with a 90% bootstrap interval (as bench/monitor_overhead.py). Targets: a cost of at most
-5% with probes every step (ratio >= 0.95) and at most 1% every 10 (ratio >= 0.99).
+5% with probes every step (ratio >= 0.95) and at most 1% every 10 and with the default (ratio >= 0.99).
 
     python bench/integration_overhead.py            # GPT-2 4 blocks d_model 128, fp32 and bf16
     python bench/integration_overhead.py --quick    # 2 blocks d_model 64, fewer rounds

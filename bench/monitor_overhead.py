@@ -4,9 +4,11 @@ benchmark models.
 
 The loop is the snippet of the user guide (autocast forward, scaled backward, unscale_, clip,
 scaler.step, update). Two copies of the model and optimizer train side by side; only one has a
-monitor (one per process), with probes every step, then (a second pass) every 10 steps. Reported:
-the steps/s ratio monitored / bare from the paired step times, with a 90% bootstrap interval.
-Targets: >= 0.95 with probes every step, >= 0.99 every 10.
+monitor (one per process), with probes every step, then (a second pass) every 10 steps, then (a
+third) with the default, the adaptive schedule (probe_every="auto", 1% budget). Reported: the
+steps/s ratio monitored / bare from the paired step times, with a 90% bootstrap interval, and the
+share of the steps probed. Targets: >= 0.95 with probes every step, >= 0.99 every 10 and with the
+default.
 
     python bench/monitor_overhead.py            # the bench models, 120 rounds each
     python bench/monitor_overhead.py --quick    # smaller models, fewer rounds

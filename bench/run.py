@@ -1,7 +1,8 @@
 """amp-tui benchmarks: one entry point, one table, the same figures as JSON.
 
-    python bench/run.py --quick        # about 70 s on an idle 2-core CPU: smaller models, fewer rounds
-                                       # and pairs, the 20k-step replay recording
+    python bench/run.py --quick        # about 70 s on an idle 2-core CPU before the process section had
+                                       # three processes a pair; 105 s at load average 4-5 with them:
+                                       # smaller models, fewer rounds and pairs, the 20k-step replay
     python bench/run.py                # the full run (several minutes): the figures in
                                        # docs/performance.md, the 100k-step recording
     python bench/run.py --gpu          # on a CUDA/ROCm machine: the overhead benchmark on a
@@ -11,10 +12,10 @@
 
 Sections: `overhead` (probes against the bare guarded loop, DebugUnderflowOverflow and
 detect_anomaly), `process` (`amp-tui train --headless`, with --probe-every 1 and with its
-defaults, against a bare-loop script as whole processes: wall, CPU, time to the first step), `readside` (start-up of report, replay --headless
-and ls; report and ls at scale), `dashboard` (attached against headless, key-to-effect latency),
-`replay` (first frame, seek, memory, bytes per step), `checkpoint` (save/restore MB/s against
-torch.save/load).
+defaults, against a bare-loop script as whole processes: wall, CPU, time to the first step),
+`readside` (start-up of report, replay --headless and ls; report and ls at scale), `dashboard`
+(attached against headless, key-to-effect latency), `replay` (first frame, seek, memory, bytes
+per step), `checkpoint` (save/restore MB/s against torch.save/load).
 The method is in docs/performance.md. Results go to bench/results/<date>-<quick|full|gpu>.json
 (or --out DIR), with the machine, the versions and the date.
 """
@@ -431,7 +432,7 @@ def render(results: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--quick", action="store_true", help="about 70 s: small models, few rounds, 20k replay")
+    ap.add_argument("--quick", action="store_true", help="about 2 minutes: small models, few rounds, 20k replay")
     ap.add_argument("--gpu", action="store_true", help="the overhead benchmark on GPT-2-small size on --device")
     ap.add_argument("--device", default=None, help="cpu (default) or cuda / cuda:N (default with --gpu)")
     ap.add_argument("--only", default=None, help=f"comma-separated sections: {', '.join(SECTIONS)}")
