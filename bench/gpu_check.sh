@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check for a CUDA or ROCm machine (device "cuda"), about 6-8 minutes (each part
+# One prepared check for a CUDA or ROCm machine (device "cuda"), about 7-9 minutes (each part
 # has its own time limit):
 #
 #   1. the environment: GPU, driver, torch build, bf16 support            (env.txt)
@@ -10,11 +10,15 @@
 #      and Lightning with precision="16-mixed", which get a GradScaler only on a GPU (on the CPU
 #      the test suite hands them one by hand); run on their own too     (frameworks-fp16.log)
 #   4. the overhead benchmark on a GPT-2-small-sized model (12 blocks, d_model 768, vocab 50257,
-#      seq 512, batch 8) in fp16 and bf16: python bench/run.py --gpu --only overhead
+#      seq 512, batch 8) in fp16 and bf16: python bench/run.py --gpu --only overhead; its run/1,
+#      run/10 and run/auto lines (run/auto: the adaptive schedule, the default)
 #                                                                          (overhead.txt, *-gpu.json)
 #   5. the whole-process line on the same model in fp16 and bf16: `amp-tui train --headless
-#      --steps 50 --probe-every 1` against the bare-loop script, 5 pairs each:
+#      --steps 50 --probe-every 1`, and `amp-tui train --headless --steps 50` with its defaults (the
+#      adaptive schedule, "amp-tui auto"), against the bare-loop script, 5 pairs of three processes each:
 #      python bench/run.py --gpu --only process                           (process.txt, *-gpu.json)
+#      The adaptive schedule's target rows (run/auto, "amp-tui train (defaults)") are copied to
+#      summary.txt after parts 4 and 5 (auto-targets.txt).
 #   6. with 2 GPUs or more: amp-tui's coordination of 2 ranks over plain DDP, NCCL, one rank per
 #      GPU: python bench/ddp_overhead.py --backend nccl --quick             (ddp-nccl.log, *-ddp-nccl.json)
 #
@@ -196,10 +200,19 @@ sed -n '/^amp-tui benchmarks/,$p' "$OUT/overhead.log" > "$OUT/overhead.txt"
 if [ "$DEVICE" = "cpu" ]; then
     part process 240 "$PY" "$ROOT/bench/run.py" --quick --only process --device cpu --out "$OUT"
 else
-    part process 300 "$PY" "$ROOT/bench/run.py" --gpu --only process --device "$DEVICE" --out "$OUT"
+    # three processes a pair now (--probe-every 1, the defaults, the bare loop): 300 s became 420 s
+    part process 420 "$PY" "$ROOT/bench/run.py" --gpu --only process --device "$DEVICE" --out "$OUT"
 fi
 verdict process
 sed -n '/^amp-tui benchmarks/,$p' "$OUT/process.log" > "$OUT/process.txt"
+# the adaptive schedule (the default) side by side with probe_every 1: its target rows, in the summary
+grep -h -E "^ *(PASS|MISS|UNSURE) .*(run/auto|\(defaults\))" "$OUT/overhead.txt" "$OUT/process.txt" > "$OUT/auto-targets.txt" 2>/dev/null
+if [ -s "$OUT/auto-targets.txt" ]; then
+    say "      the adaptive schedule (default):"
+    sed 's/^/      /' "$OUT/auto-targets.txt" | tee -a "$SUMMARY"
+else
+    say "      the adaptive schedule (default): no target rows in overhead.txt or process.txt"
+fi
 # ---- 6. several ranks: amp-tui's coordination over plain DDP, one rank per GPU with NCCL --------
 if [ "$DEVICE" = "cpu" ]; then
     part ddp 150 "$PY" "$ROOT/bench/ddp_overhead.py" --backend gloo --nproc 2 --quick --out "$OUT"

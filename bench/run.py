@@ -1,7 +1,8 @@
 """amp-tui benchmarks: one entry point, one table, the same figures as JSON.
 
-    python bench/run.py --quick        # about 70 s on an idle 2-core CPU: smaller models, fewer rounds
-                                       # and pairs, the 20k-step replay recording
+    python bench/run.py --quick        # about 70 s on an idle 2-core CPU before the process section had
+                                       # three processes a pair; 105 s at load average 4-5 with them:
+                                       # smaller models, fewer rounds and pairs, the 20k-step replay
     python bench/run.py                # the full run (several minutes): the figures in
                                        # docs/performance.md, the 100k-step recording
     python bench/run.py --gpu          # on a CUDA/ROCm machine: the overhead benchmark on a
@@ -10,11 +11,11 @@
     python bench/run.py --only process --baseline ../other-checkout   # before/after in one series
 
 Sections: `overhead` (probes against the bare guarded loop, DebugUnderflowOverflow and
-detect_anomaly), `process` (`amp-tui train --headless` against a bare-loop script as whole
-processes: wall, CPU, time to the first step), `readside` (start-up of report, replay --headless
-and ls; report and ls at scale), `dashboard` (attached against headless, key-to-effect latency),
-`replay` (first frame, seek, memory, bytes per step), `checkpoint` (save/restore MB/s against
-torch.save/load).
+detect_anomaly), `process` (`amp-tui train --headless`, with --probe-every 1 and with its
+defaults, against a bare-loop script as whole processes: wall, CPU, time to the first step),
+`readside` (start-up of report, replay --headless and ls; report and ls at scale), `dashboard`
+(attached against headless, key-to-effect latency), `replay` (first frame, seek, memory, bytes
+per step), `checkpoint` (save/restore MB/s against torch.save/load).
 The method is in docs/performance.md. Results go to bench/results/<date>-<quick|full|gpu>.json
 (or --out DIR), with the machine, the versions and the date.
 """
@@ -55,9 +56,11 @@ RESULTS = ROOT / "bench" / "results"
 PROBE_EVERY_STEP_MAX_PCT = 3.0          # the full Run step and the probes alone, every step
 SMALL_MODULES_EVERY_STEP_MAX_PCT = 5.0  # ... on the model of many small modules
 PROBE_EVERY_10_MAX_PCT = 1.0
+PROBE_AUTO_MAX_PCT = 1.0                # the adaptive schedule (the default), at its 1% budget
 CHEAPER_THAN_DUO_MIN = 3.0
 DASHBOARD_MIN_RATIO = 0.97
 WHOLE_PROCESS_MAX_RATIO = 1.05          # amp-tui train (probes every step, recording) / bare loop
+WHOLE_PROCESS_DEFAULTS_MAX_RATIO = 1.03  # amp-tui train with its defaults (--probe-every auto) / bare loop
 FIRST_STEP_LATER_MAX_S = 0.15           # amp-tui's first step after the bare loop's
 
 
@@ -79,6 +82,7 @@ class Preset:
     process_steps: int = 400
     process_pairs: int = 5
     process_warmup_steps: int | None = None   # the warm-up pair's steps (None: process_steps)
+    process_auto: bool = True           # also amp-tui train with its defaults (the adaptive schedule)
     readside_repeats: int = 5
     readside_runs: int = 8
     replay_steps: int = 0
@@ -154,11 +158,13 @@ def run_process(p: Preset) -> list[dict]:
 
     out = []
     for model, dtype in p.process:
-        log(f"process: amp-tui train against the bare loop, {model} {dtype}, {p.process_steps} steps, "
+        log(f"process: amp-tui train (--probe-every 1{' and the defaults' if p.process_auto else ''}) against "
+            f"the bare loop, {model} {dtype}, {p.process_steps} steps, "
             f"{p.process_pairs} pairs{' + the baseline checkout' if p.baseline else ''} ...")
         out.append(whole_process.measure(model, dtype, steps=p.process_steps, pairs=p.process_pairs,
                                          device=p.device, threads=p.threads if p.device == "cpu" else None,
-                                         baseline=p.baseline, warmup_steps=p.process_warmup_steps, log=log))
+                                         baseline=p.baseline, warmup_steps=p.process_warmup_steps,
+                                         auto=p.process_auto, log=log))
     return out
 
 
@@ -220,7 +226,8 @@ def targets(results: dict) -> list[dict]:
         where = f"{r['model']} {r['dtype']}"
         every = SMALL_MODULES_EVERY_STEP_MAX_PCT if r["model"].startswith("blocks-") else PROBE_EVERY_STEP_MAX_PCT
         for ours, limit in (("probes/1", every), ("run/1", every),
-                            ("probes/10", PROBE_EVERY_10_MAX_PCT), ("run/10", PROBE_EVERY_10_MAX_PCT)):
+                            ("probes/10", PROBE_EVERY_10_MAX_PCT), ("run/10", PROBE_EVERY_10_MAX_PCT),
+                            ("run/auto", PROBE_AUTO_MAX_PCT)):
             if ours not in c:
                 continue
             v = c[ours]["overhead_pct"]
@@ -238,16 +245,20 @@ def targets(results: dict) -> list[dict]:
                 f"step time DUO/ours {ch['time_ratio']:.2f}")
     for r in results.get("process", []):
         where = f"{r['model']} {r['dtype']}, {r['steps']} steps, {r['pairs']} pairs"
-        c = r["contenders"]["amp-tui"]
-        for key, what in (("wall_ratio", "wall"), ("cpu_ratio", "CPU")):
-            lo, hi = c[key + "_90ci"]
-            add(f"amp-tui train / bare loop, {what} time, {where}", f"<= {WHOLE_PROCESS_MAX_RATIO:g}x",
-                f"{fmt(c[key], '.3f')}x (90% CI {fmt(lo, '.3f')}..{fmt(hi, '.3f')})",
-                verdict(c[key], lo, hi, at_most=WHOLE_PROCESS_MAX_RATIO))
-        lo, hi = c["first_step_later_s_90ci"]
-        add(f"first step after the bare loop's, {where}", f"<= {FIRST_STEP_LATER_MAX_S:g} s",
-            f"{fmt(c['first_step_later_s'], '+.3f')} s (90% CI {fmt(lo, '+.3f')}..{fmt(hi, '+.3f')})",
-            verdict(c["first_step_later_s"], lo, hi, at_most=FIRST_STEP_LATER_MAX_S))
+        for name, what_ran, limit in (("amp-tui", "amp-tui train --probe-every 1", WHOLE_PROCESS_MAX_RATIO),
+                                      ("amp-tui auto", "amp-tui train (defaults)", WHOLE_PROCESS_DEFAULTS_MAX_RATIO)):
+            c = r["contenders"].get(name)
+            if c is None:
+                continue
+            for key, what in (("wall_ratio", "wall"), ("cpu_ratio", "CPU")):
+                lo, hi = c[key + "_90ci"]
+                add(f"{what_ran} / bare loop, {what} time, {where}", f"<= {limit:g}x",
+                    f"{fmt(c[key], '.3f')}x (90% CI {fmt(lo, '.3f')}..{fmt(hi, '.3f')})",
+                    verdict(c[key], lo, hi, at_most=limit))
+            lo, hi = c["first_step_later_s_90ci"]
+            add(f"{what_ran}: first step after the bare loop's, {where}", f"<= {FIRST_STEP_LATER_MAX_S:g} s",
+                f"{fmt(c['first_step_later_s'], '+.3f')} s (90% CI {fmt(lo, '+.3f')}..{fmt(hi, '+.3f')})",
+                verdict(c["first_step_later_s"], lo, hi, at_most=FIRST_STEP_LATER_MAX_S))
     rs = results.get("readside")
     if rs:
         for name, f in rs["startup"].items():
@@ -331,9 +342,12 @@ def render(results: dict) -> str:
                          f"{fmt(auto.get('bench_share_pct'), '.2f')}% as measured here; step time / bare: {ratios}")
     for r in results.get("process", []):
         lines.append("")
+        auto = " and with its defaults (amp-tui auto: --probe-every auto)" if "amp-tui auto" in r["contenders"] else ""
+        load = r.get("load_average_at_start")
         lines.append(f"Whole process: amp-tui train {r['model']} --headless --dtype {r['dtype']} --steps {r['steps']} "
-                     f"--probe-every 1 against the bare loop, {r['pairs']} pairs ({r['seconds']:.0f} s), "
-                     f"torch threads {r['threads'] or 'default'}, {r['device']}")
+                     f"--probe-every 1 (amp-tui){auto} against the bare loop, {r['pairs']} pairs "
+                     f"({r['seconds']:.0f} s), torch threads {r['threads'] or 'default'}, {r['device']}"
+                     + (f", load average at start {load}" if load else ""))
         rows = []
         for name, c in r["contenders"].items():
             def ci(key, spec, c=c):
@@ -418,7 +432,7 @@ def render(results: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--quick", action="store_true", help="about 70 s: small models, few rounds, 20k replay")
+    ap.add_argument("--quick", action="store_true", help="about 2 minutes: small models, few rounds, 20k replay")
     ap.add_argument("--gpu", action="store_true", help="the overhead benchmark on GPT-2-small size on --device")
     ap.add_argument("--device", default=None, help="cpu (default) or cuda / cuda:N (default with --gpu)")
     ap.add_argument("--only", default=None, help=f"comma-separated sections: {', '.join(SECTIONS)}")

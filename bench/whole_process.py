@@ -1,6 +1,8 @@
 """Whole-process cost: `amp-tui train CASE --headless --dtype bf16 --steps N --probe-every 1`
 (the session recorded, the summary printed) against the bare guarded loop a user would write
-(`bench/bare_loop.py`) over the same case (`bench/cases/train_case.py`), as two processes.
+(`bench/bare_loop.py`) over the same case (`bench/cases/train_case.py`), as two processes; and,
+in the same pairs (`auto=True`, the default), `amp-tui train` with its defaults (no
+`--probe-every`: the adaptive schedule at its 1% budget), as a third process ("amp-tui auto").
 
 Each pair runs one process of each, in a random order; a warm-up pair comes first (the page
 cache then holds torch for both; `warmup_steps` may make it shorter: what it warms is loaded by
@@ -85,17 +87,21 @@ def high_water_kb(pid: int) -> int:
 
 
 def commands(model: str, dtype: str, steps: int, device: str, run_dir: Path,
-             baseline: Path | None) -> dict[str, tuple[list[str], dict]]:
+             baseline: Path | None, auto: bool = True) -> dict[str, tuple[list[str], dict]]:
     dt = SHORT.get(dtype, dtype)
     case_args = ["--", "--model", model]
-    train = ["train", str(CASE), "--headless", "--dtype", dt, "--steps", str(steps), "--probe-every", "1",
-             "--device", device]
+    defaults = ["train", str(CASE), "--headless", "--dtype", dt, "--steps", str(steps), "--device", device]
+    train = [*defaults[:-2], "--probe-every", "1", *defaults[-2:]]
     out = {
         "amp-tui": ([sys.executable, "-m", "amp_tui", *train, "--run-dir", str(run_dir / "run"), *case_args],
                     checkout_env(ROOT)),
         "bare": ([sys.executable, str(BARE), str(CASE), "--dtype", dt, "--steps", str(steps), "--device", device,
                   *case_args], dict(os.environ)),
     }
+    if auto:   # the defaults: no --probe-every, the adaptive schedule
+        out["amp-tui auto"] = (
+            [sys.executable, "-m", "amp_tui", *defaults, "--run-dir", str(run_dir / "run"), *case_args],
+            checkout_env(ROOT))
     if baseline is not None:
         out["amp-tui@baseline"] = (
             [sys.executable, "-m", "amp_tui", *train, "--run-dir", str(run_dir / "run"), *case_args],
@@ -113,16 +119,17 @@ def checkout_env(checkout: Path) -> dict:
 
 def measure(model: str = "blocks", dtype: str = "bfloat16", *, steps: int = 400, pairs: int = 5,
             device: str = "cpu", threads: int | None = 1, baseline: Path | None = None, seed: int = 0,
-            timeout: float = 600.0, warmup_steps: int | None = None, log=print) -> dict:
+            timeout: float = 600.0, warmup_steps: int | None = None, auto: bool = True, log=print) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="amp-tui-bench-process-"))
     stamp = tmp / "first-step"
-    cmds = commands(model, dtype, steps, device, tmp, baseline)
-    warmup = commands(model, dtype, warmup_steps or steps, device, tmp, baseline)
+    cmds = commands(model, dtype, steps, device, tmp, baseline, auto)
+    warmup = commands(model, dtype, warmup_steps or steps, device, tmp, baseline, auto)
     for _, env in [*cmds.values(), *warmup.values()]:
         env["AMP_TUI_BENCH_STAMP"] = str(stamp)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
     rng = random.Random(seed)
+    load_at_start = common.load_average()
     runs: dict[str, list[dict]] = {name: [] for name in cmds}
     started = time.perf_counter()
     try:
@@ -136,13 +143,21 @@ def measure(model: str = "blocks", dtype: str = "bfloat16", *, steps: int = 400,
                 if k:
                     runs[name].append(r)
             if k:
-                a, b = runs["amp-tui"][-1], runs["bare"][-1]
-                log(f"  pair {k}/{pairs}: amp-tui {a['wall_s']:.2f} s, bare {b['wall_s']:.2f} s "
-                    f"(x{a['wall_s'] / b['wall_s']:.3f}); first step +{a['first_step_s'] - b['first_step_s']:.3f} s")
+                b = runs["bare"][-1]
+                line = []
+                for name in runs:
+                    if name == "bare":
+                        continue
+                    a = runs[name][-1]
+                    line.append(f"{name} {a['wall_s']:.2f} s (x{a['wall_s'] / b['wall_s']:.3f} wall, "
+                                f"x{a['cpu_s'] / b['cpu_s']:.3f} CPU, first step "
+                                f"{a['first_step_s'] - b['first_step_s']:+.3f} s)")
+                log(f"  pair {k}/{pairs}: bare {b['wall_s']:.2f} s; " + "; ".join(line))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return summarize(runs, model=model, dtype=dtype, steps=steps, device=device, threads=threads,
-                     seconds=time.perf_counter() - started, baseline=baseline is not None)
+                     seconds=time.perf_counter() - started, baseline=baseline is not None,
+                     load_average_at_start=load_at_start, load_average_at_end=common.load_average())
 
 
 def summarize(runs: dict[str, list[dict]], **facts) -> dict:
