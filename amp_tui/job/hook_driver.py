@@ -81,7 +81,6 @@ class HookDriver:
         self.probe = LayerProbe(eager, keep_hooks=bool(self.compiled_modules))
         self.probe_schedule = ProbeSchedule(probe_every, budget=probe_budget, alert_bits=probe_alert_bits,
                                             names=self.probe.names)
-        self.probe_every = "auto" if probe_every == "auto" else self.probe_schedule.every
         # A skipped step that was not probed still gets its gradients' figures (not with several
         # ranks: they gather the planned steps only).
         self.unplanned_figures = True
@@ -110,8 +109,11 @@ class HookDriver:
         every = probe_every_of(self.probe_every, ranks=True)
         self.probe_schedule = ProbeSchedule(every, budget=self.probe_schedule.budget,
                                             alert_bits=self.probe_schedule.alert_bits, names=self.probe.names)
-        self.probe_every = self.probe_schedule.every
         self.unplanned_figures = False
+
+    @property
+    def probe_every(self) -> int | str:
+        return self.probe_schedule.asked
 
     @property
     def scaler(self):

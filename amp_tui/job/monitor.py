@@ -107,7 +107,6 @@ class Monitor(RunController):
         if ranks:
             driver.probe_like_every_rank()
             run_dir = Path(ranks.share(str(run_dir)))
-        self.probe_every = driver.probe_every
         main = not ranks or ranks.is_main
         super().__init__(driver, device=driver.device, run_dir=run_dir, script=script, ranks=ranks,
                          io_policy=IoPolicy.CARRY_ON, checkpoint_every=checkpoint_every,
@@ -152,6 +151,10 @@ class Monitor(RunController):
     @property
     def dtype(self) -> str:
         return self.driver.dtype
+
+    @property
+    def probe_every(self) -> int | str:
+        return self.driver.probe_every
 
     @property
     def last_skipped(self) -> bool:

@@ -128,7 +128,6 @@ class GuardedTrainer:
         self.act_unmeasured: str | None = None
         self.probe_schedule = ProbeSchedule(probe_every, budget=probe_budget, alert_bits=probe_alert_bits,
                                             names=self.probe.names) if probe else None
-        self.probe_every = "auto" if probe_every == "auto" else max(1, int(probe_every))
         self.underflow_every = max(1, int(underflow_every))  # in probed steps
         self.diagnose_bad_steps = diagnose
         # A non-finite step replayed under the op tracer; the RNG state each micro-batch started

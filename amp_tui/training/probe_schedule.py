@@ -235,8 +235,13 @@ class ProbeSchedule:
     def describe_budget(self) -> str:
         return f"the budget ({self.budget:g}% of the training time)" if self.auto else f"every {self.every} steps"
 
+    @property
+    def asked(self) -> int | str:
+        """The schedule as asked for: "auto", or N."""
+        return "auto" if self.auto else self.every
+
     def header_fields(self) -> dict:
-        return {"probe_every": "auto" if self.auto else self.every, "probe_budget": self.budget}
+        return {"probe_every": self.asked, "probe_budget": self.budget}
 
     def record_field(self) -> list | None:
         """What a step record carries of the schedule: ["auto", one step in N, the measured
