@@ -21,7 +21,9 @@ It never drives the loop:
 from __future__ import annotations
 
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -102,6 +104,8 @@ class HookDriver:
         self._handles: list = []
         self._patched: list[str] = []
         self.run = None
+        # The loop's own script: what the recording names (python -c ...: "python").
+        self.script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else Path("python")
 
     def probe_like_every_rank(self) -> None:
         """Several ranks probe the same steps, and gather the planned ones only: a fixed schedule
@@ -143,10 +147,7 @@ class HookDriver:
 
     # ---- what the controller asks (Driver, TrainingState) --------------------------------------
     def description(self) -> dict:
-        import sys
-        from pathlib import Path
-        script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else Path("python")
-        return {"script": str(script), "argv": sys.argv[1:], "command": [sys.executable, *sys.argv],
+        return {"script": str(self.script), "argv": sys.argv[1:], "command": [sys.executable, *sys.argv],
                 **self.probe_schedule.header_fields(), "underflow_every": self.underflow_every,
                 "layers": self.probe.names,
                 "compile": ({"modules": list(self.compiled_modules), "act": "in_graph", "diagnosis": "none"}

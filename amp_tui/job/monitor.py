@@ -99,7 +99,7 @@ class Monitor(RunController):
                             framework=framework)
         self.optimizer = driver.optimizer
         self.scheduler = scheduler
-        script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else Path("python")
+        script = driver.script
         # A loop under torchrun: rank 0 records and serves the socket, every rank agrees at the
         # boundaries (job/distributed.py).
         ranks = Ranks.of_loop(model)

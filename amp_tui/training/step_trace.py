@@ -2,8 +2,8 @@
 micro-batches started from: the first aten op that made inf or NaN, and the remedy tried on it;
 and a step X-rayed on request (`xray_step`), before it runs, from the state it starts from.
 
-The failing step's replay runs only on a failing step. The replay leaves the weights, their `.grad`, the optimizer, the
-scaler and the RNG as they were (training/op_trace.py), so the run goes on exactly as without it;
+The replay runs only on a failing step (or on request). It leaves the weights, their `.grad`, the
+optimizer, the scaler and the RNG as they were (training/op_trace.py), so the run goes on exactly as without it;
 whatever the replay itself raises is caught and said in `op_trace_error`, never raised.
 """
 
@@ -52,7 +52,6 @@ def trace_failing_step(model: torch.nn.Module, forward_of: Callable[[Any], Any],
         return fields
     except Exception as exc:  # noqa: BLE001 - a diagnosis must never stop the run
         return {"op_trace_error": f"{type(exc).__name__}: {exc}"}
-
 
 
 def xray_step(model: torch.nn.Module, forward: Callable[[], Any], rng: RngSnapshot, *, scale: float | None,
