@@ -193,6 +193,7 @@ class RunController:
                 "scale": self.precision.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
                 "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
                 "run_dir": str(self.run_dir), "script": str(self.script),
+                **({"probes": schedule.status_field()} if (schedule := getattr(t, "probe_schedule", None)) else {}),
                 **(self.ranks.header_fields() if self.ranks else {})}
 
     def outcome(self) -> RunOutcome:

@@ -66,37 +66,38 @@ class MonitoredStep:
 
 def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
             dtype: str | None = None, run_dir: str | Path | None = None, probe_every: int | str = "auto",
-            probe_budget: float = 1.0, underflow_every: int = 10, checkpoint_every: int | None = None,
-            control: bool = True, announce: bool = True, tensorboard_dir: str | Path | None = None) -> Monitor:
+            probe_budget: float = 1.0, probe_alert_bits: float = 3.0, underflow_every: int = 10,
+            checkpoint_every: int | None = None, control: bool = True, announce: bool = True,
+            tensorboard_dir: str | Path | None = None) -> Monitor:
     """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
 
     `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default fp16
     when an enabled GradScaler is given, else bf16 where the device has it (fp32 otherwise).
     `run_dir`: where the session goes (default: $AMP_TUI_RUN_DIR, set by `amp-tui run`, or
     runs/<time>-<script>). `probe_every`: "auto" (per-layer figures spaced so that they cost at
-    most `probe_budget` percent of the training time, every step from the first sign of trouble)
-    or N (every N steps). `announce`: print one line saying how to attach. `tensorboard_dir`:
-    also write the recording there as TensorBoard event files, live (pip install
-    'amp-tui[tensorboard]')."""
+    most `probe_budget` percent of the training time, every step from the first sign of trouble,
+    a layer within `probe_alert_bits` of the dtype's max among them) or N (every N steps).
+    `announce`: print one line saying how to attach. `tensorboard_dir`: also write the recording
+    there as TensorBoard event files, live (pip install 'amp-tui[tensorboard]')."""
     return Monitor(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, run_dir=run_dir,
-                   probe_every=probe_every, probe_budget=probe_budget, underflow_every=underflow_every,
-                   checkpoint_every=checkpoint_every, control=control, announce=announce,
-                   tensorboard_dir=tensorboard_dir)
+                   probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
+                   underflow_every=underflow_every, checkpoint_every=checkpoint_every, control=control,
+                   announce=announce, tensorboard_dir=tensorboard_dir)
 
 
 class Monitor(RunController):
     STOP_ANSWER = "stopping: monitor.should_stop is now True"
 
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
-                 probe_every="auto", probe_budget=1.0, underflow_every=10, checkpoint_every=None, control=True,
-                 announce=True, tensorboard_dir=None, framework: str | None = None):
+                 probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0, underflow_every=10,
+                 checkpoint_every=None, control=True, announce=True, tensorboard_dir=None, framework=None):
         # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the
         # steps from its hooks.
         self.framework = framework
         self.model = model
         driver = HookDriver(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype,
-                            probe_every=probe_every, probe_budget=probe_budget, underflow_every=underflow_every,
-                            framework=framework)
+                            probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
+                            underflow_every=underflow_every, framework=framework)
         self.optimizer = driver.optimizer
         self.scheduler = scheduler
         script = driver.script

@@ -245,3 +245,11 @@ def test_the_probe_command_in_a_monitored_loop_and_under_lightning(tmp_path):
             [(at[0], "every", "command", "api"), (at[1], "auto", "command", "api")]
         assert probes_events(s)[0]["message"] == "probing every step: asked for"
         assert all("layers" in r for r in s.steps if at[0] <= r["step"] < at[1])
+
+
+def test_the_monitor_takes_the_headroom_that_escalates(tmp_path):
+    """`probe_alert_bits=` reaches the monitor's schedule: a layer within that many bits of
+    fp16's max (here every layer: fp16 has 16 bits above 1) probes every step."""
+    wary = probes_events(monitored_loop(tmp_path / "wary", 12, init_scale=1.0, probe_alert_bits=30))
+    assert wary and (wary[0]["mode"], wary[0]["reason"]) == ("every", "headroom")
+    assert not probes_events(monitored_loop(tmp_path / "default", 12, init_scale=1.0))
