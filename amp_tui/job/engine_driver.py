@@ -150,7 +150,10 @@ class EngineDriver:
             run.recorder.hold()
             run.after_step(result)
         else:
-            run.record_step(result)
+            # Batched (a few steps formatted together, at most PUBLISH_INTERVAL late; a non-finite
+            # or paused step at once): formatting one between every two steps finds the caches
+            # cold, and several ranks keep their order through the recorder's hold instead.
+            run.record_step(result, batched=not self.ranks)
         if result.xray is not None:
             record_xray(run, result.step, result.xray)
         announce_probe_changes(run)
@@ -168,6 +171,8 @@ class EngineDriver:
         file now, for whoever reads it next (as while paused)."""
         due, self._figures_due = self._figures_due, None
         if due is None:
+            if self.run is not None:
+                self.run.publish()   # the steps recorded in a batch, before whatever comes next
             return
         figures, own = due
         run = self.run
