@@ -105,22 +105,14 @@ def set_probes(run: RunController, command: Command) -> Outcome:
 
 
 def xray(run: RunController, command: Command) -> Outcome:
-    """`xray`: the next step traced op by op before it runs (engine.py, `request_xray`); its file
-    and event come once the step ran (run_records.py, `record_xray`)."""
-    request = getattr(run.driver, "request_xray", None)
-    if request is None:
-        return run.refused(command, XRAY_NEEDS_TRAIN)
+    """`xray`: the next step traced op by op (engine.py before it runs; in the user's own loop as
+    its first forward starts: hook_driver.py); its file and event come once the step ran
+    (run_records.py, `record_xray`)."""
     if run.ranks:
         return run.refused(command, "the X-ray runs with one process only: a rank alone can't run "
                                     "DDP's collectives in a replay of the step")
-    request()
+    run.driver.request_xray({"source": command.source, **({"client": command.client} if command.client else {})})
     return Outcome(True, f"step {run.step_index} will be X-rayed: its file and event come once it ran")
-
-
-# Only amp-tui's own loop can run a step's forward and backward a second time.
-XRAY_NEEDS_TRAIN = ("the X-ray needs amp-tui train: in your own loop amp-tui only watches the step through "
-                    "hooks and can't run it a second time (run the script with amp-tui train, or call "
-                    "amp_tui.training.op_xray.xray on one batch yourself)")
 
 
 def fall_back(run: RunController, move: LadderMove) -> None:

@@ -60,6 +60,7 @@ class EngineDriver:
         for pattern in config.fp32_modules:
             self.local_fp32.add(pattern)  # ModuleMatchError names a pattern that matches nothing
         self.run: RunController | None = None
+        self._xray_by: dict = {}   # who asked for the X-ray of the next step (its event says)
         # Several ranks: the last probed step's figures on their way to rank 0 (what waits for
         # them, and the step's own result), its record held until then.
         self._figures_due: tuple[Callable[..., StepResult], StepResult] | None = None
@@ -83,7 +84,8 @@ class EngineDriver:
                 **self.trainer.probe_schedule.header_fields(), "underflow_every": cfg.underflow_every,
                 "layers": self.trainer.layer_names, "compile": self.trainer.compile_info()}
 
-    def request_xray(self) -> None:
+    def request_xray(self, by: dict | None = None) -> None:
+        self._xray_by = by or {}
         self.trainer.request_xray()
 
     def fp32_root(self) -> torch.nn.Module:
@@ -155,7 +157,7 @@ class EngineDriver:
             # cold, and several ranks keep their order through the recorder's hold instead.
             run.record_step(result, batched=not self.ranks)
         if result.xray is not None:
-            record_xray(run, result.step, result.xray)
+            record_xray(run, result.step, result.xray, self._xray_by)
         announce_probe_changes(run)
         if self.trainer.act_unmeasured and not self._act_unmeasured_said:
             self._act_unmeasured_said = True

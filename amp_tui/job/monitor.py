@@ -45,6 +45,7 @@ from amp_tui.job.distributed import Ranks
 from amp_tui.job.hook_driver import HookDriver, MonitorError
 from amp_tui.job.probe_events import announce_probe_changes
 from amp_tui.job.process_slot import ProcessSlot
+from amp_tui.job.run_records import record_xray
 from amp_tui.job.states import IoPolicy
 from amp_tui.training.autocast import autocast, torch_dtype
 from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
@@ -218,6 +219,8 @@ class Monitor(RunController):
         if self.ranks:
             result = self.ranks.gather_step(result, self.driver.probe.names, details=False)
         self.record_step(result, batched=True)
+        if result.xray is not None:
+            record_xray(self, result.step, result.xray, self.driver.xray_by)
         announce_probe_changes(self, step=result.step + 1)   # (the step counter moves on below)
         self.driver.update_done()
         self.after_update()
