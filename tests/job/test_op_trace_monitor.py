@@ -42,14 +42,16 @@ def nonfinite_events(run_dir) -> list[dict]:
     return events
 
 
-def attention_loop(run_dir, *, scaler: bool = True, steps: int = 2, accumulate: int = 1, monitor_kw=None):
-    """The user's own loop: the loss is computed outside the model, where amp-tui can't call it."""
+def attention_loop(run_dir, *, scaler: bool = True, steps: int = 2, accumulate: int = 1, first_scale: float = 1.0):
+    """The user's own loop: the loss is computed outside the model, where amp-tui can't call it.
+    `first_scale` multiplies the first micro-batch's input (small: it stays finite)."""
     model = attention_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.0 if scaler else 1e-3)
     grad_scaler = torch.amp.GradScaler("cpu") if scaler else None
     monitor = amp_tui.monitor(model, opt, scaler=grad_scaler, dtype="fp16" if scaler else "bf16",
-                              run_dir=run_dir, announce=False, **(monitor_kw or {}))
+                              run_dir=run_dir, announce=False)
     data = batches(steps * accumulate)
+    data[0] = (data[0][0] * first_scale, data[0][1])
     for i in range(steps):
         for j in range(accumulate):
             x, y = data[i * accumulate + j]
@@ -92,7 +94,8 @@ def test_attention_scores_overflowing_in_a_monitored_loop_name_the_product_and_a
 
 
 def test_each_micro_batch_is_kept_and_the_failing_one_replayed(tmp_path):
-    attention_loop(tmp_path / "run", steps=1, accumulate=2)
+    # The first micro-batch is finite, the second overflows: both kept, the second shows the op.
+    attention_loop(tmp_path / "run", steps=1, accumulate=2, first_scale=0.01)
     [record] = read_session(tmp_path / "run").steps
     assert record["micro_batches"] == 2
     event = nonfinite_events(tmp_path / "run")[0]
