@@ -7,10 +7,10 @@ step, hooks on the root module keep:
   a replay knows when the loop changed one in place since;
 - the RNG states as it started (CPU and device), so a replay draws the same dropout masks;
 - the autocast dtype in force as it started (the loop's own `torch.autocast`, or the monitor's);
-- the gradient that flowed into its outputs during the step's backward (a tensor hook on each
-  output, holding the gradient by reference), or, when the model returns its own loss (a
-  transformers model given labels), the gradient of that loss alone (the loss scale, divided by
-  the micro-batches), the one thing its backward starts from.
+- the gradient that flowed into its outputs during the step's backward (a pre-hook on the autograd
+  node that made each output, holding the gradient by reference: half the cost of a tensor hook),
+  or, when the model returns its own loss (a transformers model given labels), the gradient of that
+  loss alone (the loss scale, divided by the micro-batches), the one thing its backward starts from.
 
 The hooks keep only while `keeping()` says the loop is inside a step, and the driver drops what
 was kept when the step ends (after its replay, if it failed). The cost on a healthy step is the
@@ -42,11 +42,15 @@ class KeptForward:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)   # output leaf index -> gradient
     own_loss: bool = False                       # the model returned its loss
 
-    def keep_loss_grad(self, grad: torch.Tensor) -> None:
-        self.loss_grad = grad
-
-    def keep_grad(self, index: int, grad: torch.Tensor) -> None:
-        self.grads[index] = grad
+    def keep_grads(self, where: list[tuple[int | None, int]], grad_outputs) -> None:
+        """A node's pre-hook: the gradients of the outputs it made (`where`: each output's leaf
+        index, None for the loss, and its place among the node's outputs)."""
+        for index, output_nr in where:
+            grad = grad_outputs[output_nr]
+            if index is None:
+                self.loss_grad = grad
+            elif grad is not None:
+                self.grads[index] = grad
 
     def inputs_changed(self) -> bool:
         """The loop changed an input in place after this forward read it."""
@@ -120,8 +124,13 @@ class ForwardKeeper:
             # Its backward starts from the loss alone: the logits' gradient, which the loss made,
             # would count that path twice.
             kept.own_loss = True
-            loss.register_hook(kept.keep_loss_grad)
-            return
-        for index, leaf in enumerate(tree_leaves(output)):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point():
-                leaf.register_hook(partial(kept.keep_grad, index))
+            leaves = [(None, loss)]
+        else:
+            leaves = [(i, t) for i, t in enumerate(tree_leaves(output))
+                      if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.is_floating_point()]
+        # One pre-hook per node (outputs of one split share theirs); the hook holds no tensor.
+        nodes: dict = {}
+        for index, leaf in leaves:
+            nodes.setdefault(leaf.grad_fn, []).append((index, leaf.output_nr))
+        for node, where in nodes.items():
+            node.register_prehook(partial(kept.keep_grads, where))

@@ -51,7 +51,7 @@ class RngSnapshot:
 
 def rng_snapshot() -> RngSnapshot:
     """The generators' states before a step, for a replay of that step to draw the same numbers."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None   # (False without CUDA)
     return RngSnapshot(torch.get_rng_state(), cuda)
 
 
