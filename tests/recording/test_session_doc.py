@@ -10,7 +10,9 @@ import re
 import threading
 
 import pytest
+import torch
 
+import amp_tui
 from amp_tui.cli import main
 from amp_tui.job.control import send
 from amp_tui.training.guards import GuardConfig
@@ -131,7 +133,8 @@ def records(tmp_path_factory) -> list[dict]:
     def on_record(record):
         if record.get("kind") == "paused" or (record.get("action") == "pause"
                                               and record.get("after", {}).get("state") == "paused"):
-            commands = ["step", "note=answered over ctl", "probe=auto", "resume"] if not pauses else ["resume"]
+            commands = (["step", "note=answered over ctl", "probe=auto", "xray", "resume"] if not pauses
+                        else ["resume"])
             pauses.append(record)
             threading.Thread(target=lambda: answers.extend(send(steered, c) for c in commands)).start()
     run.observers.append(on_record)
@@ -150,7 +153,28 @@ def records(tmp_path_factory) -> list[dict]:
     code = main(["train", str(script), "--headless", "--resume", str(steered), "--steps", "2"])
     assert code == 0
     out.extend(r for r in strict_lines(steered / "session.jsonl") if r.get("kind") == "resumed")
+    out.extend(monitored_overflow(folder / "monitored"))
     return out
+
+
+def monitored_overflow(run_dir) -> list[dict]:
+    """A loop of the user's own whose fp16 forward overflows: its replay's fields."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        model.weight.fill_(3000.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=run_dir, announce=False)
+    with monitor.step() as step:
+        with monitor.autocast():
+            out = model(torch.full((2, 8), 10.0))
+        step.loss = loss = out.float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    monitor.close()
+    return strict_lines(run_dir / "session.jsonl")
 
 
 def keys(records: list[dict], *, nested: bool) -> set[str]:
