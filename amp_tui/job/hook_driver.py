@@ -208,7 +208,8 @@ class HookDriver:
         self._handles.append(self.optimizer.register_step_post_hook(self._after_optimizer_step))
         self._handles.append(self.model.register_forward_pre_hook(self._forward_starts))
         self._handles.append(self.model.register_forward_hook(self._forward_ends))
-        self.keeper.attach()
+        if self.replay_failing:   # (several ranks replay nothing here: nothing to keep)
+            self.keeper.attach()
         if self.loop_scaler is not None:
             # Instance attributes over the class's methods: GradScaler.step calls self.unscale_,
             # so an unscale it does on its own is seen too. A disabled scaler is watched as well:

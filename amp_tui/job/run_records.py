@@ -126,8 +126,9 @@ def record_xray(run: RunController, step: int, xray: dict, by: dict | None = Non
     finds half of one."""
     name = xray_file_name(step)
     by = by or {}
+    asked = {"source": by["source"]} if "source" in by else {}   # an error names its source only
     if "error" in xray:
-        run.event("error", f"X-ray of step {step} failed: {xray['error']}", step=step, during="xray", **by)
+        run.event("error", f"X-ray of step {step} failed: {xray['error']}", step=step, during="xray", **asked)
         return
     path = run.run_dir / name
     temporary = path.with_name(f".{name}.tmp")
@@ -138,7 +139,7 @@ def record_xray(run: RunController, step: int, xray: dict, by: dict | None = Non
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
         run.event("error", f"X-ray of step {step} not written: {exc.strerror or exc}: {path}", step=step,
-                  during="xray", **by)
+                  during="xray", **asked)
         return
     first = (xray.get("closest") or [{}])[0]
     run.event("xray", xray_message(step, xray), step=step, path=name, dtype=xray.get("dtype"),

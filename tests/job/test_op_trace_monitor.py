@@ -178,7 +178,7 @@ def test_xray_in_the_users_own_loop_traces_the_next_forward_and_names_who_asked(
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = amp_tui.monitor(model, opt, dtype="bf16", run_dir=tmp_path / "run", announce=False)
     answers = []
-    command = Command("xray", None, "socket", client="laptop")
+    command = Command("xray", None, "ctl pid=1 user=me", client={"pid": 1, "uid": 1000, "user": "me"})
     command.on_done = answers.append
     monitor.submit(command)
     losses = []
@@ -195,7 +195,7 @@ def test_xray_in_the_users_own_loop_traces_the_next_forward_and_names_who_asked(
     assert answers and answers[0].ok, answers
     session = read_session(tmp_path / "run")
     [event] = [e for e in session.events if e["kind"] == "xray"]
-    assert (event["step"], event["source"], event["client"]) == (0, "socket", "laptop")
+    assert (event["step"], event["source"], event["client"]["user"]) == (0, "ctl pid=1 user=me", "me")
     xray = json.loads((tmp_path / "run" / event["path"]).read_text(encoding="utf-8"))
     assert xray["backward_from"] == "loss" and xray["dtype"] == "bfloat16"
     phases = {(m["module"], op["phase"]) for m in xray["modules"] for op in m["ops"]}
