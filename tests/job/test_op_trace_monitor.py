@@ -202,3 +202,39 @@ def test_xray_in_the_users_own_loop_traces_the_next_forward_and_names_who_asked(
     assert ("body", "forward") in phases and ("head.proj", "backward") in phases
     # The X-ray moved nothing: the step's own loss is the one recorded.
     assert session.steps[0]["loss"] == losses[0]
+
+
+class Amplifier(nn.Module):
+    """A head with large weights: its forward stays in fp16's range, the gradient through it
+    (its weights times the loss scale) does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.head.weight.mul_(2000.0)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def test_a_backward_overflow_is_replayed_from_the_gradient_that_reached_the_outputs(tmp_path):
+    torch.manual_seed(0)
+    model = Amplifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=tmp_path / "run", announce=False)
+    with monitor.step() as step:
+        with monitor.autocast():
+            out = model(torch.randn(4, 16))
+        step.loss = loss = out.float().mean()   # the loss code: outside the model
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    monitor.close()
+    event = nonfinite_events(tmp_path / "run")[0]
+    assert event["where"] == "gradients" and event["op_replay_from"] == "outputs"
+    assert (event["op_phase"], event["op_module"], event["op_output_dtype"]) == ("backward", "head", "float16")
+    assert event["op_replay_exact"] is True
+    assert (event["fix"], event["fix_verified"]) == ("--dtype bf16", True)
