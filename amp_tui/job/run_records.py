@@ -77,7 +77,9 @@ def op_sentence(fields: dict) -> str:
         return ""
     fix = fields.get("fix")
     if fix:
-        message += f"; fix: {fix} ({'verified on this step' if fields.get('fix_verified') else 'not verified'})"
+        # In the user's own loop a fix may be checked on the forward alone (op_replay_from).
+        step = "this step's forward" if fields.get("op_replay_from") == "forward" else "this step"
+        message += f"; fix: {fix} ({f'verified on {step}' if fields.get('fix_verified') else 'not verified'})"
     return message
 
 
