@@ -96,6 +96,10 @@ class HookDriver:
         self.keeper = ForwardKeeper(model, self.device.type, lambda: self.in_step())
         self.keeper.on_kept = self._xray_if_due
         self.replay_failing = True
+        # A probed step whose loss and gradients came out finite while a layer's output held
+        # inf/NaN (a saturating op after it hid it) is a non-finite step of its own, "activations".
+        self.hidden_activations = True
+        self._hidden_act_layer: str | None = None   # the hidden non-finite activation said last
         self._xray_due: dict | None = None   # who asked for the X-ray of the next step
         self._xray: tuple[dict, dict] | None = None   # this step's X-ray, and who asked for it
         self.xray_by: dict = {}               # ... of the last step's X-ray (StepResult.xray)
@@ -126,6 +130,8 @@ class HookDriver:
                                             alert_bits=self.probe_schedule.alert_bits, names=self.probe.names)
         self.unplanned_figures = False
         self.replay_failing = False   # a rank alone can't run DDP's collectives in a replay
+        # This rank's figures alone would make the step non-finite on this rank only.
+        self.hidden_activations = False
 
     @property
     def probe_every(self) -> int | str:
@@ -377,6 +383,8 @@ class HookDriver:
         if nonfinite is not None and figures is not None:
             index = figures.first_nonfinite("act" if nonfinite == "loss" else "grad")
             first = self.probe.names[index] if index is not None else None
+        elif nonfinite is None and (first := self._hidden_activation(figures)) is not None:
+            nonfinite = "activations"
         result = StepResult(
             step=self.step_index, loss=mean_loss, scale=used_scale, skipped=skipped,
             skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
@@ -389,6 +397,19 @@ class HookDriver:
         if self._xray is not None:
             (result.xray, self.xray_by), self._xray = self._xray, None
         return result
+
+    def _hidden_activation(self, figures) -> str | None:
+        """The first layer whose output held inf/NaN on a probed step whose loss and gradients came
+        out finite, when that is news: said once, and again only after a probed step found it
+        finite (or another layer first), as `amp-tui train` does. An unprobed step measures no
+        activation and can't tell."""
+        if figures is None or not self.hidden_activations:
+            return None
+        index = figures.first_nonfinite("act")
+        layer = self.probe.names[index] if index is not None else None
+        news = layer is not None and layer != self._hidden_act_layer
+        self._hidden_act_layer = layer
+        return layer if news else None
 
     # ---- the step replayed under the op tracer -------------------------------------------------
     def request_xray(self, by: dict | None = None) -> None:

@@ -9,8 +9,9 @@ gradients that flowed into its outputs from the loop's loss code (`"outputs"`); 
 with gradients the broken forward already made non-finite, the forward alone (`"forward"`).
 
 Where the replay can't be the step as it ran, `op_replay_exact` is false and `op_message` says
-why: the loop applied the step's update before amp-tui saw the step (no GradScaler skipped it),
-so the replay runs on the weights after it; or the loop changed an input in place after the
+why: the loop applied the step's update before amp-tui saw the step (no GradScaler skipped it:
+there was none, or the gradients were finite, as with an activation a saturating op hid), so the
+replay runs on the weights after it; or the loop changed an input in place after the
 forward read it. Like every replay it leaves the weights, their `.grad`, the optimizer, the
 scaler and the RNG as they were, and never raises: a failure is said in `op_trace_error`.
 """
@@ -31,7 +32,8 @@ from amp_tui.training.op_xray import xray
 from amp_tui.training.step_trace import OP_FIELDS
 
 UPDATE_APPLIED = ("not exact: replayed on the weights after this step's update, which the loop applied "
-                  "before amp-tui saw the step (no GradScaler skipped it)")
+                  "before amp-tui saw the step (no GradScaler skipped it: none was there, or the gradients "
+                  "were finite)")
 INPUT_CHANGED = "not exact: the loop changed an input of the forward in place after it ran"
 GRADIENT_BROKEN = ("the backward was not replayed: the gradient that reached the model's outputs was "
                    "already non-finite (made from the broken forward, or by the loss code outside the model)")
