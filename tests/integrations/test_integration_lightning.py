@@ -288,3 +288,39 @@ def test_an_attention_overflow_planted_in_16_mixed_is_traced_to_its_product_in_t
     assert [i["dtype"] for i in event["op_inputs"]] == ["float16", "float16"]
     assert event["op_replay_exact"] is True
     assert (event["fix"], event["fix_verified"]) == ("--fp32-modules 'net.blocks.1.attn'", True)
+
+
+def test_an_activation_a_tanh_hides_in_16_mixed_is_said_at_the_first_probed_step_that_shows_it(tmp_path):
+    """A Linear whose fp16 output passes 65504, then a tanh: the loss and the gradients stay finite.
+    Step 1 overflows unprobed (nothing to tell), step 2 is probed: the event is there."""
+
+    class Saturated(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.big, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+            with torch.no_grad():
+                self.big.weight.fill_(1000.0)   # 8 x 10 x 1000 = 80000: past fp16's 65504
+                self.big.bias.zero_()
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.big(x)))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self(x).float(), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    x = torch.cat([torch.full((2, 8), 0.1), torch.full((4, 8), 10.0)])
+    data = torch.utils.data.TensorDataset(x, torch.zeros(6, 1))
+    callback = AmpTuiCallback(run_dir=tmp_path / "run", announce=False, probe_every=2)
+    trainer = pl_trainer([callback], steps=3, plugins=[MixedPrecision("16-mixed", "cpu")])
+    trainer.fit(Saturated(), torch.utils.data.DataLoader(data, batch_size=2))
+    session = read_session(tmp_path / "run")
+    assert [s.get("nonfinite") for s in session.steps] == [None, None, "activations"]
+    [event] = [e for e in session.events if e["kind"] == "nonfinite"]
+    assert (event["step"], event["where"], event["layer"]) == (2, "activations", "big")
+    assert event["op"] in ("aten.addmm", "aten.mm", "aten.linear")
+    assert (event["op_module"], event["op_phase"], event["op_output_dtype"]) == ("big", "forward", "float16")
+    assert (event["fix"], event["fix_verified"]) == ("--fp32-modules 'big'", True)
