@@ -38,7 +38,7 @@ from amp_tui.training.kept_step_trace import trace_kept_step, xray_kept
 from amp_tui.training.local_fp32 import LocalFp32
 from amp_tui.training.precision_state import BorrowedScaling, PrecisionRefused
 from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
-from amp_tui.training.probes import LayerProbe
+from amp_tui.training.probes import LayerFigures, LayerProbe
 
 
 class MonitorError(RuntimeError):
@@ -398,7 +398,7 @@ class HookDriver:
             (result.xray, self.xray_by), self._xray = self._xray, None
         return result
 
-    def _hidden_activation(self, figures) -> str | None:
+    def _hidden_activation(self, figures: LayerFigures | None) -> str | None:
         """The first layer whose output held inf/NaN on a probed step whose loss and gradients came
         out finite, when that is news: said once, and again only after a probed step found it
         finite (or another layer first), as `amp-tui train` does. An unprobed step measures no
