@@ -573,7 +573,7 @@ def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Te
     GradScaler's own fused check, one call per dtype and device, with an inverse scale of 1
     (which leaves every gradient as it is): on the CPU a third of an aminmax per gradient and a
     stack, on CUDA one kernel launch."""
-    found = torch.zeros(1, device=device)
+    found = torch.zeros((), device=device)   # 0-d, as GradScaler's (a DTensor op replicates it as it is)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         if g.is_sparse:
@@ -581,8 +581,8 @@ def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Te
         groups.setdefault((g.device, g.dtype), []).append(g)
     with torch.no_grad():
         for (where, _), tensors in groups.items():
-            flag = found if where == found.device else torch.zeros(1, device=where)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, torch.ones(1, device=where))
+            flag = found if where == found.device else torch.zeros((), device=where)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, torch.ones((), device=where))
             if flag is not found:
                 found = torch.maximum(found, flag.to(found.device))
     return found

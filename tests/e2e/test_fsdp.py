@@ -9,6 +9,8 @@ progress.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -16,14 +18,24 @@ import pytest
 
 from amp_tui.recording.reader import read_session
 
-from support import RANK_TIMEOUT_S, rank_end, rank_events, train_ranks
+from support import (
+    RANK_TIMEOUT_S,
+    rank_command,
+    rank_end,
+    rank_events,
+    rank_pid,
+    steer_to_its_end,
+    step_count,
+    train_ranks,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 # Two Linear blocks whose first dimension shards unevenly over 2 ranks (16 rows, then 1: rank 1
 # holds an empty shard of the last weight). `--own` shards the model in setup() itself.
 FSDP_SCRIPT = '''
-import argparse
+import argparse, hashlib
 import torch
 from torch import nn
 
@@ -33,6 +45,7 @@ def setup(ctx):
     p.add_argument("--nan", default=None)
     p.add_argument("--own", action="store_true")
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--digests", default=None)
     a = p.parse_args(ctx.argv)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -50,7 +63,18 @@ def setup(ctx):
         rank, batch = (int(v) for v in a.nan.split(":"))
         if rank == ctx.rank:
             batches[batch][0][0, 0] = float("nan")
+    def digest(model):
+        # Every rank gathers the whole weights (a collective, the same on every rank); rank 0
+        # writes their digest, one line per forward.
+        with torch.no_grad():
+            full = [p.full_tensor() for p in model.parameters()]
+        if ctx.rank == 0:
+            h = hashlib.sha256(b"".join(t.numpy().tobytes() for t in full)).hexdigest()
+            with open(a.digests, "a") as out:
+                out.write(h + "\\n")
     def loss_fn(model, batch):
+        if a.digests:
+            digest(model)
         if a.sleep:
             import time
             time.sleep(a.sleep)
@@ -125,3 +149,66 @@ def test_fsdp_nan_on_rank_1_only_skips_on_both_and_names_rank_and_layer(write_sc
     assert [r["step"] for r in session.steps if r["skipped"]] == [2]
     assert [s for s, kind, _ in rank_events(run_dir) if kind == "nonfinite"] == [2]
     assert rank_end(run_dir)["skipped"] == session.end["skipped_total"] == 1
+
+
+def test_fsdp_save_and_restore_mid_run_land_on_both_ranks_and_bring_the_weights_back_bitwise(write_script, tmp_path):
+    """Every forward, rank 0 writes a digest of the whole weights (gathered from the shards): the
+    forward after the restore runs on the very weights of the forward after the save."""
+    script = write_script(FSDP_SCRIPT)
+    run_dir, digests = tmp_path / "run", tmp_path / "digests.txt"
+    done = train_ranks(script, run_dir, "--fsdp", "--dtype", "bf16", "--steps", "6", "--dist-timeout", "60",
+                       "--at", "2:save", "--at", "3:note=between", "--at", "4:restore=latest",
+                       script_args=["--digests", str(digests)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    forwards = digests.read_text().split()
+    assert len(forwards) == 6   # one forward per step, the first kept from the pre-flight
+    assert forwards[4] == forwards[2] and forwards[3] != forwards[2]
+    session = read_session(run_dir)
+    kinds = ("checkpoint_saved", "checkpoint_restored", "note")
+    ours = [(e["step"], e["kind"]) for e in session.events if e["kind"] in kinds]
+    assert ours == [(2, "checkpoint_saved"), (3, "note"), (4, "checkpoint_restored")]
+    assert [(s, k) for s, k, _ in rank_events(run_dir) if k in kinds] == ours   # rank 1: the same steps
+    # One safetensors file, the whole model in it, readable without amp-tui.
+    from safetensors import safe_open
+    saved = next(e for e in session.events if e["kind"] == "checkpoint_saved")
+    with safe_open(str(run_dir / saved["path"]), framework="pt") as f:
+        assert f.get_tensor("model.0.weight").shape == (16, 8) and f.get_tensor("model.2.weight").shape == (1, 16)
+    assert rank_end(run_dir)["updates"] == session.end["updates"]
+
+
+def test_fsdp_resume_after_a_kill_and_refuse_another_world_size(write_script, tmp_path):
+    script = write_script(FSDP_SCRIPT)
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen(rank_command(script, run_dir, "--fsdp", "--dtype", "bf16", "--checkpoint-every", "2",
+                                        "--dist-timeout", "60", script_args=["--sleep", "0.05"]),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+
+    def steer():
+        def going() -> bool:
+            if job.poll() is not None:
+                raise AssertionError(f"the job exited with status {job.returncode}: {job.stdout.read()}")
+            return step_count(run_dir / "session.jsonl") >= 4 and rank_pid(run_dir) is not None
+        assert wait_for(going, RANK_TIMEOUT_S), "the job never got going"
+        os.kill(rank_pid(run_dir), signal.SIGKILL)
+    out = steer_to_its_end(job, steer)
+    assert job.returncode != 0, out
+    killed = read_session(run_dir)
+    assert killed.end["status"] == "error"
+    [lost] = [e for e in killed.events if e["kind"] == "error"]
+    assert "another rank is gone" in lost["message"]
+    saved = [e["checkpoint_step"] for e in killed.events if e["kind"] == "checkpoint_saved"]
+    assert saved, killed.events
+    # Another world size: refused before anything is written.
+    before = (run_dir / "session.jsonl").read_bytes()
+    alone = one_process(script, run_dir, "--steps", "2", "--resume", str(run_dir))
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    assert "saved by a run of 2 ranks and this one has 1" in alone.stderr and "--nproc 2" in alone.stderr
+    assert (run_dir / "session.jsonl").read_bytes() == before
+    # The same world size goes on from the newest checkpoint, on both ranks.
+    again = train_ranks(script, run_dir, "--fsdp", "--dtype", "bf16", "--steps", "2", "--resume", str(run_dir),
+                        with_run_dir=False)
+    assert again.returncode == 0, again.stdout + again.stderr
+    session = read_session(run_dir)
+    [resumed] = [e for e in session.events if e["kind"] == "resumed"]
+    assert resumed["checkpoint_step"] == saved[-1]
+    assert rank_end(run_dir)["state"] == "finished" and rank_end(run_dir)["step"] == session.end["step"]
