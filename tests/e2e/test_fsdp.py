@@ -10,12 +10,14 @@ progress.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 
 import pytest
 
+from amp_tui.job.control import send
 from amp_tui.recording.reader import read_session
 
 from support import (
@@ -212,3 +214,91 @@ def test_fsdp_resume_after_a_kill_and_refuse_another_world_size(write_script, tm
     [resumed] = [e for e in session.events if e["kind"] == "resumed"]
     assert resumed["checkpoint_step"] == saved[-1]
     assert rank_end(run_dir)["state"] == "finished" and rank_end(run_dir)["step"] == session.end["step"]
+
+
+# A loop of the user's own under torchrun that shards its model itself, with a GradScaler,
+# clipping on the sharded total norm and amp_tui.monitor. Each rank prints where it stopped, its
+# scale and every change of autocast dtype it saw.
+OWN_FSDP_LOOP_SCRIPT = '''
+import os, time
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+import amp_tui
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+fully_shard(model[0])
+fully_shard(model[2])
+fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu", init_scale=256)
+xs = torch.randn(64, 8, generator=torch.Generator().manual_seed(rank))
+batches = [(xs[i:i + 16], xs[i:i + 16].sum(1, keepdim=True)) for i in range(0, 64, 16)]
+monitor = amp_tui.monitor(model, optimizer, scaler=scaler)
+seen = []
+for i in range(100000):
+    x, y = batches[i % len(batches)]
+    optimizer.zero_grad()
+    with monitor.step() as step:
+        with monitor.autocast():
+            dtype = str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else "fp32"
+            if not seen or seen[-1][1] != dtype:
+                seen.append((i, dtype))
+            loss = nn.functional.mse_loss(model(x), y)
+        step.loss = loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        scaler.step(optimizer)
+        scaler.update()
+    time.sleep(0.02)
+    if monitor.should_stop:
+        break
+monitor.close()
+print(f"rank {rank} stopped at {i}, scale {scaler.get_scale()}; dtypes {seen}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_amp_tui_run_follows_a_torchrun_loop_that_shards_its_own_model(write_script, tmp_path):
+    script = write_script(OWN_FSDP_LOOP_SCRIPT, "loop.py")
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "-m", "amp_tui", "run", "--headless", "--run-dir", str(run_dir), "--",
+                            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            str(script)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def steer():
+        assert wait_for(lambda: step_count(run_dir / "session.jsonl") >= 3, RANK_TIMEOUT_S)
+        assert send(run_dir, "dtype=bf16")["ok"]
+        assert wait_for(lambda: any(r.get("dtype") == "bfloat16" for r in read_session(run_dir).steps),
+                        RANK_TIMEOUT_S)
+        assert send(run_dir, "stop")["ok"]
+    out = steer_to_its_end(job, steer)
+    assert job.returncode == 0, out
+    session = read_session(run_dir)
+    assert session.header["world_size"] == 2
+    for r in session.steps:
+        assert len(r["rank_loss"]) == 2 and len(r["layers"]["grad"]) == len(r["layers"]["weight"]) == 2
+    ends = dict(re.findall(r"rank (\d) stopped at (.*)", out))
+    assert set(ends) == {"0", "1"} and ends["0"] == ends["1"], out   # the same step, scale and switch
+    switch = next(e for e in session.events if e.get("action") == "dtype")
+    assert f"({switch['step']}, 'torch.bfloat16')" in ends["0"]
+
+
+def test_a_model_the_script_sharded_itself_is_left_as_it_is(write_script, tmp_path):
+    script = write_script(FSDP_SCRIPT)
+    run_dir = tmp_path / "run"
+    done = train_ranks(script, run_dir, "--fsdp", "--dtype", "bf16", "--steps", "3", "--probe-every", "1",
+                       script_args=["--own"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sharded already" in done.stdout + done.stderr
+    session = read_session(run_dir)
+    assert session.header["coordination"] == "collectives: the model is sharded with FSDP2 (fully_shard)"
+    assert session.header["layers"] == ["0", "2"] and len(session.steps) == 3
+    assert all(len(r["layers"]["weight"]) == 2 for r in session.steps)
