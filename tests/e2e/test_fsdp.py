@@ -153,23 +153,25 @@ def test_fsdp_nan_on_rank_1_only_skips_on_both_and_names_rank_and_layer(write_sc
     assert rank_end(run_dir)["skipped"] == session.end["skipped_total"] == 1
 
 
-def test_fsdp_save_and_restore_mid_run_land_on_both_ranks_and_bring_the_weights_back_bitwise(write_script, tmp_path):
+def test_fsdp_at_commands_land_on_both_ranks_and_a_restore_brings_the_weights_back_bitwise(write_script, tmp_path):
     """Every forward, rank 0 writes a digest of the whole weights (gathered from the shards): the
     forward after the restore runs on the very weights of the forward after the save."""
     script = write_script(FSDP_SCRIPT)
     run_dir, digests = tmp_path / "run", tmp_path / "digests.txt"
     done = train_ranks(script, run_dir, "--fsdp", "--dtype", "bf16", "--steps", "6", "--dist-timeout", "60",
                        "--at", "2:save", "--at", "3:note=between", "--at", "4:restore=latest",
-                       script_args=["--digests", str(digests)])
+                       "--at", "5:dtype=fp32", script_args=["--digests", str(digests)])
     assert done.returncode == 0, done.stdout + done.stderr
     forwards = digests.read_text().split()
     assert len(forwards) == 6   # one forward per step, the first kept from the pre-flight
     assert forwards[4] == forwards[2] and forwards[3] != forwards[2]
     session = read_session(run_dir)
-    kinds = ("checkpoint_saved", "checkpoint_restored", "note")
-    ours = [(e["step"], e["kind"]) for e in session.events if e["kind"] in kinds]
-    assert ours == [(2, "checkpoint_saved"), (3, "note"), (4, "checkpoint_restored")]
-    assert [(s, k) for s, k, _ in rank_events(run_dir) if k in kinds] == ours   # rank 1: the same steps
+    kinds = ("checkpoint_saved", "checkpoint_restored", "note", "intervention")
+    ours = [(e["step"], e["kind"]) for e in session.events if e["kind"] in kinds and e.get("action") != "save"]
+    assert ours == [(2, "checkpoint_saved"), (3, "note"), (4, "checkpoint_restored"), (5, "intervention")]
+    assert [r["dtype"] for r in session.steps] == ["bfloat16"] * 5 + ["float32"]
+    theirs = [(s, k) for s, k, _ in rank_events(run_dir) if k in kinds]
+    assert theirs == ours   # rank 1: the same steps
     # One safetensors file, the whole model in it, readable without amp-tui.
     from safetensors import safe_open
     saved = next(e for e in session.events if e["kind"] == "checkpoint_saved")
