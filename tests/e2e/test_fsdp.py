@@ -48,6 +48,7 @@ def setup(ctx):
     p.add_argument("--own", action="store_true")
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--digests", default=None)
+    p.add_argument("--accumulate", type=int, default=1)
     a = p.parse_args(ctx.argv)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -82,7 +83,8 @@ def setup(ctx):
             time.sleep(a.sleep)
         x, y = batch
         return nn.functional.mse_loss(model(x), y)
-    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches, "max_grad_norm": 50.0}
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches, "max_grad_norm": 50.0,
+            "accumulate": a.accumulate}
 '''
 
 
@@ -119,15 +121,17 @@ def test_fsdp_trains_with_per_layer_figures_and_agreed_skips(write_script, tmp_p
     assert skipped == [(r["step"], "nonfinite") for r in steps if r["skipped"]]
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_fsdp_figures_over_shards_equal_the_unsharded_models(write_script, tmp_path, dtype):
+@pytest.mark.parametrize(("dtype", "accumulate"), [("fp16", 1), ("bf16", 2)])
+def test_fsdp_figures_over_shards_equal_the_unsharded_models(write_script, tmp_path, dtype, accumulate):
     """The same data on both ranks: the averaged gradient is each rank's own, bitwise, so every
-    figure of the sharded run is that of the same model in one process."""
+    figure of the sharded run is that of the same model in one process (with 2 micro-batches
+    too: each one's backward reduce-scatters, and the shards add up)."""
     script = write_script(FSDP_SCRIPT)
     flags = ("--dtype", dtype, "--steps", "5", "--probe-every", "1")
-    sharded = train_ranks(script, tmp_path / "sharded", "--fsdp", *flags, script_args=["--same-data"])
+    data = ["--same-data", "--accumulate", str(accumulate)]
+    sharded = train_ranks(script, tmp_path / "sharded", "--fsdp", *flags, script_args=data)
     assert sharded.returncode == 0, sharded.stdout + sharded.stderr
-    whole = one_process(script, tmp_path / "whole", *flags, script_args=["--same-data"])
+    whole = one_process(script, tmp_path / "whole", *flags, script_args=data)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     a, b = read_session(tmp_path / "sharded").steps, read_session(tmp_path / "whole").steps
     assert len(a) == len(b) == 5
