@@ -308,3 +308,42 @@ def test_a_model_the_script_sharded_itself_is_left_as_it_is(write_script, tmp_pa
     assert session.header["coordination"] == "collectives: the model is sharded with FSDP2 (fully_shard)"
     assert session.header["layers"] == ["0", "2"] and len(session.steps) == 3
     assert all(len(r["layers"]["weight"]) == 2 for r in session.steps)
+
+
+def test_fsdp_scale_pause_single_step_and_resume_land_on_both_ranks(write_script, tmp_path):
+    """fp16 with a scale halved at step 1 and a pause at step 3, held longer than the process
+    group's timeout (the heartbeat), one single step over the control socket, then resume: rank 1
+    applies each at the step rank 0 does, and both end with the same counts and scale."""
+    script = write_script(FSDP_SCRIPT)
+    run_dir = tmp_path / "run"
+    timeout_s = 5
+    job = subprocess.Popen(rank_command(script, run_dir, "--fsdp", "--steps", "6", "--dist-timeout", str(timeout_s),
+                                        "--at", "1:scale=half", "--at", "3:pause"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+
+    def state():
+        if job.poll() is not None:
+            raise AssertionError(f"the job exited with status {job.returncode}: {job.stdout.read()}")
+        try:
+            return send(run_dir, "status", timeout=10)["status"]
+        except Exception:  # noqa: BLE001 - not serving yet: wait on
+            return {}
+
+    def steer():
+        assert wait_for(lambda: state().get("state") == "paused", RANK_TIMEOUT_S), "never paused"
+        assert state()["step"] == 3
+        assert not wait_for(lambda: job.poll() is not None, 2 * timeout_s)   # held past the timeout
+        assert send(run_dir, "step")["ok"]
+        assert wait_for(lambda: state().get("step") == 4 and state().get("state") == "paused", RANK_TIMEOUT_S)
+        assert send(run_dir, "resume")["ok"]
+    out = steer_to_its_end(job, steer)
+    assert job.returncode == 0, out
+    session = read_session(run_dir)
+    kinds = ("intervention",)
+    ours = [(e["step"], e.get("action")) for e in session.events if e["kind"] in kinds]
+    assert ours[:2] == [(1, "scale"), (3, "pause")] and (4, "resume") in ours, ours
+    theirs = [s for s, k, _ in rank_events(run_dir) if k in kinds]
+    assert theirs == [s for s, _ in ours]
+    end = session.end
+    assert rank_end(run_dir) == {"state": "finished", "step": 6, "updates": end["updates"],
+                                 "skipped": end["skipped_total"], "dtype": "fp16", "scale": end["scale"]}
