@@ -75,6 +75,9 @@ def add_parser(sub) -> None:
                        help="machines in the job (with --rdzv-endpoint; run the same command on each)")
     ranks.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="where the machines of a --nnodes job meet (torchrun's c10d rendezvous)")
+    ranks.add_argument("--fsdp", action="store_true",
+                       help="shard the model across the ranks with FSDP2's fully_shard: each block "
+                            "('fsdp_blocks' from setup(), else each module owning parameters), then the root")
     ranks.add_argument("--dist-timeout", type=argtypes.positive, default=None, metavar="S",
                        help="how long a rank waits for the others in a collective before the job stops "
                             "with an error (default 300)")
@@ -118,6 +121,8 @@ def cmd_train(args) -> int:
                      "(a paused job's ranks meet about once a second)")
     if distributed.is_rank():          # one process of a torchrun job (amp-tui train --nproc or torchrun)
         return distributed.train_rank(args)
+    if args.fsdp and args.nproc is None and args.nnodes is None:
+        return error("--fsdp shards the model across several ranks: give --nproc N (or run under torchrun)")
     if args.detach:
         return cmd_detach(args)
     if args.nproc is not None or args.nnodes is not None or args.rdzv_endpoint is not None:

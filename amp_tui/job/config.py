@@ -34,6 +34,7 @@ class RunConfig:
     command_line: list[str] = field(default_factory=list)
     guard: GuardConfig = field(default_factory=GuardConfig)
     fp32_modules: list[str] = field(default_factory=list)
+    fsdp: bool = False                   # shard the model with FSDP2's fully_shard (several ranks)
     flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)
     control: bool = False                # serve the control socket (amp-tui ctl / attach); rank 0 only
     device: str | None = None            # cpu, cuda, cuda:N; None: cuda when there is one (ranks: their own)

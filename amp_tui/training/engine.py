@@ -25,6 +25,7 @@ from amp_tui.training.op_trace import RngSnapshot, rng_snapshot
 from amp_tui.training.precision_state import OwnedScaling, PrecisionRefused
 from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
 from amp_tui.training.probes import LayerFigures, LayerProbe
+from amp_tui.training.sharding import full_value, is_sharded
 from amp_tui.training.step_trace import trace_failing_step, xray_step
 
 __all__ = ["GuardedTrainer", "LossError", "PrecisionRefused", "StepResult", "check_loss", "to_host"]
@@ -122,6 +123,8 @@ class GuardedTrainer:
         # torch.compile: the probes and the diagnosis look at the module the user wrote.
         self.eager_model = original_module(model)
         self.compiled_modules = compiled_module_names(model)
+        # FSDP2: each rank holds shards; what is judged from gradients must be agreed.
+        self.sharded = is_sharded(model)
         self.probe = LayerProbe(self.eager_model, keep_hooks=bool(self.compiled_modules)) if probe else None
         # Set once a probed step of a compiled model ran none of the hooks: its graph was
         # compiled before they were attached, and activations can't be measured inside it.
@@ -308,7 +311,8 @@ class GuardedTrainer:
             return self._skip_nonfinite_loss(micro_batches, bad, mean_loss, used_scale, lr, probe)
         self._unscale(used_scale)
         found_inf = self._measure_gradients(probe, used_scale)
-        grad_norm = (torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+        # Sharded: the total norm over every rank's shards (a DTensor), the same on every rank.
+        grad_norm = (full_value(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
                      if self.max_grad_norm is not None else None)
         if probe:
             probe.record_weights()  # before the update: the weights this step's forward used
@@ -406,8 +410,10 @@ class GuardedTrainer:
         if probe:
             underflow = self.probe_schedule.underflow_due(self.step_index, self.underflow_every)
             probe.record_gradients(used_scale, underflow=underflow)
-        if self.scaler is None and (self._unprobed_params or not probe):
-            params = self._unprobed_params if probe else self._params
+        # Sharded: the flag over every shard, which the DTensor op all-reduces (a rank's own
+        # figures see its shards only, and the ranks must skip alike).
+        if self.scaler is None and (self._unprobed_params or not probe or self.sharded):
+            params = self._unprobed_params if probe and not self.sharded else self._params
             return _nonfinite_flag([p.grad for p in params if p.grad is not None], self.device)
         return None
 
@@ -428,7 +434,8 @@ class GuardedTrainer:
         from the probes' figures or the flag, in the same one transfer."""
         flags = [found_inf] if found_inf is not None else []
         figures, host = probe.collect(flags + extra) if probe else (None, to_host(flags + extra))
-        skipped = (found_inf is not None and host.pop(0) > 0) or bool(figures and figures.grads_nonfinite)
+        skipped = ((found_inf is not None and host.pop(0) > 0)
+                   or bool(figures and figures.grads_nonfinite and not self.sharded))
         if not skipped:
             self.optimizer.step()
         return skipped, figures, host
@@ -506,9 +513,13 @@ class GuardedTrainer:
             return None
         diagnosis = None
         for batch in micro_batches:
-            diagnosis = diagnose(self.eager_model, lambda batch=batch: self._forward_unchecked(batch, self.eager_model),
-                                 scale=scale, device=self.device, backward=backward)
-            if diagnosis.forward_layer or diagnosis.backward_layer:
+            # Sharded: every rank replays the same forwards (each gathers the shards with the
+            # others) and no backward (whose gradients go to the unsharded parameters).
+            found = diagnose(self.eager_model, lambda batch=batch: self._forward_unchecked(batch, self.eager_model),
+                             scale=scale, device=self.device, backward=backward and not self.sharded)
+            if diagnosis is None or not (diagnosis.forward_layer or diagnosis.backward_layer):
+                diagnosis = found
+            if (diagnosis.forward_layer or diagnosis.backward_layer) and not self.sharded:
                 break
         self._zero_grad()
         return diagnosis
@@ -562,7 +573,7 @@ def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Te
     GradScaler's own fused check, one call per dtype and device, with an inverse scale of 1
     (which leaves every gradient as it is): on the CPU a third of an aminmax per gradient and a
     stack, on CUDA one kernel launch."""
-    found = torch.zeros(1, device=device)
+    found = torch.zeros((), device=device)   # 0-d, as GradScaler's (a DTensor op replicates it as it is)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         if g.is_sparse:
@@ -570,8 +581,8 @@ def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Te
         groups.setdefault((g.device, g.dtype), []).append(g)
     with torch.no_grad():
         for (where, _), tensors in groups.items():
-            flag = found if where == found.device else torch.zeros(1, device=where)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, torch.ones(1, device=where))
+            flag = found if where == found.device else torch.zeros((), device=where)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, torch.ones((), device=where))
             if flag is not found:
                 found = torch.maximum(found, flag.to(found.device))
     return found
