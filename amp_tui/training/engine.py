@@ -21,6 +21,7 @@ import torch
 from amp_tui.training.autocast import autocast
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.diagnose import Diagnosis, diagnose
+from amp_tui.training.isolation import FailedStep
 from amp_tui.training.op_trace import RngSnapshot, rng_snapshot
 from amp_tui.training.precision_state import OwnedScaling, PrecisionRefused
 from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
@@ -138,6 +139,7 @@ class GuardedTrainer:
         self.trace_ops = trace_ops
         self._batch_rng: list[RngSnapshot] = []
         self._xray_due = False   # request_xray(): the next step is traced op by op first
+        self.failed_step: FailedStep | None = None   # the last step traced, until the next one starts
         self._hidden_act_layer: str | None = None   # the hidden non-finite activation said last
         # Several ranks: the finite-loss check agreed by all of them. Called with the loss, it
         # starts the check and returns its answer to wait for (True: finite on every rank),
@@ -265,6 +267,7 @@ class GuardedTrainer:
         if ahead is not None and ahead.batch is not micro_batches[0]:
             ahead = None  # kept for another batch
         xray = self._xray(micro_batches, ahead) if self._xray_due else None
+        self.failed_step = None
         started = time.perf_counter()
         self._batch_rng = [ahead.rng] if ahead is not None else []
         probe = self.probe if self.probing_next() else None
@@ -533,12 +536,14 @@ class GuardedTrainer:
             return None
         n = len(micro_batches)
         factor = (scale if scale is not None else 1.0) / n
-        return trace_failing_step(
+        self.failed_step = FailedStep(
             self.eager_model, lambda batch: self.loss_fn(self.eager_model, batch),
             [micro_batches[i] for i in indices],
-            [self._batch_rng[i] if i < len(self._batch_rng) else None for i in indices],
-            scale=None if scale is None and n == 1 else factor, dtype=self.dtype, device=self.device,
-            backward=backward)
+            [self._batch_rng[i] if i < len(self._batch_rng) else None for i in indices], backward=backward,
+            scale=None if scale is None and n == 1 else factor, dtype=self.dtype, device=self.device)
+        f = self.failed_step
+        return trace_failing_step(f.model, f.forward_of, f.batches, f.rngs, scale=f.scale, dtype=f.dtype,
+                                  device=f.device, backward=backward)
 
     def _xray(self, micro_batches, ahead: _StartedStep | None) -> dict:
         """The step about to run, X-rayed on its first micro-batch with the backward as the step
