@@ -51,9 +51,10 @@ def add_parser(sub) -> None:
                             "headroom than this (default 3)")
     train.add_argument("--underflow-every", type=argtypes.positive_int, default=10, metavar="N",
                        help="underflow shares on every Nth probed step (default 10; 1 = every probe)")
-    train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback"), default=None,
+    train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback", "isolate"), default=None,
                        help="what a non-finite loss does (default: skip headless, pause in the "
-                            "dashboard); fallback moves fp16 -> bf16 -> fp32 when it keeps failing")
+                            "dashboard); fallback moves fp16 -> bf16 -> fp32 when it keeps failing; "
+                            "isolate puts the overflowing op's module in fp32 (u undoes it)")
     train.add_argument("--repeat-interventions", type=Path, default=None, metavar="RUN",
                        help="apply a recording's interventions again at the same steps")
     train.add_argument("--at", action="append", default=[], metavar="STEP:ACTION",
@@ -97,6 +98,9 @@ def add_parser(sub) -> None:
                         help="... or when X (0-1) of the last --storm-window updates were skipped (default 0.5)")
     guards.add_argument("--storm-window", type=argtypes.positive_int, default=20, metavar="N",
                         help="steps in the skip-storm window (default 20)")
+    guards.add_argument("--isolate-widen", type=argtypes.nonnegative_int, default=2, metavar="N",
+                        help="with --on-nonfinite isolate: enclosing modules tried when the op's module in "
+                             "fp32 leaves the step non-finite, before the ladder (default 2)")
     guards.add_argument("--rollback", action="store_true",
                         help="with --on-nonfinite fallback: restore the newest good checkpoint before moving")
     train.set_defaults(func=cmd_train)

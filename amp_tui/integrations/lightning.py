@@ -56,7 +56,7 @@ class AmpTuiCallback(_pl.Callback):
 
     def __init__(self, *unexpected, run_dir=None, probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0,
                  underflow_every=10, checkpoint_every=None, control=True, announce=True, tensorboard_dir=None,
-                 dtype=None):
+                 dtype=None, on_nonfinite="skip"):
         if unexpected:
             raise TypeError(f"AmpTuiCallback() takes no {type(unexpected[0]).__name__}: Lightning hands the "
                             "callback its Trainer, so give it to the Trainer: L.Trainer(callbacks=[AmpTuiCallback()])")
@@ -64,7 +64,7 @@ class AmpTuiCallback(_pl.Callback):
             "run_dir": run_dir, "probe_every": probe_every, "probe_budget": probe_budget,
             "probe_alert_bits": probe_alert_bits, "underflow_every": underflow_every,
             "checkpoint_every": checkpoint_every, "control": control, "announce": announce,
-            "tensorboard_dir": tensorboard_dir})
+            "tensorboard_dir": tensorboard_dir, "on_nonfinite": on_nonfinite})
         self.monitor: Monitor | None = None
         self._plugin = None      # the precision plugin whose forward_context is ours while watching
         self._in_step = False

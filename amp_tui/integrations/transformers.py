@@ -53,7 +53,7 @@ class AmpTuiCallback(TrainerCallback):
 
     def __init__(self, trainer: Trainer | None = None, *, run_dir=None, probe_every="auto", probe_budget=1.0,
                  probe_alert_bits=3.0, underflow_every=10, checkpoint_every=None, control=True, announce=True,
-                 tensorboard_dir=None, dtype=None):
+                 tensorboard_dir=None, dtype=None, on_nonfinite="skip"):
         if trainer is None:
             raise TypeError("AmpTuiCallback(trainer): pass the Trainer it watches, "
                             "trainer.add_callback(AmpTuiCallback(trainer)); a TrainerCallback is not handed "
@@ -66,7 +66,7 @@ class AmpTuiCallback(TrainerCallback):
             "run_dir": run_dir, "probe_every": probe_every, "probe_budget": probe_budget,
             "probe_alert_bits": probe_alert_bits, "underflow_every": underflow_every,
             "checkpoint_every": checkpoint_every, "control": control, "announce": announce,
-            "tensorboard_dir": tensorboard_dir})
+            "tensorboard_dir": tensorboard_dir, "on_nonfinite": on_nonfinite})
         self.monitor: Monitor | None = None
         self._loss = None
         self._in_step = False

@@ -113,8 +113,9 @@ def _settle(config: RunConfig, ranks: Ranks | None):
                               f"(module names look like {_example_names(setup)})")
     settled = dataclasses.replace(
         config, dtype=dtype, run_dir=run_dir, at=at,
-        # the guard moves down the precision ladder exactly when the policy says fallback
-        guard=dataclasses.replace(config.guard, fallback=config.on_nonfinite == "fallback"),
+        # the guard moves down the precision ladder when the policy says fallback (or isolate, whose
+        # autopilot makes the move its own: job/autopilot.py)
+        guard=dataclasses.replace(config.guard, fallback=config.on_nonfinite in ("fallback", "isolate")),
         resume_from=resume_from,
         resume_skipped=[(str(path.relative_to(run_dir)), reason) for path, reason in resume_skipped],
         control=config.control and (not ranks or ranks.is_main))

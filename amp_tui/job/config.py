@@ -29,7 +29,7 @@ class RunConfig:
     probe_budget: float = 1.0           # percent of the training time probing may cost (auto)
     probe_alert_bits: float = 3.0       # headroom under which every step is probed (auto)
     underflow_every: int = 10           # underflow shares on every Nth probed step
-    on_nonfinite: str = "skip"          # skip, pause, stop or fallback (the guard's fallback follows it)
+    on_nonfinite: str = "skip"          # skip, pause, stop, fallback or isolate (the guard's fallback follows it)
     at: list[tuple[int, Command]] = field(default_factory=list)
     command_line: list[str] = field(default_factory=list)
     guard: GuardConfig = field(default_factory=GuardConfig)

@@ -28,6 +28,7 @@ import torch
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.records import RunState, end_status
+from amp_tui.job import autopilot
 from amp_tui.job import command_handlers as handlers
 from amp_tui.job.checkpoints import RunCheckpoints, TrainingState
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
@@ -69,6 +70,7 @@ class RunController:
         self.script = script
         self.ranks = ranks   # several ranks (job/distributed.py): what they agree on goes through it
         self.guard = PrecisionGuard(guard or GuardConfig())
+        self.autopilot = autopilot.Autopilot(self, on_nonfinite == "isolate", self.guard.config)
         self.on_nonfinite = on_nonfinite
         self.io_policy = io_policy
         self.checkpoint_every = checkpoint_every
@@ -92,7 +94,7 @@ class RunController:
             "save": partial(handlers.save, self), "restore": partial(handlers.restore, self), "stop": self._stop,
             "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self), "pause": self._pause,
             "probe": partial(handlers.set_probes, self), "resume": self._resume, "step": self._single_step,
-            "xray": partial(handlers.xray, self),
+            "xray": partial(handlers.xray, self), "undo": partial(autopilot.undo, self),
         }
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in at:
@@ -267,15 +269,14 @@ class RunController:
             self.precision.clamp(decisions.clamp_scale)
         for alert in decisions.alerts:
             self.alert(alert.reason, alert.message, cause=alert.cause, fix=alert.fix, step=result.step)
-        if decisions.move is not None:
-            handlers.fall_back(run=self, move=decisions.move)
+        self.autopilot.after_step(result, decisions.move)   # the ladder's move, and --on-nonfinite isolate
 
     def _on_nonfinite(self, result: StepResult) -> None:
         self.nonfinite_events += 1
         self.event("nonfinite", nonfinite_message(result), step=result.step, **nonfinite_fields(result))
         if (said := FORWARD_KINDS.get(result.nonfinite)) is None:
             return
-        policy = self.on_nonfinite  # "skip" and "fallback" just go on (the guard decides)
+        policy = self.on_nonfinite  # the others go on (the guard decides; isolate: job/autopilot.py)
         if policy == "pause" and self.state == "running":
             self.single_steps = 0
             self.pause_reason = PauseReason.NONFINITE

@@ -20,6 +20,7 @@ from amp_tui.job.probe_events import announce_probe_changes, probe_every_of
 from amp_tui.job.run_records import record_xray
 from amp_tui.recording.format import step_record
 from amp_tui.training.engine import GuardedTrainer, LossError, StepResult
+from amp_tui.training.isolation import FailedStep
 from amp_tui.training.local_fp32 import LocalFp32
 from amp_tui.training.script import ScriptError, TrainSetup, describe_exception
 
@@ -90,6 +91,12 @@ class EngineDriver:
 
     def fp32_root(self) -> torch.nn.Module:
         return self.trainer.model
+
+    @property
+    def failed_step(self) -> FailedStep | None:
+        """The last step that went non-finite, kept until the next one starts, for the autopilot to
+        replay with a module in fp32 (None: none, or several ranks, where it isn't replayed)."""
+        return self.trainer.failed_step
 
     def saved_extra(self) -> dict:
         """The micro-batches consumed, so a resume reads the data in the same order."""

@@ -49,10 +49,12 @@ from amp_tui.job.run_records import record_xray
 from amp_tui.job.states import IoPolicy
 from amp_tui.training.autocast import autocast, torch_dtype
 from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
+from amp_tui.training.guards import GuardConfig
 
 __all__ = ["Monitor", "MonitorError", "MonitoredStep", "monitor"]
 
 RUN_DIR_VARIABLE = "AMP_TUI_RUN_DIR"   # set by `amp-tui run`: where the monitor records
+MONITOR_POLICIES = ("skip", "isolate")   # a loop of the user's own pauses and stops itself
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 _SLOT = ProcessSlot()   # one monitor per process: it owns the control socket
@@ -69,7 +71,7 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
             dtype: str | None = None, run_dir: str | Path | None = None, probe_every: int | str = "auto",
             probe_budget: float = 1.0, probe_alert_bits: float = 3.0, underflow_every: int = 10,
             checkpoint_every: int | None = None, control: bool = True, announce: bool = True,
-            tensorboard_dir: str | Path | None = None) -> Monitor:
+            tensorboard_dir: str | Path | None = None, on_nonfinite: str = "skip") -> Monitor:
     """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
 
     `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default fp16
@@ -79,11 +81,13 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
     most `probe_budget` percent of the training time, every step from the first sign of trouble,
     a layer within `probe_alert_bits` of the dtype's max among them) or N (every N steps).
     `announce`: print one line saying how to attach. `tensorboard_dir`: also write the recording
-    there as TensorBoard event files, live (pip install 'amp-tui[tensorboard]')."""
+    there as TensorBoard event files, live (pip install 'amp-tui[tensorboard]'). `on_nonfinite`:
+    "skip" (GradScaler's way) or "isolate" (the autopilot, job/autopilot.py: an overflowing module in
+    fp32 from the next step, the scale lowered and said)."""
     return Monitor(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, run_dir=run_dir,
                    probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
                    underflow_every=underflow_every, checkpoint_every=checkpoint_every, control=control,
-                   announce=announce, tensorboard_dir=tensorboard_dir)
+                   announce=announce, tensorboard_dir=tensorboard_dir, on_nonfinite=on_nonfinite)
 
 
 class Monitor(RunController):
@@ -91,7 +95,10 @@ class Monitor(RunController):
 
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
                  probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0, underflow_every=10,
-                 checkpoint_every=None, control=True, announce=True, tensorboard_dir=None, framework=None):
+                 checkpoint_every=None, control=True, announce=True, tensorboard_dir=None, framework=None,
+                 on_nonfinite="skip"):
+        if on_nonfinite not in MONITOR_POLICIES:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}: use {' or '.join(map(repr, MONITOR_POLICIES))}")
         # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the
         # steps from its hooks.
         self.framework = framework
@@ -111,6 +118,7 @@ class Monitor(RunController):
             run_dir = Path(ranks.share(str(run_dir)))
         main = not ranks or ranks.is_main
         super().__init__(driver, device=driver.device, run_dir=run_dir, script=script, ranks=ranks,
+                         on_nonfinite=on_nonfinite, guard=GuardConfig(fallback=on_nonfinite == "isolate"),
                          io_policy=IoPolicy.CARRY_ON, checkpoint_every=checkpoint_every,
                          control=control and main)
         driver.run = self
