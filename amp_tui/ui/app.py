@@ -48,7 +48,7 @@ NOTIFY_LIMIT = 400         # characters of a recorded text in a notification (th
 COMMAND_TITLES: dict[Action, str] = {
     "dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore", "pause": "pause",
     "resume": "resume", "step": "single step", "stop": "stop", "fp32": "local fp32", "note": "note",
-    "probe": "probes", "xray": "X-ray"}
+    "probe": "probes", "xray": "X-ray", "undo": "undo autopilot"}
 
 
 class AmpTuiApp(App[int]):
@@ -367,6 +367,13 @@ class AmpTuiApp(App[int]):
             self._fixed_step = event.get("step")
             command = fix_command(event["fix"])
             self.send(command.action, command.value)
+
+    def action_undo_autopilot(self) -> None:
+        if self.source.mode == "replay":
+            self.notify("a recording can't be steered: u undoes the autopilot's last decision in a live run "
+                        "(or amp-tui ctl RUN undo)", title="undo autopilot", severity="warning", markup=False)
+        else:
+            self.send("undo")
 
     def action_xray(self) -> None:
         if self.source.mode == "replay":
