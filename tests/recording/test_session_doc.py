@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from autopilot_cases import ATTENTION
 
 import amp_tui
 from amp_tui.cli import main
@@ -147,6 +148,12 @@ def records(tmp_path_factory) -> list[dict]:
     train("fallback", "--steps", "6", "--on-nonfinite", "fallback", "--fallback-after", "1",
           "--rollback", status=0)
     train("stop", "--steps", "10", "--on-nonfinite", "stop", status=3)
+    # The autopilot: the attention isolated in fp32 on a replay of its failing step, then undone.
+    attention = folder / "attention.py"
+    attention.write_text(ATTENTION, encoding="utf-8")
+    assert main(["train", str(attention), "--headless", "--run-dir", str(folder / "isolate"), "--dtype", "fp16",
+                 "--steps", "3", "--on-nonfinite", "isolate", "--at", "2:undo"]) == 0
+    out.extend(strict_lines(folder / "isolate" / "session.jsonl"))
     script.write_text(SCRIPT.replace("FAIL_AFTER = None", "FAIL_AFTER = 3"), encoding="utf-8")
     train("error", "--steps", "5", status=1)
     script.write_text(SCRIPT, encoding="utf-8")
