@@ -116,3 +116,43 @@ def setup(ctx=None):
     return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.0),
             "loss_fn": lambda model, batch: F.mse_loss(model(batch[0]), batch[1]), "batches": batches}
 '''
+
+# Step 4's inputs are 400 times larger: the attention's scores overflow fp16 there only.
+# From step 6 on the targets are thirty times larger, so the loss after the isolation grows far past
+# its level before it (lr 0: the weights never move, the data alone decides).
+DIVERGING = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+D = 16
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-2, -1) / 1e5
+        return self.o(scores.softmax(-1) @ self.v(x))
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(D, D)
+        self.attn = Attention()
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x):
+        return self.head(self.attn(self.embed(x))).mean(1)
+
+def setup(ctx=None):
+    torch.manual_seed(0)
+    model = Model()
+    batches = []
+    for i in range(12):
+        x, y = torch.randn(4, 8, D), torch.randn(4, 1)
+        batches.append((x * 400.0 if i == 4 else x, y * 30.0 if i >= 6 else y))
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.0),
+            "loss_fn": lambda model, batch: F.mse_loss(model(batch[0]), batch[1]), "batches": batches}
+'''

@@ -211,12 +211,14 @@ class Autopilot:
 
 
 def _verdicts(event: dict) -> dict[str, bool]:
-    """The modules the op trace already replayed the step with in fp32, and whether it was finite."""
+    """The modules the op trace already replayed the step with in fp32 and found it finite. Only
+    those: its replay has the backward at the step's scale in it too, where a forward overflow is
+    judged on the forward alone (a backward that overflows the scale is GradScaler's to answer)."""
     out = {}
     for tried in event.get("fixes_tried") or ():
         flag = str(tried.get("fix") or "")
-        if flag.startswith("--fp32-modules '") and flag.endswith("'"):
-            out[flag[len("--fp32-modules '"):-1]] = bool(tried.get("verified"))
+        if tried.get("verified") and flag.startswith("--fp32-modules '") and flag.endswith("'"):
+            out[flag[len("--fp32-modules '"):-1]] = True
     return out
 
 

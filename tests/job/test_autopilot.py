@@ -7,7 +7,7 @@ the CPU (tests/autopilot_cases.py)."""
 import threading
 
 import pytest
-from autopilot_cases import ATTENTION, LARGE_LOSS, WIDENING
+from autopilot_cases import ATTENTION, DIVERGING, LARGE_LOSS, WIDENING
 
 import amp_tui
 from amp_tui.cli import main
@@ -76,6 +76,21 @@ def test_a_backward_overflow_from_the_scale_lowers_it_and_says_so(write_script, 
     assert decision["action"] == "scale" and decision["value"] == 32768.0
     assert decision["before"]["scale"] == 65536.0 and decision["after"]["scale"] == 32768.0
     assert "the backward overflowed at 65536 (halved, as GradScaler's backoff does)" in decision["message"]
+
+
+@pytest.mark.parametrize("rollback", [True, False])
+def test_an_isolation_the_loss_diverges_after_moves_down_the_ladder_and_rolls_back(write_script, tmp_path,
+                                                                                    rollback):
+    flags = ["--dtype", "fp16", "--on-nonfinite", "isolate", "--checkpoint-every", "2", "--init-scale", "1"]
+    session = train(write_script(DIVERGING), tmp_path / "run", *flags, *(["--rollback"] if rollback else []),
+                    steps=10)
+    isolation, move = autopilot(session)
+    assert (isolation["step"], isolation["value"]) == (5, "attn")
+    assert (move["step"], move["action"], move["value"]) == (9, "dtype", "bfloat16")
+    assert move["reason"].startswith("the loss diverged after the isolation of step 4 (")
+    restored = [e for e in session.events if e["kind"] == "checkpoint_restored"]
+    # As the ladder rolls back: the newest checkpoint saved before the step the isolation answered.
+    assert [(e["checkpoint_step"], e["source"]) for e in restored] == ([(4, "autopilot")] if rollback else [])
 
 
 def test_undo_over_ctl_takes_the_isolation_back_and_refuses_when_nothing_is_left(write_script, tmp_path, capsys):
