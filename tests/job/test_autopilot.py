@@ -13,6 +13,7 @@ import amp_tui
 from amp_tui.cli import main
 from amp_tui.core.commands import Command
 from amp_tui.recording.reader import read_session
+from amp_tui.recording.timeline import interventions_as_at
 
 from support import train_run, wait_for
 
@@ -114,6 +115,8 @@ def test_undo_over_ctl_takes_the_isolation_back_and_refuses_when_nothing_is_left
     undo = [e for e in read_session(tmp_path / "run").events if e.get("action") == "undo"]
     assert [(e["before"], e["after"]) for e in undo] == [({"fp32_modules": ["attn"]}, {"fp32_modules": []})]
     assert undo[0]["source"].startswith("ctl")
+    # Repeated (--repeat-interventions), the run's autopilot decides again; the user's undo is kept.
+    assert [a for a in interventions_as_at(tmp_path / "run") if "pause" not in a and "resume" not in a] == ["1:undo"]
 
 
 def test_undo_without_the_autopilot_says_why(mlp_script, tmp_path):
