@@ -117,7 +117,7 @@ def setup(ctx=None):
             "loss_fn": lambda model, batch: F.mse_loss(model(batch[0]), batch[1]), "batches": batches}
 '''
 
-# Step 4's inputs are 400 times larger: the attention's scores overflow fp16 there only.
+# Step 4's inputs (OVERFLOW_AT) are 400 times larger: the attention's scores overflow fp16 there only.
 # From step 6 on the targets are thirty times larger, so the loss after the isolation grows far past
 # its level before it (lr 0: the weights never move, the data alone decides).
 DIVERGING = '''
@@ -126,6 +126,7 @@ import torch.nn.functional as F
 from torch import nn
 
 D = 16
+OVERFLOW_AT = 4
 
 class Attention(nn.Module):
     def __init__(self):
@@ -152,7 +153,7 @@ def setup(ctx=None):
     batches = []
     for i in range(12):
         x, y = torch.randn(4, 8, D), torch.randn(4, 1)
-        batches.append((x * 400.0 if i == 4 else x, y * 30.0 if i >= 6 else y))
+        batches.append((x * 400.0 if i == OVERFLOW_AT else x, y * 30.0 if i >= 6 else y))
     return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.0),
             "loss_fn": lambda model, batch: F.mse_loss(model(batch[0]), batch[1]), "batches": batches}
 '''

@@ -29,6 +29,7 @@ from amp_tui.core import precision
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.job import command_handlers as handlers
 from amp_tui.job.run_records import nonfinite_fields
+from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.engine import PrecisionRefused, StepResult
 from amp_tui.training.guards import GROWTH, LOSS_RUN, GuardConfig, LadderMove, LossTrend, next_rung
 from amp_tui.training.isolation import widening
@@ -129,7 +130,7 @@ class Autopilot:
         overflow before a finite step came counts as a widening."""
         widened = self._unproven
         if not chain or widened > self.widen:
-            held = ", ".join(self.run.local_fp32.names)
+            held = ", ".join(self.run.local_fp32.names) or module
             self._fall_back(result, f"step {result.step} is still non-finite with {held} in fp32, and "
                                     f"--isolate-widen {self.widen} allows no wider module")
             return
@@ -151,7 +152,7 @@ class Autopilot:
                      reason=f"a non-finite {result.nonfinite} in {result.dtype} at step {result.step}",
                      verified=verified, widened=widened)
         self._unproven += 1
-        if self._isolated_at is None:
+        if self._isolated_at is None or not self._trend.known:
             self._isolated_at = result.step
             self._since.clear()
 
@@ -175,7 +176,7 @@ class Autopilot:
 
     # ---- the ladder -----------------------------------------------------------------------
     def _fall_back(self, result: StepResult, why: str, *, rollback_before: int | None = None) -> None:
-        target = next_rung(result.dtype, self.run._bf16_ok)
+        target = next_rung(result.dtype, unsupported_reason(self.run.device, "bfloat16") is None)
         if target is None:
             return   # fp32 already: the guards' alerts say what's left
         before = self.run.precision.describe()
@@ -186,9 +187,10 @@ class Autopilot:
         self._unproven, self._isolated_at = 0, None
 
     def _watch_divergence(self, result: StepResult) -> None:
-        """The loss before an isolation is its reference; after it, LOSS_RUN finite losses in a
-        row above GROWTH times that level is a divergence."""
-        if self._isolated_at is None:
+        """The loss before an isolation is its reference (an isolation at the very start: its first
+        LOSS_RUN losses after it); after it, LOSS_RUN finite losses in a row above GROWTH times
+        that level is a divergence."""
+        if self._isolated_at is None or not self._trend.known:
             self._trend.add(result.loss)
             return
         if math.isfinite(result.loss):

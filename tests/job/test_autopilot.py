@@ -94,6 +94,16 @@ def test_an_isolation_the_loss_diverges_after_moves_down_the_ladder_and_rolls_ba
     assert [(e["checkpoint_step"], e["source"]) for e in restored] == ([(4, "autopilot")] if rollback else [])
 
 
+def test_an_isolation_at_the_first_step_takes_its_next_losses_as_the_reference(write_script, tmp_path):
+    script = write_script(DIVERGING.replace("OVERFLOW_AT = 4", "OVERFLOW_AT = 0"))
+    session = train(script, tmp_path / "run", "--dtype", "fp16", "--on-nonfinite", "isolate", "--init-scale", "1",
+                    steps=10)
+    isolation, move = autopilot(session)
+    assert (isolation["step"], isolation["value"]) == (1, "attn")
+    assert (move["step"], move["value"]) == (9, "bfloat16")
+    assert move["reason"].startswith("the loss diverged after the isolation of step 0 (")
+
+
 def test_undo_over_ctl_takes_the_isolation_back_and_refuses_when_nothing_is_left(write_script, tmp_path, capsys):
     run = train_run(write_script(ATTENTION), tmp_path / "run", device="cpu", dtype="float16", steps=4,
                     on_nonfinite="isolate", at=["1:pause"])
