@@ -152,7 +152,7 @@ class Autopilot:
                      reason=f"a non-finite {result.nonfinite} in {result.dtype} at step {result.step}",
                      verified=verified, widened=widened)
         self._unproven += 1
-        if self._isolated_at is None or not self._trend.known:
+        if self._isolated_at is None:
             self._isolated_at = result.step
             self._since.clear()
 
