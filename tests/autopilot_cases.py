@@ -51,13 +51,16 @@ def setup(ctx=None):
     model, optimizer = build()
     return {"model": model, "optimizer": optimizer, "loss_fn": loss_fn, "batches": data()}
 
-def loop(run_dir, **monitor_kw):
-    """The same training in a loop of one's own, under the monitor: the losses, in order."""
+def loop(run_dir, replay=True, **monitor_kw):
+    """The same training in a loop of one's own, under the monitor: the losses, in order. Without
+    `replay`, no failing step is replayed to its op (as with several ranks): the probes' first
+    non-finite layer is all the event names."""
     import amp_tui
     model, optimizer = build()
     scaler = torch.amp.GradScaler("cpu")
     monitor = amp_tui.monitor(model, optimizer, scaler=scaler, run_dir=run_dir, announce=False,
                               control=False, **monitor_kw)
+    monitor.driver.replay_failing = replay
     losses = []
     for batch in data():
         optimizer.zero_grad()

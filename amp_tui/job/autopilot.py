@@ -103,7 +103,7 @@ class Autopilot:
         if failed is not None and result.step == self.run.step_index - 1:
             self._isolate_verified(result, module, chain, failed, _verdicts(event))
         else:
-            self._isolate_next_step(result, module, chain)
+            self._isolate_next_step(result, module, chain, _verdicts(event))
 
     def _isolate_verified(self, result, module, chain, failed, known: dict[str, bool]) -> None:
         """amp-tui train: the failing step replayed with each candidate; the first finite is kept
@@ -125,17 +125,20 @@ class Autopilot:
                                 f"(--isolate-widen {self.widen})" if tried else
                         f"no module around {module} left to put in fp32 (--isolate-widen {self.widen})")
 
-    def _isolate_next_step(self, result, module, chain) -> None:
-        """A loop that can't be rewound: the module in fp32 from the next step, unverified; an
-        overflow before a finite step came counts as a widening."""
+    def _isolate_next_step(self, result, module, chain, known: dict[str, bool]) -> None:
+        """A loop that can't be rewound: the module in fp32 from the next step (verified where the
+        event's own replay found the step finite with it); an overflow before a finite step came
+        counts as a widening."""
         widened = self._unproven
         if not chain or widened > self.widen:
             held = ", ".join(self.run.local_fp32.names) or module
             self._fall_back(result, f"step {result.step} is still non-finite with {held} in fp32, and "
                                     f"--isolate-widen {self.widen} allows no wider module")
             return
-        self._apply_fp32(result, chain[0], widened, verified=None,
-                         why="applied from the next step: this loop can't be rewound to replay this one")
+        replayed = "; the replay of this step was finite with it" if chain[0] in known else ""
+        self._apply_fp32(result, chain[0], widened, verified=True if chain[0] in known else None,
+                         why=f"applied from the next step: this loop can't be rewound to train this one again"
+                             f"{replayed}")
 
     def _apply_fp32(self, result: StepResult, module: str, widened: int, *, verified: bool | None,
                     why: str) -> None:

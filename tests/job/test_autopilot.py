@@ -4,6 +4,7 @@ scale on a backward overflow, says each decision as an `intervention` from "auto
 takes the last one back. The same in a loop of the user's own, from the next step. Small models on
 the CPU (tests/autopilot_cases.py)."""
 
+import math
 import threading
 
 import pytest
@@ -143,15 +144,31 @@ def test_a_monitored_loop_isolates_from_the_next_step(write_script, tmp_path):
     assert monitor.local_fp32.names == ["attn"]
     session = read_session(tmp_path / "loop")
     decisions = autopilot(session)
-    # Without the op replay the probes name the first layer whose output went non-finite, the
-    # attention's output projection: from the next step, then widened to the attention.
-    assert [(d["value"], d["verified"], d["widened"]) for d in decisions] == [("attn.o", None, 0), ("attn", None, 1)] \
-        or [(d["value"], d["verified"]) for d in decisions] == [("attn", None)]
-    assert all("applied from the next step: this loop can't be rewound" in d["message"] for d in decisions)
+    # The monitor's replay names the op's module and finds the step finite with it in fp32; the
+    # loop can't be rewound, so the isolation holds from the next step.
+    assert [(d["step"], d["value"], d["verified"], d["widened"]) for d in decisions] == [(1, "attn", True, 0)]
+    assert "applied from the next step: this loop can't be rewound" in decisions[0]["message"]
+    assert "the replay of this step was finite with it" in decisions[0]["message"]
     steps = session.steps
-    assert sum(s["skipped"] for s in steps) <= len(decisions) and {s["dtype"] for s in steps} == {"float16"}
+    assert sum(s["skipped"] for s in steps) == 1 and {s["dtype"] for s in steps} == {"float16"}
     bf16 = train(write_script(ATTENTION, "bf16.py"), tmp_path / "bf16", "--dtype", "bf16").steps
     assert abs(sum(losses[-10:]) / 10 - tail_mean(bf16)) <= TOLERANCE * tail_mean(bf16)
+
+
+def test_a_monitored_loop_without_the_op_widens_from_the_first_non_finite_layer(tmp_path):
+    namespace: dict = {}
+    exec(compile(ATTENTION, "attention_loop", "exec"), namespace)
+    monitor, losses = namespace["loop"](tmp_path / "loop", replay=False, on_nonfinite="isolate")
+    session = read_session(tmp_path / "loop")
+    assert [e.get("op") for e in session.events if e["kind"] == "nonfinite"] == [None, None]
+    # The probes name the attention's output projection, the first layer whose output went
+    # non-finite: in fp32 from the next step, which still overflows, so the attention is next.
+    decisions = autopilot(session)
+    assert [(d["value"], d["verified"], d["widened"]) for d in decisions] == [("attn.o", None, 0), ("attn", None, 1)]
+    assert (decisions[1]["before"], decisions[1]["after"]) == ({"fp32_modules": ["attn.o"]}, {"fp32_modules": ["attn"]})
+    assert monitor.local_fp32.names == ["attn"]
+    assert [s["skipped"] for s in session.steps[:3]] == [True, True, False]
+    assert all(math.isfinite(loss) for loss in losses[2:])
 
 
 def test_the_monitor_takes_skip_or_isolate(mlp_script):
