@@ -1,6 +1,6 @@
 """u undoes the autopilot's last decision (--on-nonfinite isolate) through the `undo` command, as
 `amp-tui ctl RUN undo` does; refused, with the reason, when there is nothing left to undo and in a
-replay."""
+replay. f leaves a fix the autopilot applied alone."""
 
 from autopilot_cases import ATTENTION
 
@@ -19,6 +19,10 @@ async def test_u_takes_the_isolation_back_then_says_nothing_is_left(write_script
     try:
         async with app.run_test(size=SIZE, notifications=True) as pilot:
             await until(pilot, lambda: source.snapshot().state == "paused", "the pause at step 1", timeout=60)
+            assert run.local_fp32.names == ["attn"]
+            await pilot.press("f")   # the verified fix is the autopilot's already: not toggled off
+            await until(pilot, lambda: "the autopilot applied --fp32-modules 'attn' already" in toasts(app),
+                        "the refusal of f")
             assert run.local_fp32.names == ["attn"]
             await pilot.press("u")
             await until(pilot, lambda: "undid the autopilot's attn in fp32" in toasts(app), "the ack")
