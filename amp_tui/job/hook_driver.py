@@ -34,6 +34,7 @@ from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.engine import StepResult, to_host
 from amp_tui.training.forward_keeper import ForwardKeeper, KeptForward
+from amp_tui.training.hidden_activation import HiddenActivationWatch
 from amp_tui.training.kept_step_trace import trace_kept_step, xray_kept
 from amp_tui.training.local_fp32 import LocalFp32
 from amp_tui.training.precision_state import BorrowedScaling, PrecisionRefused
@@ -99,7 +100,7 @@ class HookDriver:
         # A probed step whose loss and gradients came out finite while a layer's output held
         # inf/NaN (a saturating op after it hid it) is a non-finite step of its own, "activations".
         self.hidden_activations = True
-        self._hidden_act_layer: str | None = None   # the hidden non-finite activation said last
+        self._hidden = HiddenActivationWatch()
         self._xray_due: dict | None = None   # who asked for the X-ray of the next step
         self._xray: tuple[dict, dict] | None = None   # this step's X-ray, and who asked for it
         self.xray_by: dict = {}               # ... of the last step's X-ray (StepResult.xray)
@@ -399,17 +400,9 @@ class HookDriver:
         return result
 
     def _hidden_activation(self, figures: LayerFigures | None) -> str | None:
-        """The first layer whose output held inf/NaN on a probed step whose loss and gradients came
-        out finite, when that is news: said once, and again only after a probed step found it
-        finite (or another layer first), as `amp-tui train` does. An unprobed step measures no
-        activation and can't tell."""
-        if figures is None or not self.hidden_activations:
-            return None
-        index = figures.first_nonfinite("act")
-        layer = self.probe.names[index] if index is not None else None
-        news = layer is not None and layer != self._hidden_act_layer
-        self._hidden_act_layer = layer
-        return layer if news else None
+        """A non-finite activation the loss never saw, when that is news, as `amp-tui train` says
+        it (hidden_activation.py). An unprobed step measures no activation and can't tell."""
+        return self._hidden.news(figures, self.probe.names) if self.hidden_activations else None
 
     # ---- the step replayed under the op tracer -------------------------------------------------
     def request_xray(self, by: dict | None = None) -> None:

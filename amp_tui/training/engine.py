@@ -21,6 +21,7 @@ import torch
 from amp_tui.training.autocast import autocast
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.diagnose import Diagnosis, diagnose
+from amp_tui.training.hidden_activation import HiddenActivationWatch
 from amp_tui.training.isolation import FailedStep
 from amp_tui.training.op_trace import RngSnapshot, rng_snapshot
 from amp_tui.training.precision_state import OwnedScaling, PrecisionRefused
@@ -140,7 +141,7 @@ class GuardedTrainer:
         self._batch_rng: list[RngSnapshot] = []
         self._xray_due = False   # request_xray(): the next step is traced op by op first
         self.failed_step: FailedStep | None = None   # the last step traced, until the next one starts
-        self._hidden_act_layer: str | None = None   # the hidden non-finite activation said last
+        self._hidden = HiddenActivationWatch()
         # Several ranks: the finite-loss check agreed by all of them. Called with the loss, it
         # starts the check and returns its answer to wait for (True: finite on every rank),
         # which the step asks for after the micro-batch's backward.
@@ -465,17 +466,10 @@ class GuardedTrainer:
         return first, diagnosis
 
     def _hidden_activation(self, figures: LayerFigures | None) -> str | None:
-        """The first layer whose output held inf/NaN on a probed step whose loss and gradients came
-        out finite (a saturating op after it hid it), when that is news: said once, and again only
-        after a probed step found it finite (or another layer first). Several ranks: not looked
-        for (this rank's figures alone would make the step non-finite on this rank only)."""
-        if figures is None or self.agree_finite is not None:
-            return None
-        index = figures.first_nonfinite("act")
-        layer = self.layer_names[index] if index is not None else None
-        news = layer is not None and layer != self._hidden_act_layer
-        self._hidden_act_layer = layer
-        return layer if news else None
+        """A non-finite activation the loss never saw, when that is news (hidden_activation.py).
+        Several ranks: not looked for (this rank's figures alone would make the step non-finite on
+        this rank only)."""
+        return None if self.agree_finite is not None else self._hidden.news(figures, self.layer_names)
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
