@@ -79,6 +79,11 @@ def add_parser(sub) -> None:
     ranks.add_argument("--fsdp", action="store_true",
                        help="shard the model across the ranks with FSDP2's fully_shard: each block "
                             "('fsdp_blocks' from setup(), else each module owning parameters), then the root")
+    ranks.add_argument("--fsdp-checkpoint", choices=("auto", "full", "sharded"), default="auto",
+                       help="how a model sharded with FSDP2 is checkpointed: full (gathered on rank 0 into "
+                            "one safetensors file), sharded (each rank writes its own shards with "
+                            "torch.distributed.checkpoint, into a folder step-N.shards) or auto (default: "
+                            "full while the whole state fits easily in the host's available memory)")
     ranks.add_argument("--dist-timeout", type=argtypes.positive, default=None, metavar="S",
                        help="how long a rank waits for the others in a collective before the job stops "
                             "with an error (default 300)")

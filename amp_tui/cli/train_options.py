@@ -29,7 +29,7 @@ def run_config(args, *, on_nonfinite_default: str = "skip"):
         underflow_every=args.underflow_every,
         on_nonfinite=args.on_nonfinite or on_nonfinite_default, at=[parse_at(text) for text in args.at],
         command_line=list(args.command_line), guard=guard, fp32_modules=list(args.fp32_modules),
-        control=True, device=args.device, fsdp=args.fsdp, resume=args.resume,
+        control=True, device=args.device, fsdp=args.fsdp, fsdp_checkpoint=args.fsdp_checkpoint, resume=args.resume,
         repeat_interventions=args.repeat_interventions)
 
 

@@ -10,7 +10,9 @@ state it saves and restores comes from whatever drives the steps (`TrainingState
 
 With several ranks the replicas are identical, so rank 0 alone writes the file, with every
 rank's RNG state in it (a model sharded with FSDP2 is gathered whole on rank 0 for it first:
-training/checkpoint/sharded.py); a restore or a resume loads it on every rank at the same step (DDP
+training/checkpoint/sharded.py, or, where that would not fit or `--fsdp-checkpoint sharded` asks,
+each rank writes its own shards into one folder: training/checkpoint/dcp.py, the choice in
+job/checkpoint_layout.py); a restore or a resume loads it on every rank at the same step (DDP
 broadcasts parameters only when it wraps the model), each rank taking its own RNG state back, or
 on none: which file, and whether every rank could read it, are agreed first.
 """
@@ -25,10 +27,13 @@ from typing import Any, Callable, Protocol
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.numfmt import byte_size
 from amp_tui.core.text import plural
+from amp_tui.job import checkpoint_layout as layouts
 from amp_tui.job.probe_events import escalate_probes
 from amp_tui.job.rng_states import restore_rng, rng_problem, saved_world_size
 from amp_tui.recording.reader import read_session
 from amp_tui.training import checkpoint as ckpt
+from amp_tui.training.checkpoint.dcp import ShardedCheckpoint, folder_bytes, save_sharded
+from amp_tui.training.checkpoint.manifest import sharded_path, temporary_dir
 from amp_tui.training.checkpoint.sharded import gathered_views, loading_views
 from amp_tui.training.sharding import is_sharded
 
@@ -93,6 +98,9 @@ class RunCheckpoints:
         """Write a full checkpoint (rank 0; the other ranks hand over their RNG state and get None)."""
         run, t = self.run, self.run.training
         extra = {**t.checkpoint_extra(), **run.saved_extra()}
+        layout, why = self._layout()
+        if layout == "sharded":
+            return self._save_sharded(extra, why, source=source)
         model, optimizer = self._live(gather=True)
         if run.ranks:
             states = run.ranks.gather_rng()
@@ -116,7 +124,55 @@ class RunCheckpoints:
         run.event("checkpoint_saved", f"checkpoint {self.relative(info.path)} saved at step {t.step_index} "
                   f"({byte_size(size)}, {time.perf_counter() - started:.2f}s)",
                   path=self.relative(info.path), checkpoint_step=t.step_index, dtype=t.dtype, bytes=size,
-                  source=source)
+                  source=source, **({"layout": layout, "layout_reason": why} if why else {}))
+        return info
+
+    def _layout(self) -> tuple[str, str | None]:
+        """("full" or "sharded", why): how this save writes the model (why: None for a model
+        not sharded with FSDP2, always one file). Rank 0 decides; a collective with ranks."""
+        run, t = self.run, self.run.training
+        if not is_sharded(t.model):
+            return "full", None
+        mode = getattr(run, "fsdp_checkpoint", "auto")
+        chosen = None
+        if not run.ranks or run.ranks.is_main:
+            whole = layouts.state_bytes(t.model, t.optimizer) if mode == "auto" else 0
+            chosen = layouts.choose(mode, whole, layouts.available_memory())
+        return tuple(run.ranks.share(chosen)) if run.ranks else chosen
+
+    def _save_sharded(self, extra: dict, why: str, *, source: str) -> ckpt.CheckpointInfo | None:
+        """Every rank writes its shards; rank 0 the manifest (with every rank's RNG state)."""
+        run, t = self.run, self.run.training
+        states = run.ranks.gather_rng() if run.ranks else None
+        if run.ranks and run.ranks.is_main:
+            extra.update(run.ranks.checkpoint_extra(states))
+        where = None
+        if not run.ranks or run.ranks.is_main:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            path = sharded_path(self.folder, t.step_index)
+            where = (str(path), str(temporary_dir(path, os.getpid())))
+        path, temporary = (Path(p) for p in (run.ranks.share(where) if run.ranks else where))
+        started = time.perf_counter()
+        try:
+            info = save_sharded(path, temporary, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+                                scaler_state=t.scaler_state(), step=t.step_index, dtype=t.dtype, extra=extra,
+                                world_size=run.ranks.world_size if run.ranks else 1,
+                                is_main=not run.ranks or run.ranks.is_main)
+        except ckpt.CheckpointError as exc:
+            run.event("error", str(exc), during="save", source=source)
+            if isinstance(exc.__cause__, OSError):
+                run.checkpoint_refused(source, str(exc))
+            return None
+        if info is None:
+            run.event("checkpoint_saved", f"this rank wrote its shards of the checkpoint of step {t.step_index}; "
+                      "rank 0 the manifest, with this rank's RNG state in it", source=source)
+            return None
+        size = folder_bytes(info.path)
+        run.event("checkpoint_saved", f"sharded checkpoint {self.relative(info.path)} saved at step "
+                  f"{t.step_index} ({byte_size(size)} in {plural(len(list(info.path.glob('*.safetensors'))), 'file')}, "
+                  f"{time.perf_counter() - started:.2f}s; {why})",
+                  path=self.relative(info.path), checkpoint_step=t.step_index, dtype=t.dtype, bytes=size,
+                  source=source, layout="sharded", layout_reason=why)
         return info
 
     def _target(self, command: Command) -> Path | None:
@@ -145,6 +201,8 @@ class RunCheckpoints:
             loaded = ckpt.read_checkpoint(path, model=model, optimizer=optimizer, scheduler=t.scheduler)
         except ckpt.CheckpointError as exc:
             problem = str(exc)
+        if problem is None and isinstance(loaded, ShardedCheckpoint):
+            problem = self._sharded_problem(loaded)
         if run.ranks:   # every rank loads it, or none does
             if problem is None:
                 why = rng_problem(loaded.extra, run.ranks.rank)
@@ -155,7 +213,12 @@ class RunCheckpoints:
                       path=str(path))
             return Outcome(False, problem)
         before = t.describe_precision()
-        self._apply(loaded)
+        try:
+            self._apply(loaded)
+        except ckpt.CheckpointError as exc:   # a sharded load that failed, alike on every rank
+            run.event("error", f"restore refused: {exc}", during="restore", source=command.source,
+                      path=str(path))
+            return Outcome(False, str(exc))
         after = t.describe_precision()
         ck_step = loaded.step
         note = f" ({loaded.notice})" if loaded.notice else ""
@@ -188,6 +251,10 @@ class RunCheckpoints:
         why = rng_problem(loaded.extra, run.ranks.rank) if run.ranks else None
         if why:
             raise ValueError(f"{self.relative(path)}: {why}")
+        if isinstance(loaded, ShardedCheckpoint):
+            why = self._sharded_problem(loaded)
+            if why:
+                raise ValueError(why)
         self._apply(loaded)
         t.step_index = last_step + 1
         stop = steps + t.step_index if steps is not None else None
@@ -220,9 +287,26 @@ class RunCheckpoints:
             return t.model, t.optimizer
         return (gathered_views if gather else loading_views)(t.model, t.optimizer)
 
-    def _apply(self, loaded: ckpt.LoadedCheckpoint) -> None:
+    def _sharded_problem(self, loaded: ShardedCheckpoint) -> str | None:
+        """Why a sharded checkpoint can't load into this run: its shards belong to the world size
+        that wrote them, and to a model sharded with FSDP2."""
+        run, t = self.run, self.run.training
+        world = run.ranks.world_size if run.ranks else 1
+        name = self.relative(loaded.info.path)
+        if loaded.world_size != world:
+            return (f"{name} is a sharded checkpoint of {plural(loaded.world_size, 'rank')} and this run has "
+                    f"{world}: each rank's shards, data shard and RNG state belong to that world size; "
+                    f"load it into a run of --nproc {loaded.world_size} --fsdp")
+        if not is_sharded(t.model):
+            return f"{name} is a sharded checkpoint: it loads into a model sharded with FSDP2 (--fsdp)"
+        return None
+
+    def _apply(self, loaded: ckpt.LoadedCheckpoint | ShardedCheckpoint) -> None:
         t, ranks = self.run.training, self.run.ranks
-        loaded.apply(*self._live(), t.scheduler)
+        if isinstance(loaded, ShardedCheckpoint):
+            loaded.apply(t.model, t.optimizer, t.scheduler)   # a collective: each rank its shards
+        else:
+            loaded.apply(*self._live(), t.scheduler)
         if ranks:   # each rank its own RNG state (the file's own is rank 0's)
             restore_rng(loaded.extra or {}, ranks.rank, ranks.device)
         t.restore_scaler(loaded.scaler_state)

@@ -35,6 +35,7 @@ class RunConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     fp32_modules: list[str] = field(default_factory=list)
     fsdp: bool = False                   # shard the model with FSDP2's fully_shard (several ranks)
+    fsdp_checkpoint: str = "auto"        # full, sharded or auto: how a sharded model is checkpointed
     flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)
     control: bool = False                # serve the control socket (amp-tui ctl / attach); rank 0 only
     device: str | None = None            # cpu, cuda, cuda:N; None: cuda when there is one (ranks: their own)

@@ -43,6 +43,7 @@ class Run(RunController):
                          checkpoint_every=config.checkpoint_every, at=config.at, steps=config.steps,
                          flush_interval=config.flush_interval, control=config.control, echo=_print_line)
         driver.attach(self)
+        self.fsdp_checkpoint = config.fsdp_checkpoint   # how checkpoints write a sharded model
         self.trainer = driver.trainer
         self._header: dict | None = None    # taken before the pre-flight's --at actions apply
         self._resumed = False

@@ -347,3 +347,69 @@ def test_fsdp_scale_pause_single_step_and_resume_land_on_both_ranks(write_script
     end = session.end
     assert rank_end(run_dir) == {"state": "finished", "step": 6, "updates": end["updates"],
                                  "skipped": end["skipped_total"], "dtype": "fp16", "scale": end["scale"]}
+
+
+def test_fsdp_sharded_checkpoint_each_rank_its_shards_restored_bitwise_and_resumed(write_script, tmp_path):
+    """`--fsdp-checkpoint sharded`: each rank writes its own shards with torch.distributed.checkpoint
+    into one folder; a restore mid-run brings the weights back bitwise, the listing and a --resume
+    find the folder, another world size is refused, and torch's consolidation makes one file of it
+    that a single process loads."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from amp_tui.training.checkpoint import list_checkpoints
+    from amp_tui.training.checkpoint.dcp import consolidate
+
+    script = write_script(FSDP_SCRIPT)
+    run_dir, digests = tmp_path / "run", tmp_path / "digests.txt"
+    done = train_ranks(script, run_dir, "--fsdp", "--fsdp-checkpoint", "sharded", "--dtype", "bf16", "--steps", "6",
+                       "--dist-timeout", "60", "--at", "2:save", "--at", "3:note=between", "--at", "4:restore=latest",
+                       script_args=["--digests", str(digests)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    forwards = digests.read_text().split()
+    assert len(forwards) == 6 and forwards[4] == forwards[2] and forwards[3] != forwards[2]
+    session = read_session(run_dir)
+    kinds = ("checkpoint_saved", "checkpoint_restored", "note")
+    ours = [(e["step"], e["kind"]) for e in session.events if e["kind"] in kinds]
+    assert ours == [(2, "checkpoint_saved"), (3, "note"), (4, "checkpoint_restored")]
+    assert [(s, k) for s, k, _ in rank_events(run_dir) if k in kinds] == ours
+    [saved] = [e for e in session.events if e["kind"] == "checkpoint_saved"]
+    [restored] = [e for e in session.events if e["kind"] == "checkpoint_restored"]
+    assert saved["layout"] == "sharded" and "--fsdp-checkpoint sharded" in saved["layout_reason"]
+    assert restored["path"] == saved["path"] == "checkpoints/step-0000002.shards"
+    folder = run_dir / saved["path"]
+    shards = ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == ["amp-tui-checkpoint.json", *shards]   # no .metadata
+    rows = 0
+    for name in shards:   # each rank's file holds its rows of each weight, readable without amp-tui
+        assert not (folder / name).read_bytes().startswith(b"\x80")
+        with safe_open(str(folder / name), framework="pt") as f:
+            rows += f.get_slice("model.0.weight").get_shape()[0]
+            assert f.get_slice("model.0.weight").get_shape()[1] == 8
+    assert rows == 16
+    manifest = json.loads((folder / "amp-tui-checkpoint.json").read_text())
+    assert manifest["world_size"] == 2 and len(manifest["extra"]["rank_rng"]) == 2
+    assert manifest["step"] == 2 and manifest["dtype"] == "bfloat16" and "scaler" in manifest   # bf16: none
+    assert manifest["extra"]["updates_applied"] == 2 and manifest["optimizer"]["class"] == "AdamW"
+    assert manifest["model"]["0.weight"]["shape"] == [16, 8]
+    assert [i.path for i in list_checkpoints(run_dir / "checkpoints")] == [folder]
+    # One file of it, for one process (torch's consolidation, outside the run).
+    whole = consolidate(folder, tmp_path / "whole")
+    weights = load_file(str(whole))
+    assert weights["0.weight"].shape == (16, 8) and weights["2.weight"].shape == (1, 16)
+    # Another world size: refused before anything is written.
+    before = (run_dir / "session.jsonl").read_bytes()
+    alone = one_process(script, run_dir, "--steps", "2", "--resume", str(run_dir))
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    assert "saved by a run of 2 ranks and this one has 1" in alone.stderr
+    assert (run_dir / "session.jsonl").read_bytes() == before
+    # The same world size goes on from it, each rank loading its shards.
+    again_digests = tmp_path / "again.txt"
+    again = train_ranks(script, run_dir, "--fsdp", "--dtype", "bf16", "--steps", "2", "--resume", str(run_dir),
+                        with_run_dir=False, script_args=["--digests", str(again_digests)])
+    assert again.returncode == 0, again.stdout + again.stderr
+    [resumed] = [e for e in read_session(run_dir).events if e["kind"] == "resumed"]
+    assert resumed["path"] == saved["path"] and resumed["checkpoint_step"] == 2
+    assert forwards[2] in again_digests.read_text().split()

@@ -4,10 +4,11 @@ files that interrupted saves leave behind."""
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from amp_tui.training.checkpoint import codec, io
+from amp_tui.training.checkpoint import codec, io, manifest
 from amp_tui.training.checkpoint.errors import CheckpointError, Problem, reason
 
 SUFFIX = ".safetensors"
@@ -39,16 +40,25 @@ def _is_temporary(name: str) -> bool:
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
-    """Every checkpoint file in `folder`, readable or not (temporary files of saves left out)."""
+    """Every checkpoint file in `folder`, and every sharded checkpoint's folder, readable or not
+    (temporary files and folders of saves left out)."""
     try:
         return sorted(Path(e.path) for e in os.scandir(folder)
-                      if e.name.endswith(SUFFIX) and not _is_temporary(e.name))
+                      if (e.name.endswith(SUFFIX) or manifest.is_sharded_dir(Path(e.path)))
+                      and not _is_temporary(e.name))
     except OSError:
         return []
 
 
 def _peek(path: Path) -> CheckpointInfo | None:
-    """Header-only look at a file; None if it is not a restorable checkpoint."""
+    """Header-only look at a file (a sharded checkpoint's folder: its manifest); None if it is
+    not a restorable checkpoint."""
+    if manifest.is_sharded_dir(path):
+        peeked = manifest.peek(path)
+        if peeked is None:
+            return None
+        step, dtype, mtime = peeked
+        return CheckpointInfo(path=path, step=step, dtype=dtype, kind="full", mtime=mtime)
     read = io.read_header(path)
     if read is None:
         return None
@@ -64,8 +74,8 @@ def _peek(path: Path) -> CheckpointInfo | None:
 
 def list_checkpoints(folder: Path) -> list[CheckpointInfo]:
     """Checkpoints in `folder`, newest first (highest step, then latest mtime; weights-only
-    files, which have no step, after the full ones). Reads headers only; skips temporary,
-    partial and unreadable files."""
+    files, which have no step, after the full ones; sharded checkpoints' folders among them).
+    Reads headers only; skips temporary, partial and unreadable files."""
     folder = Path(folder)
     try:
         entries = list(os.scandir(folder))
@@ -75,7 +85,8 @@ def list_checkpoints(folder: Path) -> list[CheckpointInfo]:
         raise CheckpointError(f"cannot list checkpoints in {folder}: {reason(e)}") from None
     infos = []
     for entry in entries:
-        if not entry.name.endswith(SUFFIX) or _is_temporary(entry.name):
+        if _is_temporary(entry.name) or not (entry.name.endswith(SUFFIX)
+                                             or manifest.is_sharded_dir(Path(entry.path))):
             continue
         info = _peek(Path(entry.path))
         if info is not None:
@@ -112,6 +123,12 @@ def cleanup_temporary_files(folder: Path) -> int:
         raise CheckpointError(f"cannot clean up {folder}: {reason(e)}") from None
     removed = 0
     for entry in entries:
+        d = manifest.TEMPORARY_DIR.match(entry.name)
+        if d and entry.is_dir(follow_symlinks=False) and not _pid_alive(int(d.group(1))):
+            # A sharded save that was cut off (its ranks write into rank 0's folder).
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += 1
+            continue
         m = io.TEMPORARY_NAME.match(entry.name)
         if not m or not entry.is_file(follow_symlinks=False):
             continue

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from amp_tui.training.checkpoint import checks, codec, io, live
+from amp_tui.training.checkpoint import checks, codec, io, live, manifest
+from amp_tui.training.checkpoint.dcp import ShardedCheckpoint, read_sharded
 from amp_tui.training.checkpoint.errors import CheckpointError, Problem
 from amp_tui.training.checkpoint.files import CheckpointInfo
 
@@ -119,12 +120,15 @@ class LoadedCheckpoint:
                 "param_groups": groups}
 
 
-def read_checkpoint(path: Path, *, model, optimizer, scheduler=None) -> LoadedCheckpoint:
-    """Read a checkpoint and check it against the live objects, changing nothing.
+def read_checkpoint(path: Path, *, model, optimizer, scheduler=None) -> LoadedCheckpoint | ShardedCheckpoint:
+    """Read a checkpoint and check it against the live objects, changing nothing (a sharded
+    checkpoint's folder: its manifest and files; its shards are read when it is applied).
 
     Raises CheckpointError naming the file and the problem.
     """
     path = Path(path)
+    if manifest.is_sharded_dir(path):
+        return read_sharded(path, model=model, optimizer=optimizer, scheduler=scheduler)
     try:
         ckpt = _load(path)
         ckpt._check(model, optimizer, scheduler)
