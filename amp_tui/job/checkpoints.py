@@ -124,15 +124,15 @@ class RunCheckpoints:
         run.event("checkpoint_saved", f"checkpoint {self.relative(info.path)} saved at step {t.step_index} "
                   f"({byte_size(size)}, {time.perf_counter() - started:.2f}s)",
                   path=self.relative(info.path), checkpoint_step=t.step_index, dtype=t.dtype, bytes=size,
-                  source=source, **({"layout": layout, "layout_reason": why} if why else {}))
+                  source=source, layout=layout, layout_reason=why)
         return info
 
-    def _layout(self) -> tuple[str, str | None]:
-        """("full" or "sharded", why): how this save writes the model (why: None for a model
-        not sharded with FSDP2, always one file). Rank 0 decides; a collective with ranks."""
+    def _layout(self) -> tuple[str, str]:
+        """("full" or "sharded", why): how this save writes the model (a model not sharded with
+        FSDP2: always one file). Rank 0 decides; a collective with ranks."""
         run, t = self.run, self.run.training
         if not is_sharded(t.model):
-            return "full", None
+            return "full", "the model is not sharded: one file"
         mode = getattr(run, "fsdp_checkpoint", "auto")
         chosen = None
         if not run.ranks or run.ranks.is_main:
