@@ -179,6 +179,7 @@ def test_fsdp_at_commands_land_on_both_ranks_and_a_restore_brings_the_weights_ba
     # One safetensors file, the whole model in it, readable without amp-tui.
     from safetensors import safe_open
     saved = next(e for e in session.events if e["kind"] == "checkpoint_saved")
+    assert saved["layout"] == "full" and "available" in saved["layout_reason"]   # auto: a small model
     with safe_open(str(run_dir / saved["path"]), framework="pt") as f:
         assert f.get_tensor("model.0.weight").shape == (16, 8) and f.get_tensor("model.2.weight").shape == (1, 16)
     assert rank_end(run_dir)["updates"] == session.end["updates"]
