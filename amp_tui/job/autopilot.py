@@ -35,6 +35,7 @@ from amp_tui.training.guards import GROWTH, LOSS_RUN, GuardConfig, LadderMove, L
 from amp_tui.training.isolation import widening
 
 SOURCE = "autopilot"
+MOST_MODULES = 8   # modules one isolation puts in fp32 together before it widens instead
 FORWARD = ("loss", "activations")
 
 # The controller (job/controller.py), which imports this module: named, not imported.
@@ -98,7 +99,7 @@ class Autopilot:
         local, root = self.run.local_fp32, self.run.driver.fp32_root()
         chain = widening(root, str(module))
         held = local.names
-        chain = [m for m in chain if not any(m == h or m.startswith(h + ".") for h in held)]
+        chain = [m for m in chain if not _covered(m, held)]
         failed = getattr(self.run.driver, "failed_step", None)
         if failed is not None and result.step == self.run.step_index - 1:
             self._isolate_verified(result, module, chain, failed, _verdicts(event))
@@ -107,19 +108,36 @@ class Autopilot:
 
     def _isolate_verified(self, result, module, chain, failed, known: dict[str, bool]) -> None:
         """amp-tui train: the failing step replayed with each candidate; the first finite is kept
-        (the op trace's own replay of the op's module in fp32 counts: it ran on the same state)."""
-        widened = len(widening(self.run.driver.fp32_root(), str(module))) - len(chain)
-        tried = []
-        for candidate in chain:
-            if widened > self.widen:
-                break
-            finite = known[candidate] if candidate in known else failed.replay_with_fp32([candidate])[0]
+        (the op trace's own replay of the op's module in fp32 counts: it ran on the same state).
+        Where the step stays non-finite because another op overflows in a module of its own (the
+        next block's attention, in a model whose every block overflows alike), that module joins
+        the candidate instead of widening it: the smallest set of modules in fp32, up to
+        MOST_MODULES, before the enclosing ones."""
+        root = self.run.driver.fp32_root()
+        widened = len(widening(root, str(module))) - len(chain)
+        kept: list[str] = []   # modules that stay in fp32 while another one is looked for
+        tried: list[str] = []
+        while chain and widened <= self.widen:
+            candidate, names = chain[0], [*kept, chain[0]]
+            if not kept and candidate in known:
+                finite, next_module = known[candidate], None
+            else:
+                finite, _, next_module = failed.replay_with_fp32(names)
             if finite:
-                why = f"step {result.step} replayed finite with it" + (
+                why = f"step {result.step} replayed finite with {' and '.join(names)} in fp32" + (
                     f"; with {', then '.join(tried)} in fp32 it stayed non-finite" if tried else "")
-                self._apply_fp32(result, candidate, widened, verified=True, why=why)
+                self._apply_fp32(result, names, widened, verified=True, why=why)
                 return
-            tried.append(candidate)
+            # A module of its own: neither inside the candidates nor around one (an op in the
+            # enclosing module's own forward is the widening's to answer).
+            if next_module is not None and not _covered(next_module, names) \
+                    and not any(_covered(n, [next_module]) for n in names) and len(names) < MOST_MODULES:
+                kept = names   # this op is answered; the next overflow is another module's
+                held = [*self.run.local_fp32.names, *kept]
+                chain = [m for m in widening(root, next_module) if not _covered(m, held)]
+                continue
+            tried.append(" and ".join(names))
+            chain = chain[1:]
             widened += 1
         self._fall_back(result, f"step {result.step} stayed non-finite with {', then '.join(tried)} in fp32 "
                                 f"(--isolate-widen {self.widen})" if tried else
@@ -136,22 +154,25 @@ class Autopilot:
                                     f"--isolate-widen {self.widen} allows no wider module")
             return
         replayed = "; the replay of this step was finite with it" if chain[0] in known else ""
-        self._apply_fp32(result, chain[0], widened, verified=True if chain[0] in known else None,
+        self._apply_fp32(result, [chain[0]], widened, verified=True if chain[0] in known else None,
                          why=f"applied from the next step: this loop can't be rewound to train this one again"
                              f"{replayed}")
 
-    def _apply_fp32(self, result: StepResult, module: str, widened: int, *, verified: bool | None,
+    def _apply_fp32(self, result: StepResult, modules: list[str], widened: int, *, verified: bool | None,
                     why: str) -> None:
         local = self.run.local_fp32
         before = {"fp32_modules": local.names}
-        for inside in [n for n in local.names if n.startswith(module + ".")]:
-            local.remove(inside)   # widened: the enclosing module holds it now
-        local.add(module)
+        for module in modules:
+            for inside in [n for n in local.names if n.startswith(module + ".")]:
+                local.remove(inside)   # widened: the enclosing module holds it now
+            local.add(module)
         self.run.training.discard_started_step()   # it ran under the old autocast policy
         short = precision.SHORT[result.dtype]
-        message = (f"autopilot: {module} now in fp32, {short} everywhere else: {why}"
+        named = " and ".join(modules)
+        message = (f"autopilot: {named} now in fp32, {short} everywhere else: {why}"
                    + (f" (widened {widened}: --isolate-widen {self.widen})" if widened else ""))
-        self._record("fp32", module, before, {"fp32_modules": local.names}, message, f"{module} in fp32", result,
+        self._record("fp32", ",".join(modules), before, {"fp32_modules": local.names}, message,
+                     f"{named} in fp32", result,
                      reason=f"a non-finite {result.nonfinite} in {result.dtype} at step {result.step}",
                      verified=verified, widened=widened)
         self._unproven += 1
@@ -213,6 +234,11 @@ class Autopilot:
         self.decisions.append(Decision(action, before, what))
         if action == "fp32":
             self._acted_at = result.step
+
+
+def _covered(module: str, held) -> bool:
+    """`module` is in fp32 already: one of `held`, or inside one."""
+    return any(module == h or module.startswith(h + ".") for h in held)
 
 
 def _verdicts(event: dict) -> dict[str, bool]:

@@ -32,9 +32,10 @@ class FailedStep:
     dtype: str
     device: torch.device
 
-    def replay_with_fp32(self, names: Sequence[str]) -> tuple[bool, str]:
-        """Replay every micro-batch with `names` in fp32: (finite, what the replay said). Finite
-        means no op made inf or NaN and the loss (and the gradients, with the backward) are."""
+    def replay_with_fp32(self, names: Sequence[str]) -> tuple[bool, str, str | None]:
+        """Replay every micro-batch with `names` in fp32: (finite, what the replay said, the module
+        of the forward op that still made inf or NaN, if one did). Finite means no op made inf or
+        NaN and the loss (and the gradients, with the backward) are."""
         switch = LocalFp32(self.model, device_type_of(self.model, self.device))
         try:
             for name in names:
@@ -46,12 +47,12 @@ class FailedStep:
                                          device=self.device, rng=rng))
                 message = outcome.message
                 if outcome.op is not None or not outcome.step_finite:
-                    return False, message
-            return bool(self.batches), message
+                    forward = outcome.op is not None and outcome.op_phase == "forward"
+                    return False, message, outcome.op_module if forward and outcome.op_module else None
+            return bool(self.batches), message, None
         finally:
             for name in names:
                 switch.remove(name)
-
 
 def widening(model: torch.nn.Module, module: str) -> list[str]:
     """`module`, then each enclosing module up to (not including) the root, leaving out the

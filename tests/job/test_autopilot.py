@@ -6,6 +6,7 @@ the CPU (tests/autopilot_cases.py)."""
 
 import math
 import threading
+from pathlib import Path
 
 import pytest
 from autopilot_cases import ATTENTION, DIVERGING, LARGE_LOSS, WIDENING
@@ -44,7 +45,7 @@ def test_an_attention_overflow_puts_the_attention_alone_in_fp32_and_trains_like_
     decision = decisions[0]
     assert decision["step"] == 1 and decision["before"] == {"fp32_modules": []}
     assert decision["after"] == {"fp32_modules": ["attn"]}
-    assert "attn now in fp32, fp16 everywhere else: step 0 replayed finite with it" in decision["message"]
+    assert "attn now in fp32, fp16 everywhere else: step 0 replayed finite with attn in fp32" in decision["message"]
     steps = isolated.steps
     assert sum(s["skipped"] for s in steps) == 1 and steps[0]["skipped"]
     assert {s["dtype"] for s in steps} == {"float16"}
@@ -69,6 +70,20 @@ def test_the_module_alone_not_enough_widens_to_its_parent_then_the_ladder(write_
     assert (decision["action"], decision["value"]) == ("dtype", "bfloat16")
     assert "step 0 stayed non-finite with attn.scores in fp32 (--isolate-widen 0)" in decision["reason"]
     assert [s["dtype"] for s in laddered.steps] == ["float16", "bfloat16", "bfloat16"]
+
+
+def test_every_block_overflowing_alike_puts_each_attention_in_fp32_not_the_blocks(tmp_path):
+    """The shipped demo: both blocks' attention scores overflow fp16. With the first attention in
+    fp32 the replay still overflows, in the second one: that attention joins it, instead of the
+    first block, then the whole dtype, being tried."""
+    demo = Path(__file__).resolve().parents[2] / "demos" / "attention_overflow.py"
+    session = train(demo, tmp_path / "run", "--dtype", "fp16", "--on-nonfinite", "isolate", steps=4)
+    [decision] = autopilot(session)
+    assert (decision["action"], decision["verified"], decision["widened"]) == ("fp32", True, 0)
+    assert decision["after"] == {"fp32_modules": ["blocks.0.attn", "blocks.1.attn"]}
+    assert "blocks.0.attn and blocks.1.attn now in fp32, fp16 everywhere else" in decision["message"]
+    assert [s["skipped"] for s in session.steps] == [True, False, False, False]
+    assert {s["dtype"] for s in session.steps} == {"float16"}
 
 
 def test_a_backward_overflow_from_the_scale_lowers_it_and_says_so(write_script, tmp_path):
