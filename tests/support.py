@@ -397,6 +397,7 @@ def setup(ctx):
     p = argparse.ArgumentParser()
     p.add_argument("--same-data", action="store_true")
     p.add_argument("--nan", default=None)
+    p.add_argument("--overflow", default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--params", default=None)
     p.add_argument("--wrap", action="store_true")
@@ -450,6 +451,12 @@ def setup(ctx):
         rank, chosen = a.nan.split(":")
         for batch in (chosen.split(",") if int(rank) == ctx.rank else ()):
             batches[int(batch)][0][0, 0] = float("nan")
+    if a.overflow:   # RANK:BATCH: inputs that fp16 holds, one of whose first layer's outputs it can't
+        rank, chosen = a.overflow.split(":")
+        if int(rank) == ctx.rank:
+            weight = model.module[0].weight if a.wrap or a.own_hook else model[0].weight
+            row = weight.detach().abs().sum(1).argmax()
+            batches[int(chosen)][0].copy_(6e4 * weight.detach()[row].sign().expand(16, 8))
     if a.params:
         def digest():
             h = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.parameters()))

@@ -538,10 +538,11 @@ class Ranks:
         return arrived
 
     def _gather_details(self, result: StepResult, names: list[str]) -> StepResult:
-        """A non-finite step's figures, and where each rank saw it go non-finite (rare: waited
-        for at once)."""
+        """A non-finite step's figures, and where each rank saw it go non-finite: its layer, its
+        diagnosis and the op its own replay found (rare: waited for at once)."""
         rows = self._start_gather(pack_figures(result, self._take_compute_s(result)))()
-        mine = {"loss": result.loss, "layer": result.first_nonfinite_layer, "diagnosis": result.diagnosis}
+        mine = {"loss": result.loss, "layer": result.first_nonfinite_layer, "diagnosis": result.diagnosis,
+                "op_trace": result.op_trace}
         seen = [None] * self.world_size if self.is_main else None
         self._collective("gathering where the step went non-finite",
                          lambda: dist.gather_object(mine, seen, dst=0))

@@ -141,6 +141,35 @@ def test_at_commands_land_at_the_same_step_on_both_ranks(write_script, tmp_path)
     assert d0 == d1
 
 
+def test_an_overflow_on_rank_1_alone_is_traced_to_its_op_by_rank_1_and_recorded_by_rank_0(write_script, tmp_path):
+    """Rank 1's inputs in step 1 overflow its first layer in fp16 (rank 0's are fine): both
+    ranks skip the update, and rank 1 replays its own step on the model inside DDP, alone; the
+    event rank 0 records names rank 1, the op, its module and the fix tried on the step."""
+    script = write_script(DDP_SCRIPT)
+    run_dir, calls = tmp_path / "run", tmp_path / "calls"
+    calls.mkdir()
+    done = train_ranks(script, run_dir, "--dtype", "fp16", "--init-scale", "256", "--steps", "4",
+                       script_args=["--overflow", "1:1", "--calls", str(calls)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    session = read_session(run_dir)
+    assert [r["skipped"] for r in session.steps] == [False, True, False, False]
+    (event,) = [e for e in session.events if e["kind"] == "nonfinite"]
+    assert event["step"] == 1 and event["where"] == "loss" and event["rank"] == 1
+    assert (event["op"], event["op_module"], event["op_phase"]) == ("aten.addmm", "0", "forward")
+    assert event["op_output_dtype"] == "float16" and {"dtype": "float16", "max": 60000.0} in event["op_inputs"]
+    assert event["fix"] == "--dtype bf16" and event["fix_verified"] is True
+    assert "on rank 1" in event["message"] and "aten.addmm in 0" in event["message"]
+    assert rank_end(run_dir) == {"state": "finished", "step": 4, "updates": 3, "skipped": 1, "dtype": "fp16",
+                                 "scale": 256.0}
+    (theirs,) = [text for step, kind, text in rank_events(run_dir) if kind == "nonfinite"]
+    assert "aten.addmm in 0" in theirs
+    # Rank 0's loss was finite: it replayed nothing. Rank 1 ran its forward more than the 4 steps'
+    # (the checked pass, the trace and the fixes), with no collective of its own in between.
+    sequences = [(calls / f"rank{r}.calls").read_text().split("\n") for r in (0, 1)]
+    assert sequences[0].count("loss") == 5 and sequences[1].count("loss") > 6   # 4 steps, the checked pass
+    assert [c for c in sequences[1] if c != "loss"] == [c for c in sequences[0] if c != "loss"]
+
+
 def test_ctl_and_attach_steer_rank_0_of_a_2_process_job(write_script, tmp_path):
     script = write_script(DDP_SCRIPT)
     run_dir = tmp_path / "run"
