@@ -198,8 +198,10 @@ def test_a_loss_check_that_fails_in_the_first_micro_batch_skips_the_others():
     trainer.agree_finite = agreed_check(events, [False])
     before = params_of(model)
     result = trainer.step([regression_batch(), regression_batch()])
-    assert events == ["loss", "check", "backward", "answer", "loss"]   # then the diagnosis's forward
+    # then the diagnosis's forward; no op trace: this rank's loss was finite, another rank's was not
+    assert events == ["loss", "check", "backward", "answer", "loss"]
     assert result.nonfinite == "loss" and result.skipped and result.micro_batches == 2
+    assert result.op_trace is None
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -213,8 +215,10 @@ def test_a_nonfinite_loss_of_this_rank_still_runs_its_backward():
                              dtype="bf16")
     trainer.agree_finite = agreed_check(events, [False])
     result = trainer.step([regression_batch()])
-    assert events == ["loss", "check", "backward", "answer", "loss"]   # then the diagnosis's forward
+    # then the diagnosis's forward, and the op trace's: this rank saw the value, it replays it
+    assert events == ["loss", "check", "backward", "answer", "loss", "loss"]
     assert result.nonfinite == "loss" and not math.isfinite(result.loss) and result.skipped
+    assert result.op_trace is not None
     assert all(p.grad is None for p in model.parameters())
 
 
