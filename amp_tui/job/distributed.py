@@ -54,7 +54,8 @@ session kept. docs/distributed.md tells the whole story.
 
 This module holds the process group and the collectives; what they carry is laid out in modules
 of its own: the words (job/boundary_words.py), the commands (job/command_codec.py), the figures
-(job/rank_figures.py), the checkpoints' RNG states (job/rng_states.py).
+(job/rank_figures.py), the probe schedule's words (job/rank_probes.py), the checkpoints' RNG
+states (job/rng_states.py).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ from amp_tui.job.command_codec import decode_commands, encode_commands
 from amp_tui.job.gradient_channel import GradientChannel, unsuitable
 from amp_tui.job.rank_figures import OWN_KINDS, merge_figures, pack_figures
 from amp_tui.job.rank_output import rank_log_path
+from amp_tui.job.rank_probes import RankProbes
 from amp_tui.job.rng_states import rng_state
 from amp_tui.training.engine import StepResult
 
@@ -189,6 +191,8 @@ class Ranks:
         self._rows_in: tuple[torch.Tensor, torch.Tensor | None] | None = None
         # How the words go round, once carry_in_gradients decided: for the session's header.
         self.coordination: str | None = None
+        # The adaptive probe schedule's words (job/rank_probes.py), where a run has one.
+        self.probes: RankProbes | None = None
 
     # ---- joining ----------------------------------------------------------------------------
     @classmethod
@@ -325,11 +329,13 @@ class Ranks:
         code, payload = encode_commands(commands) if self.is_main else (0, b"")
         vote = self._vote   # read once: a signal may replace it meanwhile, the next collective has it
         nonfinite = None if finite else self.rank
+        spacing, low_headroom = self.probes.words() if self.probes is not None else (0, False)
+        words = {"nonfinite_rank": nonfinite, "command": code, "payload_bytes": len(payload),
+                 "probe_spacing": spacing, "headroom_rank": self.rank if low_headroom else None}
         if vote is None:
-            local = BoundaryWords(nonfinite_rank=nonfinite, command=code, payload_bytes=len(payload))
+            local = BoundaryWords(**words)
         else:
-            local = BoundaryWords(nonfinite_rank=nonfinite, command=code, payload_bytes=len(payload),
-                                  stop_rank=self.rank, checkpoint=vote.checkpoint, signum=vote.signum)
+            local = BoundaryWords(**words, stop_rank=self.rank, checkpoint=vote.checkpoint, signum=vote.signum)
         return _Agreed(local, payload, vote)
 
     def _all_reduce(self, mine: _Agreed, what: str) -> _Agreed:
@@ -367,6 +373,8 @@ class Ranks:
             payload = bytes(buffer.cpu().tolist())
         self._synced_at, self._compute_s, self.nonfinite_rank = time.perf_counter(), None, None
         self._step_finite = True
+        if self.probes is not None:
+            self.probes.agreed(words.probe_spacing, words.headroom_rank)
         if not self.is_main:
             commands = decode_commands(words.command, payload)
         first = words.stop_rank
@@ -439,7 +447,8 @@ class Ranks:
         vote = mine.vote
         channel.send(rank=self.rank, code=mine.words.command, payload_bytes=mine.words.payload_bytes,
                      finite=mine.words.nonfinite_rank is None,
-                     stop=(True, vote.checkpoint, vote.signum) if vote is not None else None, row=row)
+                     stop=(True, vote.checkpoint, vote.signum) if vote is not None else None, row=row,
+                     probe_spacing=mine.words.probe_spacing, low_headroom=mine.words.headroom_rank is not None)
 
         def finite_everywhere() -> bool:
             got = channel.take()

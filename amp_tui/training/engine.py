@@ -267,6 +267,8 @@ class GuardedTrainer:
         probe = self.probe if self.probing_next() else None
         if probe and ahead is None:
             self._begin_probe()  # (start_step began it for its forward)
+        elif probe is None and self.probe is not None:
+            self.probe.end()   # the hooks kept on for this step, which the boundary took off the schedule
         try:
             result = self._step(micro_batches, probe, ahead.loss if ahead is not None else None)
         except BaseException:

@@ -71,7 +71,8 @@ def test_nproc_2_trains_one_run_with_per_rank_figures_and_identical_replicas(wri
     script = write_script(DDP_SCRIPT)
     run_dir, params = tmp_path / "run", tmp_path / "params"
     params.mkdir()
-    done = train_ranks(script, run_dir, "--dtype", dtype, "--steps", "6", script_args=["--params", str(params)])
+    done = train_ranks(script, run_dir, "--dtype", dtype, "--steps", "6", "--probe-every", "1",
+                       script_args=["--params", str(params)])
     assert done.returncode == 0, done.stdout + done.stderr
     session = read_session(run_dir)
     assert session.header["world_size"] == 2
@@ -103,7 +104,7 @@ def test_at_commands_land_at_the_same_step_on_both_ranks(write_script, tmp_path)
     params.mkdir()
     timeout_s = 5
     job = subprocess.Popen(
-        rank_command(script, run_dir, "--steps", "10", "--dist-timeout", str(timeout_s),
+        rank_command(script, run_dir, "--steps", "10", "--dist-timeout", str(timeout_s), "--probe-every", "1",
                      "--at", "1:save", "--at", "2:scale=half", "--at", "3:dtype=bf16", "--at", "5:restore=latest",
                      "--at", "4:note=shard 3 → 4", "--at", "6:dtype=fp16", "--at", "7:pause",
                      script_args=["--same-data", "--params", str(params)]),
@@ -168,6 +169,41 @@ def test_an_overflow_on_rank_1_alone_is_traced_to_its_op_by_rank_1_and_recorded_
     sequences = [(calls / f"rank{r}.calls").read_text().split("\n") for r in (0, 1)]
     assert sequences[0].count("loss") == 5 and sequences[1].count("loss") > 6   # 4 steps, the checked pass
     assert [c for c in sequences[1] if c != "loss"] == [c for c in sequences[0] if c != "loss"]
+
+
+@pytest.mark.parametrize("words", ["gradients", "collectives"])
+def test_the_adaptive_probe_schedule_is_rank_0s_on_every_rank_and_escalates_on_both(write_script, tmp_path, words):
+    """`--probe-every auto` with 2 ranks: rank 0's spacing rides in each step's words, and both
+    ranks probe the same steps (every probed step's record has both ranks' figures; where the
+    figures go in a gather of their own, both ranks issue the same collectives), fewer than all
+    while the run is healthy. A NaN in rank 1's step 20 skips it on both, and both probe every
+    step after it."""
+    script = write_script(DDP_SCRIPT)
+    run_dir, calls = tmp_path / "run", tmp_path / "calls"
+    calls.mkdir()
+    done = train_ranks(script, run_dir, "--dtype", "bf16", "--steps", "30", "--probe-every", "auto",
+                       script_args=["--scale-at", "1:21:nan", "--calls", str(calls)]
+                       + (["--own-hook"] if words == "collectives" else []))
+    assert done.returncode == 0, done.stdout + done.stderr
+    session = read_session(run_dir)
+    assert session.header["probe_every"] == "auto" and session.header["coordination"].startswith(words)
+    assert [r["step"] for r in session.steps] == list(range(30))
+    assert [r["step"] for r in session.steps if r["skipped"]] == [20]
+    probed = [r["step"] for r in session.steps if "layers" in r]
+    for r in session.steps:   # a probed step has every rank's figures: both ranks probed it
+        assert ("rank_loss" in r) == ("layers" in r) or r["skipped"], r   # (a non-finite one has them)
+        assert len(r.get("rank_loss", [0, 0])) == 2, r
+    healthy = [s for s in probed if s < 20]
+    assert healthy[:3] == [0, 1, 2] and len(healthy) < 15, probed
+    assert set(range(21, 30)) <= set(probed), probed
+    [escalation] = [e for e in session.events if e["kind"] == "probes"]
+    assert escalation["mode"] == "every" and escalation["reason"] == "nonfinite", escalation
+    theirs = [(step, text) for step, kind, text in rank_events(run_dir) if kind == "probes"]
+    assert theirs == [(escalation["step"], escalation["message"])]
+    sequences = [(calls / f"rank{r}.calls").read_text().split("\n") for r in (0, 1)]
+    assert [c for c in sequences[0] if c != "loss"] == [c for c in sequences[1] if c != "loss"]
+    if words == "collectives":   # each probed step's figures gathered, and the non-finite step's
+        assert sequences[0].count("gather") == len(probed) + (20 not in probed)
 
 
 def test_ctl_and_attach_steer_rank_0_of_a_2_process_job(write_script, tmp_path):
@@ -310,7 +346,7 @@ def test_a_probed_steps_record_comes_a_step_later_in_its_place_before_the_bounda
     run_dir, linger = tmp_path / "run", tmp_path / "linger"
     linger.mkdir()
     job = subprocess.Popen(
-        rank_command(script, run_dir, "--steps", "9", "--dtype", "bf16",
+        rank_command(script, run_dir, "--steps", "9", "--dtype", "bf16", "--probe-every", "1",
                      "--at", "2:save", "--at", "3:dtype=fp32", "--at", "5:pause",
                      script_args=["--linger", f"1:6:{linger}"]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)

@@ -265,7 +265,7 @@ def test_a_rank_killed_while_rank_0_waits_for_its_figures_ends_the_run_with_ever
     run_dir, linger = tmp_path / "run", tmp_path / "linger"
     linger.mkdir()
     done = train_ranks(script, run_dir, "--dtype", "bf16", "--steps", "50", "--dist-timeout", str(3 * RANK_TIMEOUT_S),
-                       script_args=["--linger", f"1:3:{linger}:kill"])
+                       "--probe-every", "1", script_args=["--linger", f"1:3:{linger}:kill"])
     assert done.returncode != 0, done.stdout + done.stderr
     assert (linger / "rank1.linger").read_text() == "ahead"
     session = read_session(run_dir)

@@ -432,3 +432,25 @@ def test_unsupported_bf16_is_refused(monkeypatch):
     with pytest.raises(PrecisionRefused, match="not supported"):
         trainer.set_dtype("bf16")
     assert trainer.dtype == "float16" and trainer.scaler is not None
+
+
+def test_a_step_the_boundary_took_off_the_schedule_runs_its_forward_without_the_probes_hooks():
+    """The hooks stay on after a probed step whose next step is probed too; when the boundary then
+    changes the schedule (`probe=auto`, or several ranks' agreed spacing), the step runs unprobed,
+    and its forward without the hooks (each a call per module)."""
+    torch.manual_seed(0)
+    model = mlp()
+    hooked = []
+
+    def watched(m, batch):
+        hooked.append(any(module._forward_hooks for module in m.modules()))
+        return mse(m, batch)
+
+    trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), watched, dtype="fp32",
+                             probe_every="auto")
+    trainer.probe_schedule.set_mode("every")
+    for _ in range(4):
+        trainer.step([regression_batch()])
+    trainer.probe_schedule.set_mode("auto")   # a boundary: step 4 is not (no unprobed step measured yet)
+    result = trainer.step([regression_batch()])
+    assert result.figures is None and hooked == [True] * 4 + [False]
