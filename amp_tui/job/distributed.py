@@ -79,6 +79,7 @@ from amp_tui.core.text import one_line
 from amp_tui.job.boundary_words import BoundaryWords
 from amp_tui.job.command_codec import decode_commands, encode_commands
 from amp_tui.job.gradient_channel import GradientChannel, unsuitable
+from amp_tui.job.in_flight import InFlight
 from amp_tui.job.rank_figures import OWN_KINDS, merge_figures, pack_figures
 from amp_tui.job.rank_output import rank_log_path
 from amp_tui.job.rank_probes import RankProbes
@@ -171,6 +172,7 @@ class Ranks:
         # NCCL reduces tensors on the GPU, gloo on the CPU.
         self._comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
         self._words = torch.zeros(BoundaryWords.SIZE, dtype=torch.int64, device=self._comm)
+        self._in_flight = InFlight()   # our collectives' tensors, until gloo's threads let go of them
         # Set by a run whose loss checks carry the next boundary's words: the commands queued for
         # it so far (taken on every rank, encoded on rank 0 alone).
         self.upcoming: Callable[[], list[Command]] | None = None
@@ -221,8 +223,10 @@ class Ranks:
         return cls(device=device, timeout_s=None, owns_group=False)
 
     def close(self) -> None:
-        """Leave the process group (a survivor that doesn't may abort as the interpreter exits)."""
+        """Leave the process group (a survivor that doesn't may abort as the interpreter exits),
+        once its threads have let go of our collectives' tensors (job/in_flight.py)."""
         self.voting = False
+        self._in_flight.settle(self.timeout_s or DEFAULT_TIMEOUT_S)
         gc.collect()   # a DDP wrapper left in a reference cycle holds the group: freed first
         if self.owns_group and dist.is_initialized():
             with contextlib.suppress(Exception):  # noqa: BLE001 - a broken group goes all the same
@@ -307,6 +311,7 @@ class Ranks:
         t = torch.tensor([self.rank if problem is not None else self.world_size], dtype=torch.int64,
                          device=self._comm)
         self._collective("agreeing on a check", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        self._in_flight.hold(t)
         first = int(t.item())
         if first == self.world_size:
             return None
@@ -346,10 +351,10 @@ class Ranks:
         Nothing else of ours runs meanwhile (the words' buffer is the all-reduce's until then)."""
         words = self._words
         words.copy_(mine.words.pack(self.world_size))
-        work = self._collective(what, lambda: dist.all_reduce(words, op=dist.ReduceOp.MAX, async_op=True))
+        work = [self._collective(what, lambda: dist.all_reduce(words, op=dist.ReduceOp.MAX, async_op=True))]
 
         def agreed() -> _Agreed:
-            self._collective(what, work.wait)
+            self._let_go(work, what)   # (the words' buffer is ours for as long as the ranks are)
             return _Agreed(BoundaryWords.unpack(words, self.world_size), mine.payload, mine.vote)
         return agreed
 
@@ -370,6 +375,7 @@ class Ranks:
             buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._comm) if self.is_main
                       else torch.empty(size, dtype=torch.uint8, device=self._comm))
             self._collective("sending a command to every rank", lambda: dist.broadcast(buffer, src=0))
+            self._in_flight.hold(buffer)
             payload = bytes(buffer.cpu().tolist())
         self._synced_at, self._compute_s, self.nonfinite_rank = time.perf_counter(), None, None
         self._step_finite = True
@@ -539,12 +545,20 @@ class Ranks:
         packed = packed.to(self._comm)
         rows = [torch.empty_like(packed) for _ in range(self.world_size)] if self.is_main else None
         what = "gathering the step's figures"
-        work = self._collective(what, lambda: dist.gather(packed, gather_list=rows, dst=0, async_op=True))
+        work = [self._collective(what, lambda: dist.gather(packed, gather_list=rows, dst=0, async_op=True))]
 
         def arrived() -> torch.Tensor | None:
-            self._collective(what, work.wait)
+            self._let_go(work, what, packed, *(rows or ()))
             return torch.stack(rows).cpu() if rows is not None else None
         return arrived
+
+    def _let_go(self, work: list, what: str, *tensors: torch.Tensor) -> None:
+        """Wait for a started collective (`work`: its one Work, taken out once done), then hold
+        its tensors until gloo's thread lets go of them too (job/in_flight.py)."""
+        if work:
+            self._collective(what, work[0].wait)
+            work.clear()
+            self._in_flight.hold(*tensors)
 
     def _gather_details(self, result: StepResult, names: list[str]) -> StepResult:
         """A non-finite step's figures, and where each rank saw it go non-finite: its layer, its

@@ -91,6 +91,7 @@ def scenario(wrap, accumulate, nan_micro, compiled, carried):
     after = step(micro_batches())
     seen.update(after_skipped=after.skipped, weights_after=digest(net), updates=trainer.updates_applied)
     trainer.close()
+    ranks.close()   # as a Run ends: gloo's threads let go of our collectives' tensors first
     return seen
 
 results = [scenario(*s) for s in scenarios]
