@@ -397,6 +397,8 @@ def setup(ctx):
     p = argparse.ArgumentParser()
     p.add_argument("--same-data", action="store_true")
     p.add_argument("--nan", default=None)
+    p.add_argument("--overflow", default=None)
+    p.add_argument("--scale-at", default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--params", default=None)
     p.add_argument("--wrap", action="store_true")
@@ -419,6 +421,8 @@ def setup(ctx):
             setattr(dist, name, counted(name, getattr(dist, name)))
         atexit.register(lambda: Path(a.calls, f"rank{ctx.rank}.calls").write_text("\\n".join(calls)))
     term_rank, term_call = (int(v) for v in a.term.split(":")) if a.term else (-1, -1)
+    # RANK:CALL:FACTOR: that rank's inputs times FACTOR ("nan" too) in loss_fn's CALLth call
+    scale_rank, scale_call, scale_by = a.scale_at.split(":") if a.scale_at else (-1, -1, "1")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     if a.wrap or a.own_hook:   # the script's own DistributedDataParallel (amp-tui set up the process group)
@@ -450,6 +454,12 @@ def setup(ctx):
         rank, chosen = a.nan.split(":")
         for batch in (chosen.split(",") if int(rank) == ctx.rank else ()):
             batches[int(batch)][0][0, 0] = float("nan")
+    if a.overflow:   # RANK:BATCH: inputs that fp16 holds, one of whose first layer's outputs it can't
+        rank, chosen = a.overflow.split(":")
+        if int(rank) == ctx.rank:
+            weight = model.module[0].weight if a.wrap or a.own_hook else model[0].weight
+            row = weight.detach().abs().sum(1).argmax()
+            batches[int(chosen)][0].copy_(6e4 * weight.detach()[row].sign().expand(16, 8))
     if a.params:
         def digest():
             h = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.parameters()))
@@ -464,6 +474,8 @@ def setup(ctx):
         if a.sleep:
             time.sleep(a.sleep)
         x, y = batch
+        if ctx.rank == int(scale_rank) and calls.count("loss") == int(scale_call):
+            x = x * float(scale_by)
         return nn.functional.mse_loss(model(x), y)
     return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": batches, "accumulate": a.accumulate}
 '''

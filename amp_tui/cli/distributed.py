@@ -117,8 +117,9 @@ def train_rank(args) -> int:
     try:
         return _train(args, ranks)
     finally:
-        # The run (its DDP wrapper holds the process group) is gone by now, so the group really
-        # ends here, while the interpreter is whole: not in gloo's threads at its finalization.
+        # The run is gone by now. Before the interpreter exits, gloo's threads let go of our
+        # collectives' tensors (freeing one there while it finalizes aborts the process), then
+        # the group is left (job/in_flight.py).
         ranks.close()
 
 

@@ -54,7 +54,8 @@ session kept. docs/distributed.md tells the whole story.
 
 This module holds the process group and the collectives; what they carry is laid out in modules
 of its own: the words (job/boundary_words.py), the commands (job/command_codec.py), the figures
-(job/rank_figures.py), the checkpoints' RNG states (job/rng_states.py).
+(job/rank_figures.py), the probe schedule's words (job/rank_probes.py), the checkpoints' RNG
+states (job/rng_states.py).
 """
 
 from __future__ import annotations
@@ -78,8 +79,10 @@ from amp_tui.core.text import one_line
 from amp_tui.job.boundary_words import BoundaryWords
 from amp_tui.job.command_codec import decode_commands, encode_commands
 from amp_tui.job.gradient_channel import GradientChannel, unsuitable
+from amp_tui.job.in_flight import InFlight
 from amp_tui.job.rank_figures import OWN_KINDS, merge_figures, pack_figures
 from amp_tui.job.rank_output import rank_log_path
+from amp_tui.job.rank_probes import RankProbes
 from amp_tui.job.rng_states import rng_state
 from amp_tui.training.engine import StepResult
 
@@ -169,6 +172,7 @@ class Ranks:
         # NCCL reduces tensors on the GPU, gloo on the CPU.
         self._comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
         self._words = torch.zeros(BoundaryWords.SIZE, dtype=torch.int64, device=self._comm)
+        self._in_flight = InFlight()   # our collectives' tensors, until gloo's threads let go of them
         # Set by a run whose loss checks carry the next boundary's words: the commands queued for
         # it so far (taken on every rank, encoded on rank 0 alone).
         self.upcoming: Callable[[], list[Command]] | None = None
@@ -189,6 +193,8 @@ class Ranks:
         self._rows_in: tuple[torch.Tensor, torch.Tensor | None] | None = None
         # How the words go round, once carry_in_gradients decided: for the session's header.
         self.coordination: str | None = None
+        # The adaptive probe schedule's words (job/rank_probes.py), where a run has one.
+        self.probes: RankProbes | None = None
 
     # ---- joining ----------------------------------------------------------------------------
     @classmethod
@@ -217,8 +223,10 @@ class Ranks:
         return cls(device=device, timeout_s=None, owns_group=False)
 
     def close(self) -> None:
-        """Leave the process group (a survivor that doesn't may abort as the interpreter exits)."""
+        """Leave the process group (a survivor that doesn't may abort as the interpreter exits),
+        once its threads have let go of our collectives' tensors (job/in_flight.py)."""
         self.voting = False
+        self._in_flight.settle(self.timeout_s or DEFAULT_TIMEOUT_S)
         gc.collect()   # a DDP wrapper left in a reference cycle holds the group: freed first
         if self.owns_group and dist.is_initialized():
             with contextlib.suppress(Exception):  # noqa: BLE001 - a broken group goes all the same
@@ -303,6 +311,7 @@ class Ranks:
         t = torch.tensor([self.rank if problem is not None else self.world_size], dtype=torch.int64,
                          device=self._comm)
         self._collective("agreeing on a check", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        self._in_flight.hold(t)
         first = int(t.item())
         if first == self.world_size:
             return None
@@ -325,11 +334,13 @@ class Ranks:
         code, payload = encode_commands(commands) if self.is_main else (0, b"")
         vote = self._vote   # read once: a signal may replace it meanwhile, the next collective has it
         nonfinite = None if finite else self.rank
+        spacing, low_headroom = self.probes.words() if self.probes is not None else (0, False)
+        words = {"nonfinite_rank": nonfinite, "command": code, "payload_bytes": len(payload),
+                 "probe_spacing": spacing, "headroom_rank": self.rank if low_headroom else None}
         if vote is None:
-            local = BoundaryWords(nonfinite_rank=nonfinite, command=code, payload_bytes=len(payload))
+            local = BoundaryWords(**words)
         else:
-            local = BoundaryWords(nonfinite_rank=nonfinite, command=code, payload_bytes=len(payload),
-                                  stop_rank=self.rank, checkpoint=vote.checkpoint, signum=vote.signum)
+            local = BoundaryWords(**words, stop_rank=self.rank, checkpoint=vote.checkpoint, signum=vote.signum)
         return _Agreed(local, payload, vote)
 
     def _all_reduce(self, mine: _Agreed, what: str) -> _Agreed:
@@ -340,10 +351,10 @@ class Ranks:
         Nothing else of ours runs meanwhile (the words' buffer is the all-reduce's until then)."""
         words = self._words
         words.copy_(mine.words.pack(self.world_size))
-        work = self._collective(what, lambda: dist.all_reduce(words, op=dist.ReduceOp.MAX, async_op=True))
+        work = [self._collective(what, lambda: dist.all_reduce(words, op=dist.ReduceOp.MAX, async_op=True))]
 
         def agreed() -> _Agreed:
-            self._collective(what, work.wait)
+            self._let_go(work, what)   # (the words' buffer is ours for as long as the ranks are)
             return _Agreed(BoundaryWords.unpack(words, self.world_size), mine.payload, mine.vote)
         return agreed
 
@@ -364,9 +375,12 @@ class Ranks:
             buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._comm) if self.is_main
                       else torch.empty(size, dtype=torch.uint8, device=self._comm))
             self._collective("sending a command to every rank", lambda: dist.broadcast(buffer, src=0))
+            self._in_flight.hold(buffer)
             payload = bytes(buffer.cpu().tolist())
         self._synced_at, self._compute_s, self.nonfinite_rank = time.perf_counter(), None, None
         self._step_finite = True
+        if self.probes is not None:
+            self.probes.agreed(words.probe_spacing, words.headroom_rank)
         if not self.is_main:
             commands = decode_commands(words.command, payload)
         first = words.stop_rank
@@ -439,7 +453,8 @@ class Ranks:
         vote = mine.vote
         channel.send(rank=self.rank, code=mine.words.command, payload_bytes=mine.words.payload_bytes,
                      finite=mine.words.nonfinite_rank is None,
-                     stop=(True, vote.checkpoint, vote.signum) if vote is not None else None, row=row)
+                     stop=(True, vote.checkpoint, vote.signum) if vote is not None else None, row=row,
+                     probe_spacing=mine.words.probe_spacing, low_headroom=mine.words.headroom_rank is not None)
 
         def finite_everywhere() -> bool:
             got = channel.take()
@@ -530,18 +545,27 @@ class Ranks:
         packed = packed.to(self._comm)
         rows = [torch.empty_like(packed) for _ in range(self.world_size)] if self.is_main else None
         what = "gathering the step's figures"
-        work = self._collective(what, lambda: dist.gather(packed, gather_list=rows, dst=0, async_op=True))
+        work = [self._collective(what, lambda: dist.gather(packed, gather_list=rows, dst=0, async_op=True))]
 
         def arrived() -> torch.Tensor | None:
-            self._collective(what, work.wait)
+            self._let_go(work, what, packed, *(rows or ()))
             return torch.stack(rows).cpu() if rows is not None else None
         return arrived
 
+    def _let_go(self, work: list, what: str, *tensors: torch.Tensor) -> None:
+        """Wait for a started collective (`work`: its one Work, taken out once done), then hold
+        its tensors until gloo's thread lets go of them too (job/in_flight.py)."""
+        if work:
+            self._collective(what, work[0].wait)
+            work.clear()
+            self._in_flight.hold(*tensors)
+
     def _gather_details(self, result: StepResult, names: list[str]) -> StepResult:
-        """A non-finite step's figures, and where each rank saw it go non-finite (rare: waited
-        for at once)."""
+        """A non-finite step's figures, and where each rank saw it go non-finite: its layer, its
+        diagnosis and the op its own replay found (rare: waited for at once)."""
         rows = self._start_gather(pack_figures(result, self._take_compute_s(result)))()
-        mine = {"loss": result.loss, "layer": result.first_nonfinite_layer, "diagnosis": result.diagnosis}
+        mine = {"loss": result.loss, "layer": result.first_nonfinite_layer, "diagnosis": result.diagnosis,
+                "op_trace": result.op_trace}
         seen = [None] * self.world_size if self.is_main else None
         self._collective("gathering where the step went non-finite",
                          lambda: dist.gather_object(mine, seen, dst=0))

@@ -16,7 +16,8 @@ import torch
 
 from amp_tui.job.distributed import Ranks, RanksLost, communication_failure
 from amp_tui.job.feed import BatchFeed
-from amp_tui.job.probe_events import announce_probe_changes, probe_every_of
+from amp_tui.job.probe_events import announce_probe_changes
+from amp_tui.job.rank_probes import RankProbes
 from amp_tui.job.run_records import record_xray
 from amp_tui.recording.format import step_record
 from amp_tui.training.engine import GuardedTrainer, LossError, StepResult
@@ -53,7 +54,7 @@ class EngineDriver:
             ranks.replicate(setup.model) if ranks else setup.model, setup.optimizer, setup.loss_fn,
             device=device, dtype=config.dtype,
             init_scale=config.init_scale, scheduler=setup.scheduler,
-            max_grad_norm=setup.max_grad_norm, probe_every=probe_every_of(config.probe_every, ranks),
+            max_grad_norm=setup.max_grad_norm, probe_every=config.probe_every,
             probe_budget=config.probe_budget, probe_alert_bits=config.probe_alert_bits,
             underflow_every=config.underflow_every)
         self.training = self.trainer
@@ -76,6 +77,10 @@ class EngineDriver:
             self.ranks.upcoming = lambda: run.queued(self.trainer.step_index + 1)
             # ... in DDP's own gradient all-reduce where it can, with the figures.
             self.ranks.carry_in_gradients(self.trainer.model, len(self.trainer.layer_names))
+            # The adaptive probe schedule: rank 0's spacing and every rank's headroom, in the words.
+            schedule = self.trainer.probe_schedule
+            if schedule is not None and schedule.auto:
+                self.ranks.probes = RankProbes(schedule, self.ranks.rank)
 
     # ---- what the controller asks ------------------------------------------------------------
     def description(self) -> dict:
@@ -131,6 +136,8 @@ class EngineDriver:
     def step(self) -> None:
         run, step = self.run, self.trainer.step_index
         due = None
+        if self.ranks:
+            announce_probe_changes(run)   # what the boundary's words changed, from this step on
         try:
             micro = self.feed.take(self.setup.accumulate)  # the user's DataLoader or dataset may raise too
             result = self.trainer.step(micro)

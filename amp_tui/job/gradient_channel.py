@@ -11,8 +11,9 @@ gradients divided by the world size first, as DDP's own hook does) and splits th
 The sum carries what the ranks agree on because each value is written by one rank only, in its
 own slot, with zeros from every other rank (x + 0 is x exactly, inf and NaN included):
 
-    [command code, payload bytes]             rank 0's (the others write 0)
+    [command code, payload bytes, spacing]    rank 0's (the others write 0)
     [not finite] x W                          1 where that rank's loss was not finite
+    [low headroom] x W                        1 where that rank's last probed step was short of it
     [stop, checkpoint, signal] x W            that rank's stop vote
     [present, loss, step time, act...] x W    that rank's figures of the last probed step
 
@@ -36,7 +37,8 @@ import torch.distributed as dist
 
 from amp_tui.training.sharding import is_sharded
 
-HEAD = 2             # rank 0's command code and payload length
+HEAD = 3             # rank 0's command code, payload length and probe spacing
+FLAGS = 2            # each rank's loss not finite, and its low headroom
 VOTE = 3             # each rank's stop, checkpoint and signal number
 ROW_HEAD = 3         # present, loss, step time: then one maximum per layer
 
@@ -76,6 +78,8 @@ class Received:
     nonfinite: list[bool]
     stops: list[tuple[bool, bool, int]]      # per rank: stop asked, with a checkpoint, signal number
     rows: torch.Tensor | None                # per rank [loss, step time, act...]; None: not every rank sent one
+    probe_spacing: int = 0                   # rank 0's spacing of the probed steps (0: none)
+    low_headroom: tuple[bool, ...] = ()      # per rank: its last probed step was short of headroom
 
 
 class Slots:
@@ -84,18 +88,21 @@ class Slots:
     def __init__(self, world_size: int, layers: int):
         self.world_size = world_size
         self.row_size = ROW_HEAD + layers
-        self._rows_at = HEAD + (1 + VOTE) * world_size
+        self._votes_at = HEAD + FLAGS * world_size
+        self._rows_at = self._votes_at + VOTE * world_size
         self.size = self._rows_at + world_size * self.row_size
 
     def pack(self, *, rank: int, code: int, payload_bytes: int, finite: bool,
-             stop: tuple[bool, bool, int] | None, row: torch.Tensor | None) -> torch.Tensor:
+             stop: tuple[bool, bool, int] | None, row: torch.Tensor | None, probe_spacing: int = 0,
+             low_headroom: bool = False) -> torch.Tensor:
         """This rank's vector: its own slots written, zeros in every other rank's."""
         values = [0.0] * self.size
         if rank == 0:
-            values[0], values[1] = float(code), float(payload_bytes)
+            values[0], values[1], values[2] = float(code), float(payload_bytes), float(probe_spacing)
         values[HEAD + rank] = 0.0 if finite else 1.0
+        values[HEAD + self.world_size + rank] = 1.0 if low_headroom else 0.0
         if stop is not None:
-            base = HEAD + self.world_size + VOTE * rank
+            base = self._votes_at + VOTE * rank
             values[base:base + VOTE] = [float(stop[0]), float(stop[1]), float(stop[2])]
         if row is not None:
             base = self._rows_at + rank * self.row_size
@@ -107,11 +114,12 @@ class Slots:
         """Every rank's words from the summed vector (one transfer; the rest in Python)."""
         values = summed.tolist()
         w, r = self.world_size, self.row_size
-        votes = values[HEAD + w:self._rows_at]
+        votes = values[self._votes_at:self._rows_at]
         rows = [values[self._rows_at + k * r:self._rows_at + (k + 1) * r] for k in range(w)]
         present = all(row[0] == 1.0 for row in rows)
-        return Received(code=int(values[0]), payload_bytes=int(values[1]),
+        return Received(code=int(values[0]), payload_bytes=int(values[1]), probe_spacing=int(values[2]),
                         nonfinite=[v != 0 for v in values[HEAD:HEAD + w]],
+                        low_headroom=tuple(v != 0 for v in values[HEAD + w:self._votes_at]),
                         stops=[(votes[k] != 0, votes[k + 1] != 0, int(votes[k + 2])) for k in range(0, VOTE * w, VOTE)],
                         rows=torch.tensor([row[1:] for row in rows], dtype=torch.float64) if present else None)
 

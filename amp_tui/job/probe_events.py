@@ -28,6 +28,7 @@ def announce_probe_changes(run: RunController, *, step: int | None = None) -> No
 
 
 def probe_every_of(asked: int | str, ranks) -> int | str:
-    """The schedule a run can keep: several ranks probe the same steps, so they keep a fixed one
-    (each rank's own timing would choose differently)."""
+    """The schedule a loop of one's own can keep under `amp_tui.monitor`: several ranks probe the
+    same steps, so they keep a fixed one there (each rank's own timing would choose differently;
+    `amp-tui train` agrees on rank 0's instead: job/rank_probes.py)."""
     return 1 if ranks and asked == "auto" else asked

@@ -64,13 +64,16 @@ def merge_figures(result: StepResult, rows: torch.Tensor, names: list[str], seen
     if nonfinite == "loss":
         first = loss_rank if loss_rank is not None else (bad_losses[0] if bad_losses else 0)
     elif nonfinite is not None:
-        located = [r for r, s in enumerate(seen or []) if s and s.get("layer")]
+        # The gradients all-reduced: every rank saw them non-finite, the one that made them
+        # located them (its layer, or the op of its own replay).
+        located = [r for r, s in enumerate(seen or []) if s and (s.get("layer") or _op_found(s))]
         first = located[0] if located else 0
     if nonfinite is not None:
         update["nonfinite"] = nonfinite
         if seen is not None and seen[first] is not None:
             update.update(loss=seen[first]["loss"] if nonfinite == "loss" else result.loss,
-                          first_nonfinite_layer=seen[first]["layer"], diagnosis=seen[first]["diagnosis"])
+                          first_nonfinite_layer=seen[first]["layer"], diagnosis=seen[first]["diagnosis"],
+                          op_trace=seen[first].get("op_trace"))
         else:
             if nonfinite == "loss":
                 update["loss"] = losses[first]
@@ -80,3 +83,7 @@ def merge_figures(result: StepResult, rows: torch.Tensor, names: list[str], seen
                     update["first_nonfinite_layer"] = names[index]
     update["per_rank"] = RankFigures(loss=losses, step_time=times, nonfinite_rank=first)
     return dataclasses.replace(result, **update)
+
+
+def _op_found(seen: dict) -> bool:
+    return bool((seen.get("op_trace") or {}).get("op"))

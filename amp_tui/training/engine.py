@@ -274,6 +274,8 @@ class GuardedTrainer:
         probe = self.probe if self.probing_next() else None
         if probe and ahead is None:
             self._begin_probe()  # (start_step began it for its forward)
+        elif probe is None and self.probe is not None:
+            self.probe.end()   # the hooks kept on for this step, which the boundary took off the schedule
         try:
             result = self._step(micro_batches, probe, ahead.loss if ahead is not None else None)
         except BaseException:
@@ -393,7 +395,10 @@ class GuardedTrainer:
         self._zero_grad()
         figures = probe.collect()[0] if probe else None
         diagnosis = self._diagnose([micro_batches[bad]], used_scale, backward=False)
-        op_trace = self._trace_ops(micro_batches, [bad], used_scale, backward=False)
+        # Several ranks: one whose own losses were finite skips because another's were not, and
+        # has nothing to replay; the rank that saw it replays on its own.
+        own = not math.isfinite(mean_loss)
+        op_trace = self._trace_ops(micro_batches, [bad], used_scale, backward=False) if own else None
         first = diagnosis.forward_layer if diagnosis else None
         if first is None and figures is not None:
             index = figures.first_nonfinite("act")
@@ -525,8 +530,9 @@ class GuardedTrainer:
         """The failing step replayed op by op from the micro-batches at `indices`, with the
         backward as the step ran it (the loss over the micro-batches, times the scale); without it
         (`backward` False) for a non-finite loss, which the forward made.
-        Several ranks: not replayed (a rank alone can't run DDP's collectives)."""
-        if not self.trace_ops or self.agree_finite is not None:
+        Several ranks: each rank replays its own micro-batches on the inner module, not the DDP
+        wrapper, and alone: the replay refuses any collective (the others would never join it)."""
+        if not self.trace_ops:
             return None
         n = len(micro_batches)
         factor = (scale if scale is not None else 1.0) / n

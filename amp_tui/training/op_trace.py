@@ -139,9 +139,18 @@ _UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided",
                             "empty_permuted"})
 
 
+# Collectives' namespaces: a replay runs on one rank alone, where another rank would never join one.
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+
+
+class CollectiveInReplay(RuntimeError):
+    """The replayed step called a collective: on one rank alone it would wait for the others forever."""
+
+
 class OpTracer(TorchDispatchMode):
     """Records every non-view aten op with max |x| of its floating tensors, kept on the device
-    until `read_back()`: one host transfer per dtype and device, however many ops ran."""
+    until `read_back()`: one host transfer per dtype and device, however many ops ran. A
+    collective raises `CollectiveInReplay` instead of running."""
 
     def __init__(self, tracker: _NamedTracker):
         super().__init__()
@@ -151,6 +160,10 @@ class OpTracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace in _COLLECTIVES:
+            raise CollectiveInReplay(f"the replay called {func.namespace}.{func.overloadpacket.__name__}, "
+                                     "a collective the other ranks would never join (a SyncBatchNorm, or "
+                                     "a loss_fn that reaches DDP's wrapper)")
         if func.is_view or func.overloadpacket.__name__ in _UNINITIALIZED:
             return func(*args, **kwargs)   # a view: its input's values, under another shape
         inputs = _floating((args, kwargs))

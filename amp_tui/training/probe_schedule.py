@@ -15,6 +15,11 @@ command) pins every step, or lets go back to the schedule.
 One object for both drivers: the engine's `GuardedTrainer` and the hook driver of the user's own
 loop ask `probing(step)` before a step and tell `observe(...)` after it; the changes of mode wait
 in `drain()` for the run to record them as `probes` events. Deterministic: no clock of its own.
+
+Several ranks must probe the same steps, and each one's timing would space them differently: there
+(`follow`), rank 0's `spacing()` decides, agreed each step (job/rank_probes.py), and a layer's
+headroom, which each rank sees in its own outputs, is voted on instead of escalating one rank alone
+(`low_headroom`). The other signs of trouble are the same on every rank at the same step.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ FIRST_PROBED = 3        # the first steps are probed; warming up, their duration
 PROBED_WINDOW = 15      # recent probed steps whose median duration is a probed step's
 PLAIN_WINDOW = 31       # recent unprobed steps whose median duration is an unprobed step's
 FIRST_INTERVAL = 10     # one step in this many while a cost is still unknown
+MAX_SPACING = (1 << 24) - 1   # the widest spacing the ranks agree on (exact in fp32 and int64 words)
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,11 @@ class ProbeSchedule:
         self.total_seconds = 0.0            # ... out of this much training time
         self._changes: list[ProbeChange] = []
         self._spacing = FIRST_INTERVAL      # the interval the last resolvable cost gave
+        # Several ranks (`follow`): the spacing rank 0's schedule chose, as the ranks agreed on it
+        # (None: this schedule decides alone), and the last low headroom this rank saw in its own
+        # figures, for its vote, instead of an escalation of its own.
+        self.agreed_spacing: int | None = None
+        self.low_headroom: tuple[str, float] | None = None
 
     # ---- before a step ----------------------------------------------------------------------
     @property
@@ -88,6 +99,8 @@ class ProbeSchedule:
             return step % self.every == 0
         if self.observed < FIRST_PROBED:
             return True
+        if self.agreed_spacing is not None:
+            return self.since_probe + 1 >= self.agreed_spacing
         if self.plain_time is None:
             return False   # an unprobed step first, to know what probing adds
         return self.since_probe + 1 >= self.interval() or self.seconds_since_probe >= self.live_seconds
@@ -113,6 +126,24 @@ class ProbeSchedule:
         # (rounded first: an exact 18 computed as 18.000000000000004 is 18)
         self._spacing = max(2, math.ceil(round(cost * (1 - share) / (share * self.plain_time), 6)))
         return self._spacing
+
+    def spacing(self) -> int:
+        """One step in this many, as `probing` would space them now, the live floor included: what
+        rank 0 proposes to the other ranks. The floor probes once the unprobed steps since the last
+        probed one reach `live_seconds` at an unprobed step's median duration."""
+        if not self.auto:
+            return self.every
+        if self.budget >= 100:
+            return 1
+        spacing = self.interval()
+        if self.plain_time:
+            spacing = min(spacing, math.ceil(self.live_seconds / self.plain_time) + 1)
+        return max(1, min(spacing, MAX_SPACING))
+
+    def follow(self, spacing: int) -> None:
+        """Several ranks: probe at `spacing`, as the ranks agreed (rank 0's), not at this
+        schedule's own; and put a low headroom to the vote instead of escalating on it here."""
+        self.agreed_spacing = max(1, int(spacing))
 
     def weights_due(self) -> bool:
         """Whether the step being probed reads the weights: every `weights_every`th probed step
@@ -183,6 +214,9 @@ class ProbeSchedule:
             return "scale_drop", f"the loss scale dropped {scale:g} → {next_scale:g}{at}"
         low = self.least_headroom(dtype, scale, act, grad)
         if low is not None and low[1] < self.alert_bits:
+            if self.agreed_spacing is not None:   # this rank's own outputs: put to the ranks' vote
+                self.low_headroom = low
+                return None
             return "headroom", f"{low[0]} at {low[1]:.1f} bits of headroom"
         return None
 
@@ -251,7 +285,8 @@ class ProbeSchedule:
             return ["every", self.escalated or "asked for"]
         if not self.auto:
             return None
-        return ["auto", self.interval(), round(100 * self.share(), 2)]
+        interval = self.agreed_spacing if self.agreed_spacing is not None else self.interval()
+        return ["auto", interval, round(100 * self.share(), 2)]
 
     def status_field(self) -> list:
         """The schedule in `ctl status`: the record's field, or ["every_n", N] for a fixed one."""

@@ -71,7 +71,8 @@ def test_nproc_2_trains_one_run_with_per_rank_figures_and_identical_replicas(wri
     script = write_script(DDP_SCRIPT)
     run_dir, params = tmp_path / "run", tmp_path / "params"
     params.mkdir()
-    done = train_ranks(script, run_dir, "--dtype", dtype, "--steps", "6", script_args=["--params", str(params)])
+    done = train_ranks(script, run_dir, "--dtype", dtype, "--steps", "6", "--probe-every", "1",
+                       script_args=["--params", str(params)])
     assert done.returncode == 0, done.stdout + done.stderr
     session = read_session(run_dir)
     assert session.header["world_size"] == 2
@@ -103,7 +104,7 @@ def test_at_commands_land_at_the_same_step_on_both_ranks(write_script, tmp_path)
     params.mkdir()
     timeout_s = 5
     job = subprocess.Popen(
-        rank_command(script, run_dir, "--steps", "10", "--dist-timeout", str(timeout_s),
+        rank_command(script, run_dir, "--steps", "10", "--dist-timeout", str(timeout_s), "--probe-every", "1",
                      "--at", "1:save", "--at", "2:scale=half", "--at", "3:dtype=bf16", "--at", "5:restore=latest",
                      "--at", "4:note=shard 3 → 4", "--at", "6:dtype=fp16", "--at", "7:pause",
                      script_args=["--same-data", "--params", str(params)]),
@@ -139,6 +140,70 @@ def test_at_commands_land_at_the_same_step_on_both_ranks(write_script, tmp_path)
                                  "skipped": end["skipped_total"], "dtype": "fp16", "scale": end["scale"]}
     d0, d1 = digests(params)
     assert d0 == d1
+
+
+def test_an_overflow_on_rank_1_alone_is_traced_to_its_op_by_rank_1_and_recorded_by_rank_0(write_script, tmp_path):
+    """Rank 1's inputs in step 1 overflow its first layer in fp16 (rank 0's are fine): both
+    ranks skip the update, and rank 1 replays its own step on the model inside DDP, alone; the
+    event rank 0 records names rank 1, the op, its module and the fix tried on the step."""
+    script = write_script(DDP_SCRIPT)
+    run_dir, calls = tmp_path / "run", tmp_path / "calls"
+    calls.mkdir()
+    done = train_ranks(script, run_dir, "--dtype", "fp16", "--init-scale", "256", "--steps", "4",
+                       script_args=["--overflow", "1:1", "--calls", str(calls)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    session = read_session(run_dir)
+    assert [r["skipped"] for r in session.steps] == [False, True, False, False]
+    (event,) = [e for e in session.events if e["kind"] == "nonfinite"]
+    assert event["step"] == 1 and event["where"] == "loss" and event["rank"] == 1
+    assert (event["op"], event["op_module"], event["op_phase"]) == ("aten.addmm", "0", "forward")
+    assert event["op_output_dtype"] == "float16" and {"dtype": "float16", "max": 60000.0} in event["op_inputs"]
+    assert event["fix"] == "--dtype bf16" and event["fix_verified"] is True
+    assert "on rank 1" in event["message"] and "aten.addmm in 0" in event["message"]
+    assert rank_end(run_dir) == {"state": "finished", "step": 4, "updates": 3, "skipped": 1, "dtype": "fp16",
+                                 "scale": 256.0}
+    (theirs,) = [text for step, kind, text in rank_events(run_dir) if kind == "nonfinite"]
+    assert "aten.addmm in 0" in theirs
+    # Rank 0's loss was finite: it replayed nothing. Rank 1 ran its forward more than the 4 steps'
+    # (the checked pass, the trace and the fixes), with no collective of its own in between.
+    sequences = [(calls / f"rank{r}.calls").read_text().split("\n") for r in (0, 1)]
+    assert sequences[0].count("loss") == 5 and sequences[1].count("loss") > 6   # 4 steps, the checked pass
+    assert [c for c in sequences[1] if c != "loss"] == [c for c in sequences[0] if c != "loss"]
+
+
+@pytest.mark.parametrize("words", ["gradients", "collectives"])
+def test_the_adaptive_probe_schedule_is_rank_0s_on_every_rank_and_escalates_on_both(write_script, tmp_path, words):
+    """`--probe-every auto` with 2 ranks: rank 0's spacing rides in each step's words, and both
+    ranks probe the same steps (every probed step's record has both ranks' figures; where the
+    figures go in a gather of their own, both ranks issue the same collectives), fewer than all
+    while the run is healthy. A NaN in rank 1's step 20 skips it on both, and both probe every
+    step after it."""
+    script = write_script(DDP_SCRIPT)
+    run_dir, calls = tmp_path / "run", tmp_path / "calls"
+    calls.mkdir()
+    done = train_ranks(script, run_dir, "--dtype", "bf16", "--steps", "30", "--probe-every", "auto",
+                       script_args=["--scale-at", "1:21:nan", "--calls", str(calls)]
+                       + (["--own-hook"] if words == "collectives" else []))
+    assert done.returncode == 0, done.stdout + done.stderr
+    session = read_session(run_dir)
+    assert session.header["probe_every"] == "auto" and session.header["coordination"].startswith(words)
+    assert [r["step"] for r in session.steps] == list(range(30))
+    assert [r["step"] for r in session.steps if r["skipped"]] == [20]
+    probed = [r["step"] for r in session.steps if "layers" in r]
+    for r in session.steps:   # a probed step has every rank's figures: both ranks probed it
+        assert ("rank_loss" in r) == ("layers" in r) or r["skipped"], r   # (a non-finite one has them)
+        assert len(r.get("rank_loss", [0, 0])) == 2, r
+    healthy = [s for s in probed if s < 20]
+    assert healthy[:3] == [0, 1, 2] and len(healthy) < 15, probed
+    assert set(range(21, 30)) <= set(probed), probed
+    [escalation] = [e for e in session.events if e["kind"] == "probes"]
+    assert escalation["mode"] == "every" and escalation["reason"] == "nonfinite", escalation
+    theirs = [(step, text) for step, kind, text in rank_events(run_dir) if kind == "probes"]
+    assert theirs == [(escalation["step"], escalation["message"])]
+    sequences = [(calls / f"rank{r}.calls").read_text().split("\n") for r in (0, 1)]
+    assert [c for c in sequences[0] if c != "loss"] == [c for c in sequences[1] if c != "loss"]
+    if words == "collectives":   # each probed step's figures gathered, and the non-finite step's
+        assert sequences[0].count("gather") == len(probed) + (20 not in probed)
 
 
 def test_ctl_and_attach_steer_rank_0_of_a_2_process_job(write_script, tmp_path):
@@ -281,7 +346,7 @@ def test_a_probed_steps_record_comes_a_step_later_in_its_place_before_the_bounda
     run_dir, linger = tmp_path / "run", tmp_path / "linger"
     linger.mkdir()
     job = subprocess.Popen(
-        rank_command(script, run_dir, "--steps", "9", "--dtype", "bf16",
+        rank_command(script, run_dir, "--steps", "9", "--dtype", "bf16", "--probe-every", "1",
                      "--at", "2:save", "--at", "3:dtype=fp32", "--at", "5:pause",
                      script_args=["--linger", f"1:6:{linger}"]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)

@@ -24,7 +24,8 @@ INT64_MAX = 2**63 - 1
     BoundaryWords(command=INT64_MAX, payload_bytes=INT64_MAX, signum=INT64_MAX),
     BoundaryWords(command=10, payload_bytes=2**24, stop_rank=0, signum=int(signal.SIGINT)),
     BoundaryWords(stop_rank=0, checkpoint=False, signum=0),
-], ids=["nothing", "rank 0 everything", "a code alone", "largest", "a payload", "a stop alone"])
+    BoundaryWords(probe_spacing=(1 << 24) - 1, headroom_rank=0),
+], ids=["nothing", "rank 0 everything", "a code alone", "largest", "a payload", "a stop alone", "the probes"])
 def test_every_field_reads_back_as_packed(world_size, words):
     packed = words.pack(world_size)
     assert packed.dtype == torch.int64 and packed.shape == (BoundaryWords.SIZE,)
@@ -61,6 +62,17 @@ def test_the_maximum_names_the_first_rank_and_keeps_rank_0s_command():
     assert agreed(sent) == BoundaryWords(nonfinite_rank=2, command=5, payload_bytes=321, stop_rank=2,
                                          checkpoint=True, signum=int(signal.SIGTERM))
     assert agreed([BoundaryWords(), BoundaryWords()]) == BoundaryWords()
+
+
+def test_rank_0s_probe_spacing_and_the_first_rank_short_of_headroom_are_agreed():
+    sent = [BoundaryWords(probe_spacing=7), BoundaryWords(), BoundaryWords(headroom_rank=2),
+            BoundaryWords(headroom_rank=3)]
+    assert agreed(sent) == BoundaryWords(probe_spacing=7, headroom_rank=2)
+    slots = Slots(world_size=4, layers=0)
+    summed = torch.stack([slots.pack(rank=r, code=0, payload_bytes=0, finite=True, stop=None, row=None,
+                                     probe_spacing=w.probe_spacing, low_headroom=w.headroom_rank is not None)
+                          for r, w in enumerate(sent)]).to(torch.float32).sum(0)
+    assert BoundaryWords.from_received(slots.read(summed)) == agreed(sent)
 
 
 def test_the_gradients_carry_the_same_words_but_the_first_stopping_ranks_signal():

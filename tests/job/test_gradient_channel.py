@@ -91,6 +91,7 @@ def scenario(kind):
     seen["weights"] = digest(net)
     seen["steps"] = trainer.updates_applied
     trainer.close()
+    ranks.close()   # as a Run ends: gloo's threads let go of our collectives' tensors first
     # Nothing of ours keeps the DDP alive: one left to the interpreter's exit outlives its
     # process group, and gloo's threads may abort the process as it goes.
     ddp = weakref.ref(trainer.model)

@@ -54,4 +54,14 @@ def test_nothing_sent_reads_as_nothing_asked():
     got = slots.read(torch.zeros(slots.size))
     assert (got.code, got.payload_bytes, got.rows) == (0, 0, None)
     assert got.nonfinite == [False, False] and got.stops == [(False, False, 0)] * 2
-    assert slots.size == 2 + 4 * 2 + 2 * (3 + 3)
+    assert (got.probe_spacing, got.low_headroom) == (0, (False, False))
+    assert slots.size == 3 + (2 + 3) * 2 + 2 * (3 + 3)
+
+
+def test_rank_0s_probe_spacing_and_each_ranks_low_headroom_read_back():
+    slots = Slots(world_size=3, layers=2)
+    sent = [words(probe_spacing=(1 << 24) - 1), words(probe_spacing=5, low_headroom=True),
+            words(low_headroom=True, finite=False)]
+    got = slots.read(summed(slots, sent, torch.float32))
+    assert got.probe_spacing == (1 << 24) - 1   # rank 0's alone, exact in fp32
+    assert got.low_headroom == (False, True, True) and got.nonfinite == [False, False, True]

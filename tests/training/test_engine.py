@@ -198,8 +198,10 @@ def test_a_loss_check_that_fails_in_the_first_micro_batch_skips_the_others():
     trainer.agree_finite = agreed_check(events, [False])
     before = params_of(model)
     result = trainer.step([regression_batch(), regression_batch()])
-    assert events == ["loss", "check", "backward", "answer", "loss"]   # then the diagnosis's forward
+    # then the diagnosis's forward; no op trace: this rank's loss was finite, another rank's was not
+    assert events == ["loss", "check", "backward", "answer", "loss"]
     assert result.nonfinite == "loss" and result.skipped and result.micro_batches == 2
+    assert result.op_trace is None
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -213,8 +215,10 @@ def test_a_nonfinite_loss_of_this_rank_still_runs_its_backward():
                              dtype="bf16")
     trainer.agree_finite = agreed_check(events, [False])
     result = trainer.step([regression_batch()])
-    assert events == ["loss", "check", "backward", "answer", "loss"]   # then the diagnosis's forward
+    # then the diagnosis's forward, and the op trace's: this rank saw the value, it replays it
+    assert events == ["loss", "check", "backward", "answer", "loss", "loss"]
     assert result.nonfinite == "loss" and not math.isfinite(result.loss) and result.skipped
+    assert result.op_trace is not None
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -428,3 +432,25 @@ def test_unsupported_bf16_is_refused(monkeypatch):
     with pytest.raises(PrecisionRefused, match="not supported"):
         trainer.set_dtype("bf16")
     assert trainer.dtype == "float16" and trainer.scaler is not None
+
+
+def test_a_step_the_boundary_took_off_the_schedule_runs_its_forward_without_the_probes_hooks():
+    """The hooks stay on after a probed step whose next step is probed too; when the boundary then
+    changes the schedule (`probe=auto`, or several ranks' agreed spacing), the step runs unprobed,
+    and its forward without the hooks (each a call per module)."""
+    torch.manual_seed(0)
+    model = mlp()
+    hooked = []
+
+    def watched(m, batch):
+        hooked.append(any(module._forward_hooks for module in m.modules()))
+        return mse(m, batch)
+
+    trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), watched, dtype="fp32",
+                             probe_every="auto")
+    trainer.probe_schedule.set_mode("every")
+    for _ in range(4):
+        trainer.step([regression_batch()])
+    trainer.probe_schedule.set_mode("auto")   # a boundary: step 4 is not (no unprobed step measured yet)
+    result = trainer.step([regression_batch()])
+    assert result.figures is None and hooked == [True] * 4 + [False]

@@ -73,3 +73,25 @@ def test_a_replay_that_raises_is_said_and_the_step_goes_on(monkeypatch):
     assert results[0].skipped
     assert results[0].op_trace == {"op_trace_error": "RuntimeError: the tracer broke"}
     assert trainer.step_index == 2
+
+
+def test_a_replay_that_reaches_a_collective_refuses_it_instead_of_running_it(tmp_path):
+    """With several ranks each one replays its own step alone: a collective in it (a
+    SyncBatchNorm's, a loss_fn reaching DDP's wrapper) would wait for ranks that never join it.
+    The replay refuses it and says so; in a group of one it would have run, and found the op."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+
+        def synced(batch):
+            out = model(batch)
+            dist.all_reduce(out.detach().clone())
+            return out.float().pow(2).sum()
+
+        fields = step_trace.trace_failing_step(model, synced, [torch.full((2, 4), 3e4)], [None], scale=None,
+                                               dtype="fp16", device=torch.device("cpu"), backward=False)
+    finally:
+        dist.destroy_process_group()
+    assert "c10d.allreduce_" in fields["op_trace_error"] and "op" not in fields
