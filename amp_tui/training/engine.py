@@ -30,6 +30,10 @@ from amp_tui.training.probes import LayerFigures, LayerProbe
 from amp_tui.training.sharding import full_value, is_sharded
 from amp_tui.training.step_trace import trace_failing_step, xray_step
 
+# A rank replays alone, and an FSDP2 forward can't: each block all-gathers its weights from every rank.
+SHARDED_NOT_TRACED = ("not traced to its op: a rank replays the step alone, and a model sharded with FSDP2 "
+                      "can't run a forward without the other ranks (each block all-gathers its weights)")
+
 __all__ = ["GuardedTrainer", "LossError", "PrecisionRefused", "StepResult", "check_loss", "to_host"]
 
 ACT_UNMEASURED_UNDER_COMPILE = (
@@ -534,6 +538,8 @@ class GuardedTrainer:
         wrapper, and alone: the replay refuses any collective (the others would never join it)."""
         if not self.trace_ops:
             return None
+        if self.sharded:
+            return {"op_message": SHARDED_NOT_TRACED}
         n = len(micro_batches)
         factor = (scale if scale is not None else 1.0) / n
         self.failed_step = FailedStep(

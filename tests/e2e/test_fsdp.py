@@ -152,6 +152,8 @@ def test_fsdp_nan_on_rank_1_only_skips_on_both_and_names_rank_and_layer(write_sc
     bad = [e for e in session.events if e["kind"] == "nonfinite"]
     assert len(bad) == 1 and bad[0]["step"] == 2 and bad[0]["rank"] == 1, bad
     assert "on rank 1" in bad[0]["message"] and bad[0]["layer"] == "0", bad[0]
+    # a rank can't replay an FSDP2 forward alone: said, instead of an error from a refused collective
+    assert bad[0]["op_message"].startswith("not traced to its op") and "op_trace_error" not in bad[0], bad[0]
     assert [r["step"] for r in session.steps if r["skipped"]] == [2]
     assert [s for s, kind, _ in rank_events(run_dir) if kind == "nonfinite"] == [2]
     assert rank_end(run_dir)["skipped"] == session.end["skipped_total"] == 1
