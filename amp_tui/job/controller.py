@@ -33,6 +33,7 @@ from amp_tui.job import command_handlers as handlers
 from amp_tui.job.checkpoints import RunCheckpoints, TrainingState
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
 from amp_tui.job.driver import Driver
+from amp_tui.job.forecasts import RunForecasts
 from amp_tui.job.recorder import Observers, RankEcho, Recorder
 from amp_tui.job.run_records import FORWARD_KINDS, nonfinite_fields, nonfinite_message, session_header
 from amp_tui.job.states import EXIT_ERROR, EXIT_NONFINITE_STOP, EXIT_OK, IoPolicy, PauseReason
@@ -62,13 +63,13 @@ class RunController:
                  io_policy: IoPolicy = IoPolicy.STOP, checkpoint_every: int | None = None,
                  at: list[tuple[int, Command]] = (), steps: int | None = None, flush_interval: float = 1.0,
                  control: bool = False, echo: Callable[[str], None] | None = None):
-        self.driver = driver
-        self.device = device
+        self.driver, self.device = driver, device
         self.run_dir = Path(run_dir)
         self.session_path = self.run_dir / "session.jsonl"
         self.script = script
         self.ranks = ranks   # several ranks (job/distributed.py): what they agree on goes through it
         self.guard = PrecisionGuard(guard or GuardConfig())
+        self.forecasts = RunForecasts(self, self.guard.config.forecast_horizon)   # job/forecasts.py
         self.on_nonfinite = on_nonfinite
         self.io_policy = io_policy
         self.checkpoint_every = checkpoint_every
@@ -150,13 +151,12 @@ class RunController:
 
     def request_stop(self, *, checkpoint: bool = False, reason: str | None = None,
                      give_up_unwritten: bool = False) -> None:
-        """Stop at the next step boundary (from any thread, e.g. a signal handler); with
-        `checkpoint`, save one first (an SSH drop must not lose the run's progress).
+        """Stop at the next step boundary (from any thread, e.g. a signal handler); with `checkpoint`,
+        save one first (an SSH drop must not lose the run's progress).
 
-        Records that a full disk refused are written before the run ends; where the disk still
-        refuses them, a watched run (the dashboard) holds the stop and sets `stop_held`, so the
-        user can free space or confirm. `give_up_unwritten` confirms: the run ends without them,
-        and says how many were lost."""
+        Records that a full disk refused are written before the run ends; where the disk still refuses
+        them, a watched run (the dashboard) holds the stop and sets `stop_held`, so the user can free
+        space or confirm. `give_up_unwritten` confirms: the run ends without them, and says how many were lost."""
         if give_up_unwritten:
             self._give_up_unwritten = True
         self.stop_held.clear()
@@ -243,6 +243,7 @@ class RunController:
         every two steps, when the training step has left the caches cold."""
         self.last_result = result
         self._unpublished.append(result)
+        self.forecasts.observe(result)   # before it is recorded: its ETAs go in its record
         if not batched or result.nonfinite is not None or self.state == "paused" \
                 or time.monotonic() - self._published_at >= PUBLISH_INTERVAL:
             self.publish()
@@ -295,8 +296,7 @@ class RunController:
     def fail(self, message: str, original: BaseException | None, *, step: int | None = None) -> None:
         """The run ends in error: `message`, with `original`'s traceback (none: the message is
         amp-tui's own wording, and the frames would be ours, not the user's)."""
-        tb = "" if original is None else "".join(
-            traceback.format_exception(type(original), original, original.__traceback__))
+        tb = "" if original is None else "".join(traceback.format_exception(original))
         self.error = message
         self.exit_status = EXIT_ERROR
         self.set_state("error")

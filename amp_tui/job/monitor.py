@@ -48,6 +48,7 @@ from amp_tui.job.process_slot import ProcessSlot
 from amp_tui.job.states import IoPolicy
 from amp_tui.training.autocast import autocast, torch_dtype
 from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
+from amp_tui.training.guards import GuardConfig
 
 __all__ = ["Monitor", "MonitorError", "MonitoredStep", "monitor"]
 
@@ -67,7 +68,8 @@ class MonitoredStep:
 def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
             dtype: str | None = None, run_dir: str | Path | None = None, probe_every: int | str = "auto",
             probe_budget: float = 1.0, underflow_every: int = 10, checkpoint_every: int | None = None,
-            control: bool = True, announce: bool = True, tensorboard_dir: str | Path | None = None) -> Monitor:
+            control: bool = True, announce: bool = True, tensorboard_dir: str | Path | None = None,
+            forecast_horizon: int = 500) -> Monitor:
     """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
 
     `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default fp16
@@ -77,11 +79,12 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
     most `probe_budget` percent of the training time, every step from the first sign of trouble)
     or N (every N steps). `announce`: print one line saying how to attach. `tensorboard_dir`:
     also write the recording there as TensorBoard event files, live (pip install
-    'amp-tui[tensorboard]')."""
+    'amp-tui[tensorboard]'). `forecast_horizon`: a layer whose headroom forecast says it reaches
+    the dtype's max within this many steps raises an alert (docs/dashboard.md, "Forecasts")."""
     return Monitor(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, run_dir=run_dir,
                    probe_every=probe_every, probe_budget=probe_budget, underflow_every=underflow_every,
                    checkpoint_every=checkpoint_every, control=control, announce=announce,
-                   tensorboard_dir=tensorboard_dir)
+                   tensorboard_dir=tensorboard_dir, forecast_horizon=forecast_horizon)
 
 
 class Monitor(RunController):
@@ -89,7 +92,7 @@ class Monitor(RunController):
 
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
                  probe_every="auto", probe_budget=1.0, underflow_every=10, checkpoint_every=None, control=True,
-                 announce=True, tensorboard_dir=None, framework: str | None = None):
+                 announce=True, tensorboard_dir=None, framework: str | None = None, forecast_horizon=500):
         # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the
         # steps from its hooks.
         self.framework = framework
@@ -110,6 +113,7 @@ class Monitor(RunController):
         main = not ranks or ranks.is_main
         super().__init__(driver, device=driver.device, run_dir=run_dir, script=script, ranks=ranks,
                          io_policy=IoPolicy.CARRY_ON, checkpoint_every=checkpoint_every,
+                         guard=GuardConfig(forecast_horizon=forecast_horizon),
                          control=control and main)
         driver.run = self
         driver.in_step = lambda: self._open_step is not None
