@@ -88,7 +88,7 @@ class Attention(nn.Module):
         return torch.softmax(logits.float(), dim=-1).to(x.dtype) @ self.v(x)
 
 
-def growing_logits(run_dir, *, steps: int = 260, lr: float = 3e-3, horizon: int = 100) -> list[dict]:
+def growing_logits(run_dir, *, steps: int = 195, lr: float = 3e-3, horizon: int = 100) -> list[dict]:
     """The logits of fixed tokens pushed up by a loss that rewards confident attention (each
     token attends to itself): under SGD, q's weights grow with k's and k's with q's, so q·k grows
     by a steady factor a step until it passes fp16's max."""
@@ -114,3 +114,32 @@ def growing_logits(run_dir, *, steps: int = 260, lr: float = 3e-3, horizon: int 
             break
     monitor.close()
     return strict_lines(run_dir / "session.jsonl")
+
+
+# The same attention for `amp-tui train` (run with init_scale=256 and every step probed).
+GROWING_SCRIPT = '''
+import sys
+import torch
+from torch import nn
+
+sys.path.insert(0, TESTS)
+from forecast_models import Attention
+
+def setup(ctx=None):
+    torch.manual_seed(0)
+    model = Attention()
+    x = torch.randn(1, 8, 16) * 4
+    target = torch.arange(8)
+    def loss_fn(model, batch):
+        logits = model.scores(model.q(batch), model.k(batch))[0].float()
+        return nn.functional.cross_entropy(logits, target) - 0.1 * logits.diagonal().mean()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": [x]}
+'''
+
+
+def growing_script(folder) -> "Path":
+    from pathlib import Path
+    path = Path(folder) / "growing_logits.py"
+    path.write_text(GROWING_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent))), encoding="utf-8")
+    return path

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from amp_tui.core.forecast_words import scale_forecast_text
 from amp_tui.core.precision import SHORT
 from amp_tui.training.engine import StepResult
 from amp_tui.training.headroom_trend import HeadroomForecast, LayerEta
@@ -25,10 +26,6 @@ if TYPE_CHECKING:
     from amp_tui.job.controller import RunController
 
 DEFAULT_HORIZON = 500   # steps: a layer's ETA under this raises its alert
-
-
-def scale_forecast_text(growth_step: int, headroom: float) -> str:
-    return f"next scale growth at step {growth_step:,} will overflow (head: {headroom:.1f} bits): 1 skip, harmless"
 
 
 class RunForecasts:
