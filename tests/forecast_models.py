@@ -13,6 +13,8 @@ Each returns the monitor's records (strict JSON lines).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -138,8 +140,7 @@ def setup(ctx=None):
 '''
 
 
-def growing_script(folder) -> "Path":
-    from pathlib import Path
+def growing_script(folder) -> Path:
     path = Path(folder) / "growing_logits.py"
     path.write_text(GROWING_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent))), encoding="utf-8")
     return path

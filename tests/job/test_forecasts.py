@@ -93,5 +93,6 @@ def test_report_and_export_list_the_forecasts_and_whether_they_came_true(tmp_pat
     assert main(["export", str(tmp_path / "near"), "--forecasts-csv", str(out)]) == 0
     lines = out.read_text().splitlines()
     assert lines[0] == "step,reason,layer,figure,eta,at_step,headroom,came_true,true_at,lead"
-    assert lines[1] == f"0,forecast_scale,,grad,{GROWTH_INTERVAL},{GROWTH_INTERVAL},0.74,True,{GROWTH_INTERVAL},{GROWTH_INTERVAL}"
+    g = GROWTH_INTERVAL
+    assert lines[1] == f"0,forecast_scale,,grad,{g},{g},0.74,True,{g},{g}"
     assert lines[3].endswith(",,,") and len(lines) == 4
