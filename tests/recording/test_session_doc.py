@@ -15,6 +15,7 @@ from amp_tui.cli import main
 from amp_tui.job.control import send
 from amp_tui.training.guards import GuardConfig
 
+import forecast_models
 from support import REPO, strict_lines, train_run
 
 DOC = REPO / "docs" / "session-format.md"
@@ -150,6 +151,12 @@ def records(tmp_path_factory) -> list[dict]:
     code = main(["train", str(script), "--headless", "--resume", str(steered), "--steps", "2"])
     assert code == 0
     out.extend(r for r in strict_lines(steered / "session.jsonl") if r.get("kind") == "resumed")
+
+    # The forecasts, in monitored loops that show them (tests/forecast_models.py): a scale growth
+    # that overflows, forecast and checked; the layers' ETAs of attention logits that grow.
+    near = forecast_models.near_half(folder / "near_half", steps=forecast_models.GROWTH_INTERVAL + 2)
+    logits = forecast_models.growing_logits(folder / "logits", steps=30)
+    out.extend(r for r in near + logits if r["type"] in ("step", "event"))
     return out
 
 
