@@ -36,7 +36,7 @@ class RunForecasts:
         self._names: list[str] | None = None
         self._dtype: str | None = None
         self._warned: set[int] = set()                     # layers alerted in this dtype
-        self._growths: dict[int, tuple[int, float]] = {}   # growth step -> (alerted at, grown scale)
+        self._growths: dict[int, tuple[int, float, float]] = {}   # growth step -> (alerted at, scale, grown)
 
     def observe(self, result: StepResult) -> None:
         if result.dtype != self._dtype:
@@ -60,6 +60,10 @@ class RunForecasts:
                 column[eta.index] = eta.steps
         result.eta = column
         for eta in etas:
+            # Under a loss scaler, a gradient's overflow costs one skip and the scaler backs off
+            # (the scale forecast says when its growth causes one): its ETA is shown, not alerted.
+            if eta.figure == "grad" and result.scale is not None:
+                continue
             if eta.steps < self.horizon and eta.index not in self._warned:
                 self._warned.add(eta.index)
                 self._layer_alert(result, eta)
@@ -98,7 +102,7 @@ class RunForecasts:
         # brought it there was the one to forecast (a forecast made before it, or none).
         if outlook is None or not outlook.overflows or outlook.headroom < 0 or outlook.growth_step in self._growths:
             return
-        self._growths[outlook.growth_step] = (result.step, outlook.grown)
+        self._growths[outlook.growth_step] = (result.step, outlook.scale, outlook.grown)
         self._scale_alert(result, outlook, scaler.get_growth_interval())
 
     def _scale_alert(self, result: StepResult, outlook: ScaleOutlook, interval: int) -> None:
@@ -113,9 +117,19 @@ class RunForecasts:
                                  "growth_interval": interval})
 
     def _check_growths(self, result: StepResult) -> None:
-        """Each forecast growth once its step is here: did it skip at the grown scale?"""
-        for growth_step in sorted(g for g in self._growths if g <= result.step):
-            alerted_at, grown = self._growths.pop(growth_step)
+        """Each forecast growth once its step is here (did it skip at the grown scale?), or once
+        the scale changed before it (a skip, a command: the growth it forecast won't come)."""
+        for growth_step in sorted(self._growths):
+            alerted_at, scale, grown = self._growths[growth_step]
+            if result.step < growth_step:
+                before = result.step < growth_step - 1   # the step before the growth grows it
+                if result.scale == scale and not (before and result.next_scale != scale):
+                    continue
+                del self._growths[growth_step]
+                self._checked(alerted_at, growth_step, False, f"the scale changed at step {result.step:,}, "
+                              f"before the growth: it comes later, if at all", result.step)
+                continue
+            del self._growths[growth_step]
             came = result.step == growth_step and result.skipped and result.scale == grown
             if came:
                 said = f"the scale growth to {grown:g} at step {growth_step:,} overflowed: 1 update skipped"
@@ -125,10 +139,13 @@ class RunForecasts:
                 said = f"step {growth_step:,} ran at scale {result.scale:g}, not {grown:g}: the scale did not grow then"
             else:
                 said = f"the scale grew to {grown:g} at step {growth_step:,} without an overflow"
-            self.run.event("forecast_checked", f"scale forecast of step {alerted_at:,} "
-                           f"{'came true' if came else 'did not come true'}: {said}",
-                           step=result.step, reason="forecast_scale", forecast_step=alerted_at,
-                           growth_step=growth_step, came_true=came)
+            self._checked(alerted_at, growth_step, came, said, result.step)
+
+    def _checked(self, alerted_at: int, growth_step: int, came: bool, said: str, step: int) -> None:
+        self.run.event("forecast_checked", f"scale forecast of step {alerted_at:,} "
+                       f"{'came true' if came else 'did not come true'}: {said}",
+                       step=step, reason="forecast_scale", forecast_step=alerted_at,
+                       growth_step=growth_step, came_true=came)
 
     def _alert(self, step: int, reason: str, message: str, cause: str, fix: str, forecast: dict) -> None:
         # The controller's alert, with what was forecast as one object.

@@ -1,7 +1,8 @@
 """The forecasts a run recorded (its `forecast_scale` and `forecast_layer` alerts) and whether they
 came true, worked out from the records alone (docs/session-format.md, "Forecasts"):
 
-- a scale forecast came true when the growth step it named went non-finite (its update skipped);
+- a scale forecast came true when the growth step it named went non-finite (its update skipped),
+  and did not when a step before it skipped (the scaler fell back: its growth moved on);
 - a layer forecast came true when a later step went non-finite in that layer (the module a
   `nonfinite` event names is the layer, or inside it, or holds it).
 
@@ -53,7 +54,9 @@ def _outcome(event: Mapping[str, Any], nonfinite: list, last_step: int | None) -
         if isinstance(at, int):
             row["eta"] = at - step
             hit = next((s for s, _layer, where in nonfinite if s == at and where == "gradients"), None)
-            row["came_true"] = hit is not None if last_step is not None and last_step >= at else None
+            moved = any(step < s < at for s, _layer, _where in nonfinite)
+            due = moved or (last_step is not None and last_step >= at)
+            row["came_true"] = hit is not None if due else None
             row["true_at"] = hit
     else:
         layer = said.get("layer")

@@ -1,18 +1,25 @@
 """The forecasts of a run (job/forecasts.py): the loss scale's next growth and whether it
 overflows, and each layer's steps left before the dtype's max. Acceptance on models that show
-each pattern (tests/forecast_models.py): the forecast comes before the fact, and the fact comes."""
+each pattern (tests/forecast_cases.py): the forecast comes before the fact, and the fact comes."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
-from amp_tui.cli import main
-from amp_tui.recording.report import read_digest, summarize
-from amp_tui.training.guards import GuardConfig
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:   # the acceptance cases live with the benchmark that reuses them
+    sys.path.insert(0, str(ROOT))
 
-import forecast_models as models
-from forecast_models import GROWTH_INTERVAL
-from support import strict_lines, train_run
+from amp_tui.cli import main  # noqa: E402
+from amp_tui.recording.forecast_outcomes import forecast_outcomes  # noqa: E402
+from amp_tui.recording.report import read_digest, summarize  # noqa: E402
+from amp_tui.training.guards import GuardConfig  # noqa: E402
+from bench import forecast_cases as models  # noqa: E402
+from bench.forecast_cases import GROWTH_INTERVAL  # noqa: E402
+
+from support import strict_lines, train_run  # noqa: E402
 
 
 def alerts(records, reason):
@@ -42,6 +49,21 @@ def test_the_scale_forecast_names_the_growth_step_and_the_skip_comes_there(tmp_p
     # After each growth, the record says it came true (the third is still to come).
     checked = events(records, "forecast_checked")
     assert [(c["step"], c["growth_step"], c["came_true"]) for c in checked] == [(s, s, True) for s in skipped]
+
+
+def test_a_scale_change_before_the_growth_retires_its_forecast(tmp_path):
+    """The scale set by hand before the growth: the growth forecast won't come at its step, and
+    the record says so at once; a skip before it (the scaler falling back) does the same."""
+    records = models.scaled_run(tmp_path / "changed", init_scale=1024.0, steps=GROWTH_INTERVAL - 5,
+                                commands={10: "scale=512"})
+    (forecast,) = alerts(records, "forecast_scale")[:1]
+    (checked,) = events(records, "forecast_checked")[:1]
+    assert checked["growth_step"] == forecast["forecast"]["growth_step"] == GROWTH_INTERVAL
+    assert checked["step"] == 10 and checked["came_true"] is False
+    skip = {"type": "event", "kind": "nonfinite", "step": 12, "where": "gradients"}
+    rows = forecast_outcomes([forecast, skip], last_step=14)
+    assert rows[0]["came_true"] is False   # the read side: the skip at step 12 moved the growth
+    assert forecast_outcomes([forecast], last_step=14)[0]["came_true"] is None   # still to come
 
 
 def test_ample_headroom_gets_no_forecast_alert(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 
-from amp_tui.training.headroom_trend import MIN_POINTS, HeadroomForecast, fit_trend
+from amp_tui.training.headroom_trend import MIN_POINTS, MIN_SPAN, HeadroomForecast, fit_trend
 from amp_tui.training.scale_forecast import scale_outlook
 
 FP16_BITS = math.log2(65504.0)
@@ -16,12 +16,12 @@ def test_a_steady_rise_gives_its_slope_and_the_steps_left():
     forecast = HeadroomForecast()
     rng = random.Random(0)
     etas = []
-    for step in range(40):
+    for step in range(80):
         act = 2.0 ** (6 + 0.05 * step + rng.gauss(0, 0.05))   # 0.05 bits a step, a little noise
         etas = forecast.observe(step, "float16", 1024.0, [act], [1e-6])
     (eta,) = etas
     assert eta.figure == "act" and abs(eta.slope - 0.05) < 0.005
-    truth = (FP16_BITS - (6 + 0.05 * 39)) / 0.05
+    truth = (FP16_BITS - (6 + 0.05 * 79)) / 0.05
     assert abs(eta.steps - truth) < 0.15 * truth
 
 
@@ -43,12 +43,28 @@ def test_a_drift_buried_in_noise_says_nothing():
     assert found == 0
 
 
-def test_too_few_points_say_nothing():
-    xs = [2.0 * s for s in range(MIN_POINTS - 1)]
+def test_too_few_points_or_steps_say_nothing():
+    spacing = -(-MIN_SPAN // (MIN_POINTS - 1))   # enough for MIN_POINTS points to span MIN_SPAN steps
+    xs = [float(spacing * s) for s in range(MIN_POINTS - 1)]
     assert fit_trend(xs, [x * 0.1 for x in xs]) is None
-    xs = [2.0 * s for s in range(MIN_POINTS)]
+    xs = [float(spacing * s) for s in range(MIN_POINTS)]
     assert fit_trend(xs, [x * 0.1 for x in xs]) is not None
-    assert fit_trend(xs[:MIN_POINTS // 2] * 2, [0.0] * MIN_POINTS) is None   # no span, no trend
+    xs = [float(s) for s in range(MIN_SPAN)]   # every step, one step short
+    assert fit_trend(xs, [x * 0.1 for x in xs]) is None
+
+
+def test_a_rise_that_flattens_or_takes_off_says_nothing():
+    """The first steps' transient (a jump, then flat), a growth that slows down (gradients that
+    grow early in training and settle), and early training's S-shaped rise caught on its way up:
+    each fits a line well, and none rises steadily."""
+    xs = [float(s) for s in range(MIN_SPAN + 1)]
+    transient = [-2.4 + 5 * (1 - math.exp(-x / 4)) for x in xs]
+    settling = [8 + 2 * math.log1p(x / 4) for x in xs]
+    taking_off = [-2.6 + 10 / (1 + math.exp(-(x - 45) / 8)) for x in xs]
+    assert fit_trend(xs, transient) is None
+    assert fit_trend(xs, settling) is None
+    assert fit_trend(xs, taking_off) is None
+    assert fit_trend(xs, [8 + 0.05 * x for x in xs]) is not None
 
 
 def test_a_growing_loss_scale_fakes_no_gradient_trend():
@@ -63,13 +79,24 @@ def test_a_growing_loss_scale_fakes_no_gradient_trend():
 
 def test_a_dtype_change_or_a_restore_starts_the_series_over():
     forecast = HeadroomForecast()
-    for step in range(30):
+    for step in range(60):
         forecast.observe(step, "float16", None, [2.0 ** (4 + 0.1 * step)], [])
-    assert forecast.observe(30, "float16", None, [2.0 ** 7], [])
-    assert forecast.observe(31, "bfloat16", None, [2.0 ** 7.1], []) == []
-    for step in range(32, 60):
-        forecast.observe(step, "bfloat16", None, [2.0 ** (4 + 0.1 * step)], [])
-    assert forecast.observe(10, "bfloat16", None, [2.0 ** 5], []) == []   # restored to step 10
+    assert forecast.observe(60, "float16", None, [2.0 ** 10], [])
+    assert forecast.observe(61, "float32", None, [2.0 ** 10.1], []) == []
+    assert forecast.observe(62, "float16", None, [2.0 ** 10.2], []) == []   # a new series, too short
+    for step in range(63, 130):
+        etas = forecast.observe(step, "float16", None, [2.0 ** (4 + 0.1 * step)], [])
+    assert etas
+    assert forecast.observe(10, "float16", None, [2.0 ** 5], []) == []   # restored to step 10
+
+
+def test_no_eta_beyond_the_reach_of_the_trend():
+    """A steady rise of 0.05 bits a step, 3 bits over the window, with 120 bits left (bf16):
+    a real trend, but not one to extrapolate 40 times over."""
+    forecast = HeadroomForecast()
+    for step in range(80):
+        etas = forecast.observe(step, "bfloat16", None, [2.0 ** (4 + 0.05 * step)], [])
+    assert etas == []
 
 
 def test_the_scale_outlook():

@@ -1,4 +1,5 @@
-"""Models that show the patterns the forecasts are for, trained in a monitored loop of their own:
+"""Models that show the patterns the forecasts are for (the acceptance cases of the tests and of
+bench/forecast_false_alarms.py), trained in a monitored loop of their own:
 
 - `near_half`: a linear loss whose gradient times the scale sits just under half of fp16's max
   (a fixed gradient: 64 rows of ones times 0.6, at a scale of 1024: 39,322 of 65,504). GradScaler
@@ -8,21 +9,29 @@
   learning rate to make the attention scores of fixed tokens large: the logits (the scores'
   matmul, q @ k^T, measured as the output of a module of their own) grow steadily until fp16's max.
 
-Each returns the monitor's records (strict JSON lines).
+Each returns the monitor's records.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import amp_tui
-
-from support import strict_lines
+from amp_tui.core.commands import parse_action
 
 GROWTH_INTERVAL = 20
+
+
+def session_records(run_dir) -> list[dict]:
+    """The records of a monitored loop's session, parsed strictly (no bare NaN token)."""
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+    lines = (Path(run_dir) / "session.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line, parse_constant=refuse) for line in lines if line]
 
 
 class LinearLoss(nn.Module):
@@ -34,8 +43,10 @@ class LinearLoss(nn.Module):
         return self.head(x)
 
 
-def scaled_run(run_dir, *, init_scale: float, steps: int, horizon: int | None = None) -> list[dict]:
-    """A constant gradient (0.6 times 64 rows of ones) under a GradScaler starting at `init_scale`."""
+def scaled_run(run_dir, *, init_scale: float, steps: int, horizon: int | None = None,
+               commands: dict[int, str] | None = None) -> list[dict]:
+    """A constant gradient (0.6 times 64 rows of ones) under a GradScaler starting at `init_scale`;
+    `commands`: a command (`scale=512`) submitted before the step of each key."""
     torch.manual_seed(0)
     model = LinearLoss()
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
@@ -44,7 +55,9 @@ def scaled_run(run_dir, *, init_scale: float, steps: int, horizon: int | None = 
     extra = {} if horizon is None else {"forecast_horizon": horizon}
     monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=run_dir, announce=False, probe_every=1,
                               control=False, dtype="fp16", **extra)
-    for _ in range(steps):
+    for i in range(steps):
+        if i in (commands or {}):
+            monitor.submit(parse_action(commands[i]))
         opt.zero_grad()
         with monitor.step() as step:
             with monitor.autocast():
@@ -54,7 +67,7 @@ def scaled_run(run_dir, *, init_scale: float, steps: int, horizon: int | None = 
             scaler.step(opt)
             scaler.update()
     monitor.close()
-    return strict_lines(run_dir / "session.jsonl")
+    return session_records(run_dir)
 
 
 def near_half(run_dir, steps: int = 70) -> list[dict]:
@@ -115,7 +128,7 @@ def growing_logits(run_dir, *, steps: int = 195, lr: float = 3e-3, horizon: int 
         if monitor.should_stop:
             break
     monitor.close()
-    return strict_lines(run_dir / "session.jsonl")
+    return session_records(run_dir)
 
 
 # The same attention for `amp-tui train` (run with init_scale=256 and every step probed).
@@ -124,8 +137,8 @@ import sys
 import torch
 from torch import nn
 
-sys.path.insert(0, TESTS)
-from forecast_models import Attention
+sys.path.insert(0, ROOT)
+from bench.forecast_cases import Attention
 
 def setup(ctx=None):
     torch.manual_seed(0)
@@ -142,5 +155,6 @@ def setup(ctx=None):
 
 def growing_script(folder) -> Path:
     path = Path(folder) / "growing_logits.py"
-    path.write_text(GROWING_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent))), encoding="utf-8")
+    path.write_text(GROWING_SCRIPT.replace("ROOT", repr(str(Path(__file__).resolve().parents[1]))),
+                    encoding="utf-8")
     return path
