@@ -161,7 +161,7 @@ def records(tmp_path_factory) -> list[dict]:
     # The forecasts, in monitored loops that show them (tests/forecast_cases.py): a scale growth
     # that overflows, forecast and checked; the layers' ETAs of attention logits that grow.
     near = forecast_cases.near_half(folder / "near_half", steps=forecast_cases.GROWTH_INTERVAL + 2)
-    logits = forecast_cases.growing_logits(folder / "logits", steps=30)
+    logits = forecast_cases.growing_logits(folder / "logits", steps=70)
     out.extend(r for r in near + logits if r["type"] in ("step", "event"))
     return out
 
