@@ -87,6 +87,8 @@ def tally(name: str, dtype: str, records: list[dict], seconds: float) -> dict:
             "skipped": sum(1 for s in steps if s["skipped"]),
             "nonfinite_events": sum(1 for e in events if e["kind"] == "nonfinite"),
             "forecast_alerts": len(rows),
+            "layer_alerts": sum(1 for r in rows if r["reason"] == "forecast_layer"),
+            "open": sum(1 for r in rows if r["came_true"] is None),
             "came_true": sum(1 for r in rows if r["came_true"]),
             "false_alarms": sum(1 for r in rows if r["came_true"] is False),
             "steps_with_eta": sum(1 for s in steps if "eta" in (s.get("layers") or {})),
@@ -137,11 +139,12 @@ def main() -> int:
         runs = false_alarms(steps, QUICK_SPECS if args.quick else SPECS, folder)
         leads = lead_times(folder)
     print()
-    print(f"{'run':<22} {'dtype':<9} {'steps':>6} {'skips':>6} {'alerts':>7} {'true':>5} {'false':>6} "
-          f"{'ETA steps':>10}")
+    print(f"{'run':<22} {'dtype':<9} {'steps':>6} {'skips':>6} {'alerts':>7} {'layer':>6} {'true':>5} "
+          f"{'false':>6} {'open':>5} {'ETA steps':>10}")
     for r in runs:
         print(f"{r['run']:<22} {r['dtype']:<9} {r['steps']:>6} {r['skipped']:>6} {r['forecast_alerts']:>7} "
-              f"{r['came_true']:>5} {r['false_alarms']:>6} {r['steps_with_eta']:>10}")
+              f"{r['layer_alerts']:>6} {r['came_true']:>5} {r['false_alarms']:>6} {r['open']:>5} "
+              f"{r['steps_with_eta']:>10}")
     print(f"false alarms in all: {sum(r['false_alarms'] for r in runs)} "
           f"(forecast alerts {sum(r['forecast_alerts'] for r in runs)}, came true {sum(r['came_true'] for r in runs)})")
     for s in leads["scale"]:

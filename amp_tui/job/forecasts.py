@@ -55,8 +55,8 @@ class RunForecasts:
         if not etas:
             return
         column: list[int | None] = [None] * len(f.act)
-        for eta in etas:
-            if eta.index < len(column):
+        for eta in etas:   # the sooner of a layer's two
+            if eta.index < len(column) and column[eta.index] is None:
                 column[eta.index] = eta.steps
         result.eta = column
         for eta in etas:
@@ -89,14 +89,16 @@ class RunForecasts:
     # ---- the loss scale -------------------------------------------------------------------------
     def _forecast_scale(self, result: StepResult) -> None:
         scaler = self.run.precision.scaler
-        if scaler is None or result.next_scale is None or result.dtype != "float16":
+        # GradScaler's count of clean steps has no public reader: a scaler without it is not forecast.
+        tracker = getattr(scaler, "_get_growth_tracker", None)
+        if tracker is None or result.next_scale is None or result.dtype != "float16":
             return
         if scaler.get_scale() != result.next_scale:
             return   # the scaler has moved on since this step (a result handed over late)
         grad = largest(result.figures.grad)
         if grad is None:
             return
-        outlook = scale_outlook(result.step, result.next_scale, scaler._get_growth_tracker(),
+        outlook = scale_outlook(result.step, result.next_scale, tracker(),
                                 scaler.get_growth_interval(), scaler.get_growth_factor(), grad)
         # Below zero bits the next step overflows at the scale already in force: the growth that
         # brought it there was the one to forecast (a forecast made before it, or none).

@@ -108,13 +108,13 @@ class HeadroomForecast:
         self._dtype: str | None = None
 
     def observe(self, step: int, dtype: str, scale: float | None, act: list, grad: list) -> list[LayerEta]:
-        """A probed step's figures (None: not measured); the layers with a trend, by index."""
+        """A probed step's figures (None: not measured); each figure with a trend, by layer."""
         if dtype != self._dtype:
             self._dtype = dtype
             self._series.clear()
         top = math.log2(MAX_FINITE.get(dtype, MAX_FINITE["float32"]))
         limits = {"act": top, "grad": top - math.log2(scale or 1.0)}
-        out: dict[int, LayerEta] = {}
+        out: list[LayerEta] = []
         for figure, values in zip(FIGURES, (act, grad)):
             for i, v in enumerate(values or ()):
                 if v is None or v == 0 or not math.isfinite(v):
@@ -130,7 +130,5 @@ class HeadroomForecast:
                 left = limits[figure] - level
                 if left > REACH * trend.slope * (series[-1][0] - series[0][0]):
                     continue   # farther than the trend has gone: early training's growth often stops
-                steps = max(0, math.ceil(left / trend.slope))
-                if i not in out or steps < out[i].steps:
-                    out[i] = LayerEta(i, figure, steps, left, trend.slope)
-        return [out[i] for i in sorted(out)]
+                out.append(LayerEta(i, figure, max(0, math.ceil(left / trend.slope)), left, trend.slope))
+        return sorted(out, key=lambda eta: (eta.index, eta.steps))
