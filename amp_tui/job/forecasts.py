@@ -37,12 +37,17 @@ class RunForecasts:
         self._dtype: str | None = None
         self._warned: set[int] = set()                     # layers alerted in this dtype
         self._growths: dict[int, tuple[int, float, float]] = {}   # growth step -> (alerted at, scale, grown)
+        # GradScaler's count of clean steps, followed on the host from each step's scales (the
+        # scaler's own is a device tensor: reading it costs a sync); None: to be read once.
+        self._clean: int | None = None
+        self._next_scale: float | None = None
 
     def observe(self, result: StepResult) -> None:
         if result.dtype != self._dtype:
             self._dtype = result.dtype
             self._warned.clear()
         self._check_growths(result)
+        self._count_clean_steps(result)
         if result.figures is None or result.nonfinite is not None:
             return
         self._forecast_layers(result)
@@ -93,12 +98,14 @@ class RunForecasts:
         tracker = getattr(scaler, "_get_growth_tracker", None)
         if tracker is None or result.next_scale is None or result.dtype != "float16":
             return
-        if scaler.get_scale() != result.next_scale:
-            return   # the scaler has moved on since this step (a result handed over late)
         grad = largest(result.figures.grad)
         if grad is None:
             return
-        outlook = scale_outlook(result.step, result.next_scale, tracker(),
+        if self._clean is None:
+            if self.run.precision.scale != result.next_scale:
+                return   # the scaler has moved on since this step (a result handed over late)
+            self._clean = tracker()
+        outlook = scale_outlook(result.step, result.next_scale, self._clean,
                                 scaler.get_growth_interval(), scaler.get_growth_factor(), grad)
         # Below zero bits the next step overflows at the scale already in force: the growth that
         # brought it there was the one to forecast (a forecast made before it, or none).
@@ -117,6 +124,19 @@ class RunForecasts:
                     cause, fix, {"growth_step": outlook.growth_step, "scale": outlook.scale,
                                  "grown": outlook.grown, "headroom": round(outlook.headroom, 2),
                                  "growth_interval": interval})
+
+    def _count_clean_steps(self, result: StepResult) -> None:
+        """GradScaler's update: a step that changes the scale (a growth, a backoff) starts the
+        count again, any other adds one. A scale the previous step did not leave (a command, a
+        restore, a dtype change) makes the count unknown: it is read from the scaler again."""
+        if result.scale is None or result.next_scale is None:
+            self._clean = self._next_scale = None
+            return
+        if self._clean is not None and result.scale == self._next_scale:
+            self._clean = 0 if result.next_scale != result.scale else self._clean + 1
+        else:
+            self._clean = None
+        self._next_scale = result.next_scale
 
     def _check_growths(self, result: StepResult) -> None:
         """Each forecast growth once its step is here (did it skip at the grown scale?), or once
