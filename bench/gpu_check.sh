@@ -21,6 +21,8 @@
 #      summary.txt after parts 4 and 5 (auto-targets.txt).
 #   6. with 2 GPUs or more: amp-tui's coordination of 2 ranks over plain DDP, NCCL, one rank per
 #      GPU: python bench/ddp_overhead.py --backend nccl --quick             (ddp-nccl.log, *-ddp-nccl.json)
+#      and the same over a bare FSDP2 (fully_shard) loop:
+#      python bench/fsdp_overhead.py --backend nccl --quick                (fsdp-nccl.log, *-fsdp-nccl.json)
 #
 # Results go to $OUT if set, else bench/results/gpu-<date>/; summary.txt lists each part's exit
 # status and time. Every part has its own time limit and a failing part doesn't stop the others;
@@ -217,13 +219,17 @@ fi
 if [ "$DEVICE" = "cpu" ]; then
     part ddp 150 "$PY" "$ROOT/bench/ddp_overhead.py" --backend gloo --nproc 2 --quick --out "$OUT"
     verdict ddp
+    part fsdp 240 "$PY" "$ROOT/bench/fsdp_overhead.py" --backend gloo --nproc 2 --quick --out "$OUT"
+    verdict fsdp
 else
     GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
     if [ "${GPUS:-0}" -ge 2 ]; then
         part ddp-nccl 90 "$PY" "$ROOT/bench/ddp_overhead.py" --backend nccl --nproc 2 --quick --out "$OUT"
         verdict ddp-nccl
+        part fsdp-nccl 90 "$PY" "$ROOT/bench/fsdp_overhead.py" --backend nccl --nproc 2 --quick --out "$OUT"
+        verdict fsdp-nccl
     else
-        say "skip  ddp-nccl: ${GPUS:-0} GPU(s), it needs 2 or more"
+        say "skip  ddp-nccl, fsdp-nccl: ${GPUS:-0} GPU(s), they need 2 or more"
     fi
 fi
 

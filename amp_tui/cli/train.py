@@ -54,9 +54,10 @@ def add_parser(sub) -> None:
                             "this many steps (default 500)")
     train.add_argument("--underflow-every", type=argtypes.positive_int, default=10, metavar="N",
                        help="underflow shares on every Nth probed step (default 10; 1 = every probe)")
-    train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback"), default=None,
+    train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback", "isolate"), default=None,
                        help="what a non-finite loss does (default: skip headless, pause in the "
-                            "dashboard); fallback moves fp16 -> bf16 -> fp32 when it keeps failing")
+                            "dashboard); fallback moves fp16 -> bf16 -> fp32 when it keeps failing; "
+                            "isolate puts the overflowing op's module in fp32 (u undoes it)")
     train.add_argument("--repeat-interventions", type=Path, default=None, metavar="RUN",
                        help="apply a recording's interventions again at the same steps")
     train.add_argument("--at", action="append", default=[], metavar="STEP:ACTION",
@@ -78,6 +79,9 @@ def add_parser(sub) -> None:
                        help="machines in the job (with --rdzv-endpoint; run the same command on each)")
     ranks.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="where the machines of a --nnodes job meet (torchrun's c10d rendezvous)")
+    ranks.add_argument("--fsdp", action="store_true",
+                       help="shard the model across the ranks with FSDP2's fully_shard: each block "
+                            "('fsdp_blocks' from setup(), else each module owning parameters), then the root")
     ranks.add_argument("--dist-timeout", type=argtypes.positive, default=None, metavar="S",
                        help="how long a rank waits for the others in a collective before the job stops "
                             "with an error (default 300)")
@@ -97,6 +101,9 @@ def add_parser(sub) -> None:
                         help="... or when X (0-1) of the last --storm-window updates were skipped (default 0.5)")
     guards.add_argument("--storm-window", type=argtypes.positive_int, default=20, metavar="N",
                         help="steps in the skip-storm window (default 20)")
+    guards.add_argument("--isolate-widen", type=argtypes.nonnegative_int, default=2, metavar="N",
+                        help="with --on-nonfinite isolate: enclosing modules tried when the op's module in "
+                             "fp32 leaves the step non-finite, before the ladder (default 2)")
     guards.add_argument("--rollback", action="store_true",
                         help="with --on-nonfinite fallback: restore the newest good checkpoint before moving")
     train.set_defaults(func=cmd_train)
@@ -121,6 +128,8 @@ def cmd_train(args) -> int:
                      "(a paused job's ranks meet about once a second)")
     if distributed.is_rank():          # one process of a torchrun job (amp-tui train --nproc or torchrun)
         return distributed.train_rank(args)
+    if args.fsdp and args.nproc is None and args.nnodes is None:
+        return error("--fsdp shards the model across several ranks: give --nproc N (or run under torchrun)")
     if args.detach:
         return cmd_detach(args)
     if args.nproc is not None or args.nnodes is not None or args.rdzv_endpoint is not None:

@@ -21,7 +21,7 @@ def run_config(args, *, on_nonfinite_default: str = "skip"):
         min_scale=args.min_scale, alert_scale_drops=args.alert_scale_drops,
         alert_skip_share=args.alert_skip_share, alert_window=args.alert_window,
         fallback_after=args.fallback_after, storm_share=args.storm_share, storm_window=args.storm_window,
-        rollback=args.rollback, forecast_horizon=args.forecast_horizon)
+        rollback=args.rollback, isolate_widen=args.isolate_widen, forecast_horizon=args.forecast_horizon)
     return RunConfig(
         script=args.script, script_argv=list(args.script_argv), dtype=args.dtype, init_scale=args.init_scale,
         steps=args.steps, run_dir=args.run_dir, checkpoint_every=args.checkpoint_every,
@@ -29,7 +29,8 @@ def run_config(args, *, on_nonfinite_default: str = "skip"):
         underflow_every=args.underflow_every,
         on_nonfinite=args.on_nonfinite or on_nonfinite_default, at=[parse_at(text) for text in args.at],
         command_line=list(args.command_line), guard=guard, fp32_modules=list(args.fp32_modules),
-        control=True, device=args.device, resume=args.resume, repeat_interventions=args.repeat_interventions)
+        control=True, device=args.device, fsdp=args.fsdp, resume=args.resume,
+        repeat_interventions=args.repeat_interventions)
 
 
 def attach_tensorboard(run, logdir: Path | None) -> str | None:

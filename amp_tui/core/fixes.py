@@ -28,6 +28,16 @@ def fix_command(fix: str, source: str = "api") -> Command | None:
         return None
 
 
+def applied_by_autopilot(events: Iterable[dict], fix_event: dict) -> bool:
+    """Whether the autopilot (--on-nonfinite isolate) made `fix_event`'s fix after its step: `f`
+    must not apply it again (fp32=MODULE toggles, so it would take it back)."""
+    command = fix_command(str(fix_event.get("fix") or ""))
+    return command is not None and any(
+        e.get("kind") == "intervention" and e.get("source") == "autopilot" and e.get("action") == command.action
+        and e.get("value") == command.value and (e.get("step") or 0) > (fix_event.get("step") or 0)
+        for e in events)
+
+
 def last_verified_fix(events: Iterable[dict]) -> dict | None:
     """The newest non-finite event whose fix was verified on its step and a command applies."""
     found = None

@@ -29,6 +29,7 @@ from amp_tui.training.devices import resolve_device
 from amp_tui.training.engine import PrecisionRefused
 from amp_tui.training.local_fp32 import match_modules, named_modules
 from amp_tui.training.script import ScriptError, TrainSetup, load_script
+from amp_tui.training.sharding import ShardingError, is_sharded, shard_model
 
 
 class BuiltRun(NamedTuple):
@@ -51,6 +52,10 @@ def build_run(config: RunConfig, *, ranks: Ranks | None = None) -> BuiltRun:
             config = dataclasses.replace(config, run_dir=run_dir)
     with agreed(ranks):
         config, setup, device = _settle(config, ranks)
+    if config.fsdp:
+        # After every rank's setup() passed: fully_shard meets the other ranks.
+        with agreed(ranks):
+            _shard(setup, device)
     run = Run(config, setup, device, BatchFeed(setup.batches, device), ranks=ranks)
     # After every precision policy is in place (--dtype, --fp32-modules, --at 0:...): the check
     # is the first step's own forward. Its batch is agreed on first: a rank with none must not
@@ -108,12 +113,26 @@ def _settle(config: RunConfig, ranks: Ranks | None):
                               f"(module names look like {_example_names(setup)})")
     settled = dataclasses.replace(
         config, dtype=dtype, run_dir=run_dir, at=at,
-        # the guard moves down the precision ladder exactly when the policy says fallback
-        guard=dataclasses.replace(config.guard, fallback=config.on_nonfinite == "fallback"),
+        # the guard moves down the precision ladder when the policy says fallback (or isolate, whose
+        # autopilot makes the move its own: job/autopilot.py)
+        guard=dataclasses.replace(config.guard, fallback=config.on_nonfinite in ("fallback", "isolate")),
         resume_from=resume_from,
         resume_skipped=[(str(path.relative_to(run_dir)), reason) for path, reason in resume_skipped],
         control=config.control and (not ranks or ranks.is_main))
     return settled, setup, device
+
+
+def _shard(setup: TrainSetup, device) -> None:
+    """--fsdp: rank 0's weights on every rank (as DDP does when it wraps a model), then the
+    model sharded with FSDP2's fully_shard, block by block and the root."""
+    if is_sharded(setup.model):
+        setup.warnings.append("--fsdp: the script's model is sharded already; amp-tui leaves it as it is")
+        return
+    setup.model.to(device)
+    try:
+        shard_model(setup.model, setup.optimizer, setup.fsdp_blocks, broadcast_from=0)
+    except ShardingError as exc:
+        raise ScriptError(str(exc)) from None
 
 
 def _run_dir(config: RunConfig) -> Path | None:

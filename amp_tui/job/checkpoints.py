@@ -9,7 +9,8 @@ The host is the run controller (job/controller.py), as `CheckpointHost` declares
 state it saves and restores comes from whatever drives the steps (`TrainingState`).
 
 With several ranks the replicas are identical, so rank 0 alone writes the file, with every
-rank's RNG state in it; a restore or a resume loads it on every rank at the same step (DDP
+rank's RNG state in it (a model sharded with FSDP2 is gathered whole on rank 0 for it first:
+training/checkpoint/sharded.py); a restore or a resume loads it on every rank at the same step (DDP
 broadcasts parameters only when it wraps the model), each rank taking its own RNG state back, or
 on none: which file, and whether every rank could read it, are agreed first.
 """
@@ -28,6 +29,8 @@ from amp_tui.job.probe_events import escalate_probes
 from amp_tui.job.rng_states import restore_rng, rng_problem, saved_world_size
 from amp_tui.recording.reader import read_session
 from amp_tui.training import checkpoint as ckpt
+from amp_tui.training.checkpoint.sharded import gathered_views, loading_views
+from amp_tui.training.sharding import is_sharded
 
 
 class TrainingState(Protocol):
@@ -90,6 +93,7 @@ class RunCheckpoints:
         """Write a full checkpoint (rank 0; the other ranks hand over their RNG state and get None)."""
         run, t = self.run, self.run.training
         extra = {**t.checkpoint_extra(), **run.saved_extra()}
+        model, optimizer = self._live(gather=True)
         if run.ranks:
             states = run.ranks.gather_rng()
             if not run.ranks.is_main:
@@ -101,7 +105,7 @@ class RunCheckpoints:
         started = time.perf_counter()
         try:
             info = ckpt.save_checkpoint(
-                path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+                path, model=model, optimizer=optimizer, scheduler=t.scheduler,
                 scaler_state=t.scaler_state(), step=t.step_index, dtype=t.dtype, extra=extra)
         except ckpt.CheckpointError as exc:
             run.event("error", str(exc), during="save", source=source)
@@ -136,8 +140,9 @@ class RunCheckpoints:
                       source=command.source)
             return Outcome(False, "no checkpoint yet")
         problem = loaded = None
+        model, optimizer = self._live()
         try:
-            loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+            loaded = ckpt.read_checkpoint(path, model=model, optimizer=optimizer, scheduler=t.scheduler)
         except ckpt.CheckpointError as exc:
             problem = str(exc)
         if run.ranks:   # every rank loads it, or none does
@@ -172,7 +177,8 @@ class RunCheckpoints:
         `skip_batches(n)` reads past the micro-batches the checkpoint had consumed."""
         run, t = self.run, self.run.training
         last_step = max((r["step"] for r in read_session(run.session_path).steps), default=-1)
-        loaded = ckpt.read_checkpoint(path, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+        model, optimizer = self._live()
+        loaded = ckpt.read_checkpoint(path, model=model, optimizer=optimizer, scheduler=t.scheduler)
         saved, world = saved_world_size(loaded.extra), run.ranks.world_size if run.ranks else 1
         if saved != world:
             how = f"with --nproc {saved} (or torchrun with {saved} processes)" if saved > 1 else "without --nproc"
@@ -206,9 +212,17 @@ class RunCheckpoints:
         escalate_probes(run, "resume", f"resumed from {self.relative(path)}")
         return stop
 
+    def _live(self, *, gather: bool = False):
+        """The model and optimizer as a checkpoint reads and loads them: a model sharded with
+        FSDP2 seen whole (`gather`: its full state gathered on rank 0 first, a collective)."""
+        t = self.run.training
+        if not is_sharded(t.model):
+            return t.model, t.optimizer
+        return (gathered_views if gather else loading_views)(t.model, t.optimizer)
+
     def _apply(self, loaded: ckpt.LoadedCheckpoint) -> None:
         t, ranks = self.run.training, self.run.ranks
-        loaded.apply(t.model, t.optimizer, t.scheduler)
+        loaded.apply(*self._live(), t.scheduler)
         if ranks:   # each rank its own RNG state (the file's own is rank 0's)
             restore_rng(loaded.extra or {}, ranks.rank, ranks.device)
         t.restore_scaler(loaded.scaler_state)

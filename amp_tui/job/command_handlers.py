@@ -105,41 +105,34 @@ def set_probes(run: RunController, command: Command) -> Outcome:
 
 
 def xray(run: RunController, command: Command) -> Outcome:
-    """`xray`: the next step traced op by op before it runs (engine.py, `request_xray`); its file
-    and event come once the step ran (run_records.py, `record_xray`)."""
-    request = getattr(run.driver, "request_xray", None)
-    if request is None:
-        return run.refused(command, XRAY_NEEDS_TRAIN)
+    """`xray`: the next step traced op by op (engine.py before it runs; in the user's own loop as
+    its first forward starts: hook_driver.py); its file and event come once the step ran
+    (run_records.py, `record_xray`)."""
     if run.ranks:
         return run.refused(command, "the X-ray runs with one process only: a rank alone can't run "
                                     "DDP's collectives in a replay of the step")
-    request()
+    run.driver.request_xray({"source": command.source, **({"client": command.client} if command.client else {})})
     return Outcome(True, f"step {run.step_index} will be X-rayed: its file and event come once it ran")
 
 
-# Only amp-tui's own loop can run a step's forward and backward a second time.
-XRAY_NEEDS_TRAIN = ("the X-ray needs amp-tui train: in your own loop amp-tui only watches the step through "
-                    "hooks and can't run it a second time (run the script with amp-tui train, or call "
-                    "amp_tui.training.op_xray.xray on one batch yourself)")
-
-
-def fall_back(run: RunController, move: LadderMove) -> None:
-    """The fallback ladder's move (--on-nonfinite fallback): with --rollback, restore the newest
-    checkpoint from before the trouble began first, then the next dtype down."""
+def fall_back(run: RunController, move: LadderMove, source: str = "fallback") -> None:
+    """The fallback ladder's move (--on-nonfinite fallback, or the autopilot's: `source`): with
+    --rollback, restore the newest checkpoint from before the trouble began first, then the next
+    dtype down."""
     if move.rollback_before is not None:
         good = [c for c in run.checkpoints() if c.step is not None and c.step <= move.rollback_before]
         if run.ranks:   # rank 0's listing for every rank: the restore is a collective
             good = run.ranks.share(good[:1])
         if good:
-            run.apply(Command("restore", str(good[0].path), "fallback"))
+            run.apply(Command("restore", str(good[0].path), source))
         else:
             run.alert("no_checkpoint", f"--rollback: no checkpoint saved at or before step "
                       f"{move.rollback_before}; moving on without one", cause="no checkpoint yet",
                       fix="use --checkpoint-every N")
     change = run.training.set_dtype(move.to_dtype)
     before, after = change["before"], change["after"]
-    run.event("intervention", f"fallback {precision.SHORT[before['dtype']]} → "
+    run.event("intervention", f"{source} {precision.SHORT[before['dtype']]} → "
               f"{precision.SHORT[move.to_dtype]}: {move.reason}", action="dtype",
-              value=move.to_dtype, source="fallback", reason=move.reason, before=before, after=after)
+              value=move.to_dtype, source=source, reason=move.reason, before=before, after=after)
     if before["dtype"] != after["dtype"]:
         escalate_probes(run, "dtype", dtype_change_reason(before["dtype"], after["dtype"]))

@@ -29,11 +29,12 @@ class RunConfig:
     probe_budget: float = 1.0           # percent of the training time probing may cost (auto)
     probe_alert_bits: float = 3.0       # headroom under which every step is probed (auto)
     underflow_every: int = 10           # underflow shares on every Nth probed step
-    on_nonfinite: str = "skip"          # skip, pause, stop or fallback (the guard's fallback follows it)
+    on_nonfinite: str = "skip"          # skip, pause, stop, fallback or isolate (the guard's fallback follows it)
     at: list[tuple[int, Command]] = field(default_factory=list)
     command_line: list[str] = field(default_factory=list)
     guard: GuardConfig = field(default_factory=GuardConfig)
     fp32_modules: list[str] = field(default_factory=list)
+    fsdp: bool = False                   # shard the model with FSDP2's fully_shard (several ranks)
     flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)
     control: bool = False                # serve the control socket (amp-tui ctl / attach); rank 0 only
     device: str | None = None            # cpu, cuda, cuda:N; None: cuda when there is one (ranks: their own)

@@ -256,7 +256,18 @@ def status_text(status: dict) -> str:
     total = f"/{status['steps']}" if status["steps"] else ""
     return (f"{status['state']} at step {status['step']}{total}: {short_name(status['dtype'])}, "
             f"scale {scale}, {status['updates']} updates applied, {status['skipped']} skipped, "
-            f"loss {status['loss']}")
+            f"loss {status['loss']}{probes_text(status.get('probes'))}")
+
+
+def probes_text(probes: list | None) -> str:
+    """The probe schedule in `status`'s line: ", probes auto 1/9 (0.8% of the time)"."""
+    if not probes:
+        return ""
+    if probes[0] == "auto":
+        return f", probes auto 1/{probes[1]} ({probes[2]:g}% of the time)"
+    if probes[0] == "every":
+        return f", probes every step ({probes[1]})"
+    return f", probes every {probes[1]} steps"
 
 
 def send(run_dir: Path, text: str, *, timeout: float = REPLY_TIMEOUT + 5) -> dict:

@@ -1,5 +1,5 @@
 """One run, however its steps are driven: the state, the step boundary, the commands, every record,
-the checkpoints, the control socket and the full-disk policy.
+the checkpoints, the control socket; a disk that refuses writes is job/full_disk.py's.
 
 Two drivers run the steps (docs/architecture.md, "One step, two drivers"):
 - the engine driver (job/engine_driver.py, `amp-tui train`): amp-tui's own guarded step over the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 import threading
 import time
 import traceback
@@ -29,16 +28,18 @@ import torch
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.records import RunState, end_status
+from amp_tui.job import autopilot
 from amp_tui.job import command_handlers as handlers
 from amp_tui.job.checkpoints import RunCheckpoints, TrainingState
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
 from amp_tui.job.driver import Driver
 from amp_tui.job.forecasts import RunForecasts
+from amp_tui.job.full_disk import FullDisk
 from amp_tui.job.recorder import Observers, RankEcho, Recorder
 from amp_tui.job.run_records import FORWARD_KINDS, nonfinite_fields, nonfinite_message, session_header
 from amp_tui.job.states import EXIT_ERROR, EXIT_NONFINITE_STOP, EXIT_OK, IoPolicy, PauseReason
 from amp_tui.recording.format import event_record, step_record
-from amp_tui.recording.report import RunOutcome, describe_records
+from amp_tui.recording.report import RunOutcome
 from amp_tui.training import checkpoint as ckpt
 from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.engine import StepResult
@@ -63,12 +64,14 @@ class RunController:
                  io_policy: IoPolicy = IoPolicy.STOP, checkpoint_every: int | None = None,
                  at: list[tuple[int, Command]] = (), steps: int | None = None, flush_interval: float = 1.0,
                  control: bool = False, echo: Callable[[str], None] | None = None):
-        self.driver, self.device = driver, device
+        self.driver = driver
+        self.device = device
         self.run_dir = Path(run_dir)
         self.session_path = self.run_dir / "session.jsonl"
         self.script = script
         self.ranks = ranks   # several ranks (job/distributed.py): what they agree on goes through it
         self.guard = PrecisionGuard(guard or GuardConfig())
+        self.autopilot = autopilot.Autopilot(self, on_nonfinite == "isolate", self.guard.config)
         self.forecasts = RunForecasts(self, self.guard.config.forecast_horizon)   # job/forecasts.py
         self.on_nonfinite = on_nonfinite
         self.io_policy = io_policy
@@ -82,7 +85,8 @@ class RunController:
         self.last_result: StepResult | None = None
         self.nonfinite_events = 0
         main = not ranks or ranks.is_main
-        self.recorder = (Recorder(self.session_path, on_refused=self._on_io_error) if main
+        self.full_disk = FullDisk(self)
+        self.recorder = (Recorder(self.session_path, on_refused=self.full_disk.on_refused) if main
                          else RankEcho(self.session_path, prefix=ranks.describe(), echo=echo))
         self.checkpointing = RunCheckpoints(self)
         self.commands = CommandQueue()
@@ -92,7 +96,7 @@ class RunController:
             "save": partial(handlers.save, self), "restore": partial(handlers.restore, self), "stop": self._stop,
             "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self), "pause": self._pause,
             "probe": partial(handlers.set_probes, self), "resume": self._resume, "step": self._single_step,
-            "xray": partial(handlers.xray, self),
+            "xray": partial(handlers.xray, self), "undo": partial(autopilot.undo, self),
         }
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in at:
@@ -101,22 +105,17 @@ class RunController:
         self._unpublished: list[StepResult] = []   # measured, not yet recorded (record_step)
         self._published_at = time.monotonic()
         self.should_stop = False                    # the run stops at this boundary (stopping ran)
-        self._stop_requested = threading.Event()
+        self.stop_requested = threading.Event()
         self._checkpoint_on_stop = False
         self._stop_reason: str | None = None
-        self._single_steps = 0
-        self._pause_reason: PauseReason | None = None
-        self._io_error: str | None = None         # the last write the disk refused
-        self._disk_said = False                   # CARRY_ON: the refusal was said once
-        self._checkpoint_due: str | None = None   # the source of a save the disk refused
-        self._give_up_unwritten = False           # quit even if the recording can't be completed
+        self.single_steps = 0
+        self.pause_reason: PauseReason | None = None
+        self.checkpoint_due: str | None = None   # the source of a save the disk refused
+        self.give_up_unwritten = False           # quit even if the recording can't be completed
         # Set when a stop was held because records could not be written (a full disk): whoever
         # asked is told how many would be lost and may ask again to give them up.
         self.stop_held = threading.Event()
         self.held_message: str | None = None      # what the held stop would have lost
-        self._stop_replies: list[Command] = []    # ctl stops answered once the end is tried
-        self._ending = threading.Event()          # the training thread is writing the end
-        self._ended = threading.Event()           # the end is written, or given up
         self.unwritten: dict[str, int] = {}       # records given up at the end, by type
         self.recording_error: str | None = None   # why they were: the OS's words and the path
         self._control = None
@@ -151,19 +150,20 @@ class RunController:
 
     def request_stop(self, *, checkpoint: bool = False, reason: str | None = None,
                      give_up_unwritten: bool = False) -> None:
-        """Stop at the next step boundary (from any thread, e.g. a signal handler); with `checkpoint`,
-        save one first (an SSH drop must not lose the run's progress).
+        """Stop at the next step boundary (from any thread, e.g. a signal handler); with
+        `checkpoint`, save one first (an SSH drop must not lose the run's progress).
 
-        Records that a full disk refused are written before the run ends; where the disk still refuses
-        them, a watched run (the dashboard) holds the stop and sets `stop_held`, so the user can free
-        space or confirm. `give_up_unwritten` confirms: the run ends without them, and says how many were lost."""
+        Records that a full disk refused are written before the run ends; where the disk still
+        refuses them, a watched run (the dashboard) holds the stop and sets `stop_held`, so the
+        user can free space or confirm. `give_up_unwritten` confirms: the run ends without them,
+        and says how many were lost."""
         if give_up_unwritten:
-            self._give_up_unwritten = True
+            self.give_up_unwritten = True
         self.stop_held.clear()
-        self._ask_stop(checkpoint=checkpoint, reason=reason)
+        self.ask_stop(checkpoint=checkpoint, reason=reason)
         self.commands.wakeup.set()
 
-    def _ask_stop(self, *, checkpoint: bool = False, reason: str | None = None) -> None:
+    def ask_stop(self, *, checkpoint: bool = False, reason: str | None = None) -> None:
         if self.ranks and self.ranks.voting:   # every rank stops at the boundary that agrees on it
             self.ranks.vote_stop(checkpoint=checkpoint, reason=reason)
             return
@@ -171,7 +171,7 @@ class RunController:
             self._checkpoint_on_stop = True
         if reason and self._stop_reason is None:
             self._stop_reason = reason
-        self._stop_requested.set()
+        self.stop_requested.set()
 
     def watched(self) -> None:
         """Someone watches the run (the dashboard): a full disk pauses it, to be resumed once
@@ -182,7 +182,7 @@ class RunController:
         """Nobody is watching any more (the terminal is gone): a full disk stops the run as in
         headless mode instead of pausing it for a user who can't answer."""
         self.io_policy = IoPolicy.STOP
-        self._give_up_unwritten = True
+        self.give_up_unwritten = True
 
     def checkpoints(self) -> list[ckpt.CheckpointInfo]:
         return self.checkpointing.list()
@@ -197,6 +197,7 @@ class RunController:
                 "scale": self.precision.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
                 "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
                 "run_dir": str(self.run_dir), "script": str(self.script),
+                **({"probes": schedule.status_field()} if (schedule := getattr(t, "probe_schedule", None)) else {}),
                 **(self.ranks.header_fields() if self.ranks else {})}
 
     def outcome(self) -> RunOutcome:
@@ -271,32 +272,32 @@ class RunController:
             self.precision.clamp(decisions.clamp_scale)
         for alert in decisions.alerts:
             self.alert(alert.reason, alert.message, cause=alert.cause, fix=alert.fix, step=result.step)
-        if decisions.move is not None:
-            handlers.fall_back(run=self, move=decisions.move)
+        self.autopilot.after_step(result, decisions.move)   # the ladder's move, and --on-nonfinite isolate
 
     def _on_nonfinite(self, result: StepResult) -> None:
         self.nonfinite_events += 1
         self.event("nonfinite", nonfinite_message(result), step=result.step, **nonfinite_fields(result))
         if (said := FORWARD_KINDS.get(result.nonfinite)) is None:
             return
-        policy = self.on_nonfinite  # "skip" and "fallback" just go on (the guard decides)
+        policy = self.on_nonfinite  # the others go on (the guard decides; isolate: job/autopilot.py)
         if policy == "pause" and self.state == "running":
-            self._single_steps = 0
-            self._pause_reason = PauseReason.NONFINITE
+            self.single_steps = 0
+            self.pause_reason = PauseReason.NONFINITE
             self.set_state("paused")
             self.event("paused", f"paused after {said} at step {result.step} "
                                  "(--on-nonfinite pause): change the dtype, cut the scale or restore",
                        reason="nonfinite")
         elif policy == "stop":
             self.exit_status = EXIT_NONFINITE_STOP
-            self._stop_requested.set()
+            self.stop_requested.set()
             self.event("stopping", f"stopping after {said} at step {result.step} "
                                    "(--on-nonfinite stop)", reason="nonfinite")
 
     def fail(self, message: str, original: BaseException | None, *, step: int | None = None) -> None:
         """The run ends in error: `message`, with `original`'s traceback (none: the message is
         amp-tui's own wording, and the frames would be ours, not the user's)."""
-        tb = "" if original is None else "".join(traceback.format_exception(original))
+        tb = "" if original is None else "".join(
+            traceback.format_exception(type(original), original, original.__traceback__))
         self.error = message
         self.exit_status = EXIT_ERROR
         self.set_state("error")
@@ -309,25 +310,25 @@ class RunController:
         while True:
             for command in self._boundary_commands():
                 self.apply(command)
-            if self._stop_requested.is_set():
+            if self.stop_requested.is_set():
                 self._stopping()
                 return False
-            if self._checkpoint_due is not None and self.state == "running":
+            if self.checkpoint_due is not None and self.state == "running":
                 # A save the disk refused, tried again first once the user resumed.
-                self.save_checkpoint(source=self._checkpoint_due)
+                self.save_checkpoint(source=self.checkpoint_due)
                 continue
-            if finished is not None and finished() and self._pause_reason is not PauseReason.IO:
+            if finished is not None and finished() and self.pause_reason is not PauseReason.IO:
                 self.set_state("finished")
                 return False
-            if not hold or self.state != "paused" or self._single_steps:
+            if not hold or self.state != "paused" or self.single_steps:
                 break
             self.driver.settle(flush=True)   # the paused dashboard, ctl and attach show the last step
             if self.ranks:
                 self.ranks.hold(self.commands)   # the next boundary is the heartbeat
             else:
                 self.commands.wait(0.25)
-        if hold and self._single_steps:
-            self._single_steps -= 1
+        if hold and self.single_steps:
+            self.single_steps -= 1
         return True
 
     def after_update(self) -> None:
@@ -345,7 +346,7 @@ class RunController:
         if stop is not None:
             self._checkpoint_on_stop = self._checkpoint_on_stop or stop.checkpoint
             self._stop_reason = self._stop_reason or stop.reason
-            self._stop_requested.set()
+            self.stop_requested.set()
         return commands
 
     def queued(self, step: int) -> list[Command]:
@@ -367,8 +368,8 @@ class RunController:
         self.driver.settle()
         if self._stop_reason:
             self.event("stopping", f"stopping: {self._stop_reason}", reason=self._stop_reason)
-        if self._checkpoint_on_stop or self._checkpoint_due is not None:
-            self.save_checkpoint(source=self._stop_reason or self._checkpoint_due or "stop")
+        if self._checkpoint_on_stop or self.checkpoint_due is not None:
+            self.save_checkpoint(source=self._stop_reason or self.checkpoint_due or "stop")
         self.should_stop = True
         if self.state != "error":
             self.set_state("stopped")
@@ -403,28 +404,28 @@ class RunController:
         self.driver.settle()
         info = self.checkpointing.save(source=source)
         if info is not None:
-            self._checkpoint_due = None
+            self.checkpoint_due = None
         return info
 
     def _pause(self, command: Command) -> Outcome:
         # The paused state (ctl status, attach) comes with the last step in the file.
         self.driver.settle(flush=True)
         before = {"state": self.state}
-        self._single_steps = 0
-        self._pause_reason = PauseReason.COMMAND
+        self.single_steps = 0
+        self.pause_reason = PauseReason.COMMAND
         self.set_state("paused")
         return self.intervention(command, before, {"state": self.state}, "paused")
 
     def _resume(self, command: Command) -> Outcome:
         before = {"state": self.state}
-        self._single_steps, self._pause_reason = 0, None
+        self.single_steps, self.pause_reason = 0, None
         self.set_state("running")
         return self.intervention(command, before, {"state": self.state}, "resumed")
 
     def _single_step(self, command: Command) -> Outcome:
         if self.state != "paused":
             return Outcome(False, self._pause_first(command.source))
-        self._single_steps += 1
+        self.single_steps += 1
         return self.intervention(command, {"state": self.state}, {"state": self.state},
                                  f"single step {self.step_index}")
 
@@ -440,51 +441,11 @@ class RunController:
 
     def _stop(self, command: Command) -> Outcome:
         self.intervention(command, {"state": self.state}, {"state": "stopped"}, "stop requested")
-        self._stop_requested.set()
+        self.stop_requested.set()
         return Outcome(True, self.STOP_ANSWER)
 
-    # ---- a disk that refuses writes ------------------------------------------------------
-    def _waits_for_space(self) -> bool:
-        """A full disk pauses the run (someone watching can free space), or stops it."""
-        return self.io_policy is IoPolicy.PAUSE and not self._give_up_unwritten
-
-    def _on_io_error(self, message: str, first: bool = True) -> None:
-        """The session can't be appended to (a full disk...): say so, then halt (or, in the
-        user's own loop, go on). The records stay pending in the writer and reach the file once
-        it takes them again."""
-        if self.io_policy is IoPolicy.CARRY_ON:
-            if first and not self._disk_said:
-                self._disk_said = True
-                _say(f"{message}; the records are kept and written once space is freed")
-            self.recorder.keep(event_record(self.step_index, "error", message, during="io"))
-            return
-        if not first and (self.state == "paused" or self._stop_requested.is_set()):
-            return  # already reported; the run is paused or stopping
-        self.recorder.keep(event_record(self.step_index, "error", message, during="io"))
-        self._halt_for_io(message)
-
-    def _halt_for_io(self, message: str) -> None:
-        """Keep what is written; pause (dashboard) or stop with a non-zero status (headless)."""
-        self.error = self._io_error = message
-        if self._waits_for_space():
-            self._single_steps = 0
-            self._pause_reason = PauseReason.IO
-            self.set_state("paused")
-            self.event("paused", "paused: the disk refused a write; free some space, then resume "
-                       "(the records kept meanwhile are written then)", reason="io")
-        else:
-            self.exit_status = EXIT_ERROR
-            self._ask_stop()
-
     def checkpoint_refused(self, source: str, message: str) -> None:
-        """A checkpoint the disk refused: saved again once the user frees space and resumes (the
-        user's own loop goes on: the event says it)."""
-        if self.io_policy is IoPolicy.CARRY_ON:
-            _say(message)
-            return
-        if self._waits_for_space():
-            self._checkpoint_due = source
-        self._halt_for_io(message)
+        self.full_disk.checkpoint_refused(source, message)
 
     # ---- ending -------------------------------------------------------------------------
     def close(self) -> None:
@@ -493,108 +454,20 @@ class RunController:
         freed (or the user gives the records up); otherwise the records are given up, counted in
         `unwritten`, and the exit status says so."""
         self.driver.close()
-        if self._ending.is_set() and threading.current_thread() is not self._thread:
+        if self.full_disk.ending.is_set() and threading.current_thread() is not self._thread:
             # The training thread is writing the end, or waiting for space to: it gives up
             # itself (two threads never write to the file at once).
             self.unattended()
             self.request_stop(give_up_unwritten=True)
-            self._ended.wait(ENDING_WAIT_S)
+            self.full_disk.ended.wait(ENDING_WAIT_S)
             return
         for command in self.commands.drain():   # asked for after the last step: never applied
             if command.on_done is not None:
                 command.on_done(Outcome(False, "the run ended before applying it"))
         if self.recorder.opened and not self.recorder.closed:
             self.publish()
-            self._finish_recording(end_status(self.state))
+            self.full_disk.finish(end_status(self.state),
+                                  on_training_thread=threading.current_thread() is self._thread)
         if self._control is not None:   # after the end: ctl resume may be what completes it
             self._control.close()
             self._control = None
-
-    def _end_record(self, status: str) -> dict:
-        t = self.training
-        return {"step": self.step_index, "status": status, "updates": t.updates_applied,
-                "skipped_total": t.skipped_total, "dtype": t.dtype, "scale": self.precision.scale,
-                "time": round(time.time(), 3), "exit_status": self.exit_status}
-
-    def _finish_recording(self, status: str) -> None:
-        waiting_allowed = threading.current_thread() is self._thread   # others can't block
-        if waiting_allowed:
-            self._ending.set()
-        try:
-            self._write_end(status, waiting_allowed)
-        finally:
-            self._ended.set()
-
-    def _write_end(self, status: str, waiting_allowed: bool) -> None:
-        while True:
-            try:
-                self.recorder.finish(self._end_record(status))
-                break
-            except OSError as exc:
-                why = f"{exc.strerror or exc}: {self.session_path}"
-                if not (waiting_allowed and self._waits_for_space()):
-                    self._give_up(status, why)
-                    return
-                self._on_io_error(f"could not write the end of {self.session_path}: "
-                                  f"{exc.strerror or exc}")   # each try at the end is reported
-                self._wait_for_space(why)
-        if self.error is not None and self.error == self._io_error and self._checkpoint_due is None:
-            self.error = None   # the disk took everything in the end: nothing was lost
-        self.set_state(status)
-        self._answer_stops(Outcome(True, "stopped; every record is written"))
-
-    def _answer_stops(self, outcome: Outcome) -> None:
-        replies, self._stop_replies = self._stop_replies, []
-        for command in replies:
-            if command.on_done is not None:
-                command.on_done(outcome)
-
-    def _wait_for_space(self, why: str) -> None:
-        """Paused after the last flush failed: return to try it again once the user resumes,
-        single-steps or stops. A stop while the records still can't be written is held once and
-        `stop_held` set, so whoever asked can say what would be lost; a second stop (with
-        `give_up_unwritten`) tries once more and then ends without them."""
-        if self._stop_requested.is_set() and not self._give_up_unwritten:
-            self._stop_requested.clear()
-            self.held_message = (f"{describe_records(self.pending_records())} would be lost "
-                                 f"({why}). Free some space and stop again to write them; "
-                                 "stopping again without freeing any ends the run without them")
-            self.stop_held.set()
-            self._answer_stops(Outcome(False, self.held_message))
-        while True:
-            for command in self.commands.drain():
-                if command.action == "stop":
-                    # A second stop while one is held gives the records up if they still
-                    # don't fit; either way it is answered once the last flush was tried.
-                    if self.stop_held.is_set():
-                        self._give_up_unwritten = True
-                    self.intervention(command, {"state": self.state}, {"state": "stopped"},
-                                      "stop requested")
-                    self._stop_replies.append(command)
-                    self._stop_requested.set()
-                elif command.action in ("resume", "step", "pause"):
-                    self.apply(command)
-                elif command.on_done is not None:
-                    command.on_done(Outcome(False, f"{command.text()} refused: the run has ended "
-                                                   f"and its last records wait for the disk ({why})"))
-            if self.state == "running" or self._single_steps or self._stop_requested.is_set():
-                self._single_steps = 0
-                self._pause_reason = None
-                return
-            self.commands.wait(0.25)
-
-    def _give_up(self, status: str, why: str) -> None:
-        """End without what the disk refused: counted, said, and a non-zero exit status."""
-        self.recording_error = why
-        self.error = self.error or why
-        self.exit_status = self.exit_status or EXIT_ERROR
-        self.set_state(status)
-        self.unwritten = self.recorder.give_up(self._end_record(status))
-        if self.io_policy is IoPolicy.CARRY_ON:   # nobody else tells the user's loop
-            _say(f"error: {why}: {describe_records(self.unwritten)} could not be written")
-        self._answer_stops(Outcome(True, f"stopped without {describe_records(self.unwritten)} "
-                                         f"({why})"))
-
-
-def _say(message: str) -> None:
-    print(f"amp-tui: {message}", file=sys.stderr, flush=True)

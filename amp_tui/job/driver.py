@@ -31,5 +31,8 @@ class Driver(Protocol):
     def settle(self, *, failed: bool = False, flush: bool = False) -> None:
         """Record what was measured and not recorded yet, before what comes next."""
 
+    def request_xray(self, by: dict | None = None) -> None:
+        """Trace the next step op by op; its event names who asked (`by`: source, client)."""
+
     def close(self) -> None:
         """Leave the user's objects as they were given."""

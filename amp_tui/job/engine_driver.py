@@ -20,6 +20,7 @@ from amp_tui.job.probe_events import announce_probe_changes, probe_every_of
 from amp_tui.job.run_records import record_xray
 from amp_tui.recording.format import step_record
 from amp_tui.training.engine import GuardedTrainer, LossError, StepResult
+from amp_tui.training.isolation import FailedStep
 from amp_tui.training.local_fp32 import LocalFp32
 from amp_tui.training.script import ScriptError, TrainSetup, describe_exception
 
@@ -60,6 +61,7 @@ class EngineDriver:
         for pattern in config.fp32_modules:
             self.local_fp32.add(pattern)  # ModuleMatchError names a pattern that matches nothing
         self.run: RunController | None = None
+        self._xray_by: dict = {}   # who asked for the X-ray of the next step (its event says)
         # Several ranks: the last probed step's figures on their way to rank 0 (what waits for
         # them, and the step's own result), its record held until then.
         self._figures_due: tuple[Callable[..., StepResult], StepResult] | None = None
@@ -83,11 +85,18 @@ class EngineDriver:
                 **self.trainer.probe_schedule.header_fields(), "underflow_every": cfg.underflow_every,
                 "layers": self.trainer.layer_names, "compile": self.trainer.compile_info()}
 
-    def request_xray(self) -> None:
+    def request_xray(self, by: dict | None = None) -> None:
+        self._xray_by = by or {}
         self.trainer.request_xray()
 
     def fp32_root(self) -> torch.nn.Module:
         return self.trainer.model
+
+    @property
+    def failed_step(self) -> FailedStep | None:
+        """The last step that went non-finite, kept until the next one starts, for the autopilot to
+        replay with a module in fp32 (None: none, or several ranks, where it isn't replayed)."""
+        return self.trainer.failed_step
 
     def saved_extra(self) -> dict:
         """The micro-batches consumed, so a resume reads the data in the same order."""
@@ -150,9 +159,12 @@ class EngineDriver:
             run.recorder.hold()
             run.after_step(result)
         else:
-            run.record_step(result)
+            # Batched (a few steps formatted together, at most PUBLISH_INTERVAL late; a non-finite
+            # or paused step at once): formatting one between every two steps finds the caches
+            # cold, and several ranks keep their order through the recorder's hold instead.
+            run.record_step(result, batched=not self.ranks)
         if result.xray is not None:
-            record_xray(run, result.step, result.xray)
+            record_xray(run, result.step, result.xray, self._xray_by)
         announce_probe_changes(run)
         if self.trainer.act_unmeasured and not self._act_unmeasured_said:
             self._act_unmeasured_said = True
@@ -168,6 +180,8 @@ class EngineDriver:
         file now, for whoever reads it next (as while paused)."""
         due, self._figures_due = self._figures_due, None
         if due is None:
+            if self.run is not None:
+                self.run.publish()   # the steps recorded in a batch, before whatever comes next
             return
         figures, own = due
         run = self.run

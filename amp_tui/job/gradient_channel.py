@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from amp_tui.training.sharding import is_sharded
+
 HEAD = 2             # rank 0's command code and payload length
 VOTE = 3             # each rank's stop, checkpoint and signal number
 ROW_HEAD = 3         # present, loss, step time: then one maximum per layer
@@ -49,6 +51,8 @@ def ddp_of(model: torch.nn.Module):
 def unsuitable(model: torch.nn.Module) -> str | None:
     """Why the words can't ride on this model's gradient all-reduce (None: they can)."""
     ddp = ddp_of(model)
+    if ddp is None and is_sharded(model):
+        return "the model is sharded with FSDP2 (fully_shard)"
     if ddp is None:
         return "the model is not in DistributedDataParallel"
     if getattr(ddp, "_comm_hooks", None):

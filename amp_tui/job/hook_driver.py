@@ -20,6 +20,7 @@ It never drives the loop:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -32,10 +33,13 @@ from amp_tui.job.probe_events import probe_every_of
 from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.engine import StepResult, to_host
+from amp_tui.training.forward_keeper import ForwardKeeper, KeptForward
+from amp_tui.training.hidden_activation import HiddenActivationWatch
+from amp_tui.training.kept_step_trace import trace_kept_step, xray_kept
 from amp_tui.training.local_fp32 import LocalFp32
 from amp_tui.training.precision_state import BorrowedScaling, PrecisionRefused
 from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
-from amp_tui.training.probes import LayerProbe
+from amp_tui.training.probes import LayerFigures, LayerProbe
 
 
 class MonitorError(RuntimeError):
@@ -88,6 +92,18 @@ class HookDriver:
         self.unplanned_figures = True
         self._planned = False                   # this update was planned to be probed
         self.local_fp32 = LocalFp32(eager, self.device.type)
+        # Each forward of a step kept (references, RNG, autocast), for a replay of the step under
+        # the op tracer when it fails, or an X-ray asked for (training/forward_keeper.py).
+        self.keeper = ForwardKeeper(model, self.device.type, lambda: self.in_step())
+        self.keeper.on_kept = self._xray_if_due
+        self.replay_failing = True
+        # A probed step whose loss and gradients came out finite while a layer's output held
+        # inf/NaN (a saturating op after it hid it) is a non-finite step of its own, "activations".
+        self.hidden_activations = True
+        self._hidden = HiddenActivationWatch()
+        self._xray_due: dict | None = None   # who asked for the X-ray of the next step
+        self._xray: tuple[dict, dict] | None = None   # this step's X-ray, and who asked for it
+        self.xray_by: dict = {}               # ... of the last step's X-ray (StepResult.xray)
         self.training = self
         self.step_index = 0
         self.updates_applied = 0
@@ -114,6 +130,9 @@ class HookDriver:
         self.probe_schedule = ProbeSchedule(every, budget=self.probe_schedule.budget,
                                             alert_bits=self.probe_schedule.alert_bits, names=self.probe.names)
         self.unplanned_figures = False
+        self.replay_failing = False   # a rank alone can't run DDP's collectives in a replay
+        # This rank's figures alone would make the step non-finite on this rank only.
+        self.hidden_activations = False
 
     @property
     def probe_every(self) -> int | str:
@@ -196,6 +215,8 @@ class HookDriver:
         self._handles.append(self.optimizer.register_step_post_hook(self._after_optimizer_step))
         self._handles.append(self.model.register_forward_pre_hook(self._forward_starts))
         self._handles.append(self.model.register_forward_hook(self._forward_ends))
+        if self.replay_failing:   # (several ranks replay nothing here: nothing to keep)
+            self.keeper.attach()
         if self.loop_scaler is not None:
             # Instance attributes over the class's methods: GradScaler.step calls self.unscale_,
             # so an unscale it does on its own is seen too. A disabled scaler is watched as well:
@@ -214,6 +235,7 @@ class HookDriver:
         for name in self._patched:
             self.loop_scaler.__dict__.pop(name, None)
         self._patched = []
+        self.keeper.detach()
 
     def _forward_starts(self, *_args) -> None:
         if self.in_step():
@@ -362,6 +384,8 @@ class HookDriver:
         if nonfinite is not None and figures is not None:
             index = figures.first_nonfinite("act" if nonfinite == "loss" else "grad")
             first = self.probe.names[index] if index is not None else None
+        elif nonfinite is None and (first := self._hidden_activation(figures)) is not None:
+            nonfinite = "activations"
         result = StepResult(
             step=self.step_index, loss=mean_loss, scale=used_scale, skipped=skipped,
             skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
@@ -369,7 +393,45 @@ class HookDriver:
             lr=attempt.lr, figures=figures, next_scale=self.precision.scale,
             duration=time.perf_counter() - self._started)
         observe_step(self.probe_schedule, result, planned=self._planned)
+        if nonfinite is not None and self.replay_failing:
+            result.op_trace = self._replayed(used_scale, applied=attempt.stepped and not skipped)
+        if self._xray is not None:
+            (result.xray, self.xray_by), self._xray = self._xray, None
         return result
+
+    def _hidden_activation(self, figures: LayerFigures | None) -> str | None:
+        """A non-finite activation the loss never saw, when that is news, as `amp-tui train` says
+        it (hidden_activation.py). An unprobed step measures no activation and can't tell."""
+        return self._hidden.news(figures, self.probe.names) if self.hidden_activations else None
+
+    # ---- the step replayed under the op tracer -------------------------------------------------
+    def request_xray(self, by: dict | None = None) -> None:
+        """X-ray the next step: as its first forward starts, that forward (and the backward from
+        the model's own loss, when it returns one) traced op by op into `StepResult.xray`."""
+        self._xray_due = by or {}
+
+    def _xray_if_due(self, kept: KeptForward) -> None:
+        if self._xray_due is None:
+            return
+        by, self._xray_due = self._xray_due, None
+        with self._replaying():
+            self._xray = (xray_kept(self.model, kept, dtype=self.dtype, scale=self.precision.scale_value,
+                                    device=self.device), by)
+
+    def _replayed(self, scale: float | None, *, applied: bool) -> dict:
+        with self._replaying():
+            return trace_kept_step(self.model, self.keeper.forwards, dtype=self.dtype, scale=scale,
+                                   device=self.device, update_applied=applied)
+
+    @contextlib.contextmanager
+    def _replaying(self):
+        """A replay's forwards are not the loop's: no hook of ours counts or keeps them."""
+        in_step, self.in_step = self.in_step, lambda: False
+        try:
+            with self.probe.disarmed():
+                yield
+        finally:
+            self.in_step = in_step
 
     def update_done(self) -> None:
         self.autocast_used_last = self.autocast_used
@@ -384,6 +446,8 @@ class HookDriver:
 
     def _forget_update(self) -> None:
         self._losses, self._attempt, self._started, self._forwards = [], None, None, 0
+        self.keeper.drop()
+        self._xray = None
 
 
 def check_objects(model, optimizer, scaler, scheduler) -> None:

@@ -45,6 +45,7 @@ from amp_tui.job.distributed import Ranks
 from amp_tui.job.hook_driver import HookDriver, MonitorError
 from amp_tui.job.probe_events import announce_probe_changes
 from amp_tui.job.process_slot import ProcessSlot
+from amp_tui.job.run_records import record_xray
 from amp_tui.job.states import IoPolicy
 from amp_tui.training.autocast import autocast, torch_dtype
 from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
@@ -53,6 +54,7 @@ from amp_tui.training.guards import GuardConfig
 __all__ = ["Monitor", "MonitorError", "MonitoredStep", "monitor"]
 
 RUN_DIR_VARIABLE = "AMP_TUI_RUN_DIR"   # set by `amp-tui run`: where the monitor records
+MONITOR_POLICIES = ("skip", "isolate")   # a loop of the user's own pauses and stops itself
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 _SLOT = ProcessSlot()   # one monitor per process: it owns the control socket
@@ -67,8 +69,9 @@ class MonitoredStep:
 
 def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
             dtype: str | None = None, run_dir: str | Path | None = None, probe_every: int | str = "auto",
-            probe_budget: float = 1.0, underflow_every: int = 10, checkpoint_every: int | None = None,
-            control: bool = True, announce: bool = True, tensorboard_dir: str | Path | None = None,
+            probe_budget: float = 1.0, probe_alert_bits: float = 3.0, underflow_every: int = 10,
+            checkpoint_every: int | None = None, control: bool = True, announce: bool = True,
+            tensorboard_dir: str | Path | None = None, on_nonfinite: str = "skip",
             forecast_horizon: int = 500) -> Monitor:
     """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
 
@@ -76,30 +79,37 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
     when an enabled GradScaler is given, else bf16 where the device has it (fp32 otherwise).
     `run_dir`: where the session goes (default: $AMP_TUI_RUN_DIR, set by `amp-tui run`, or
     runs/<time>-<script>). `probe_every`: "auto" (per-layer figures spaced so that they cost at
-    most `probe_budget` percent of the training time, every step from the first sign of trouble)
-    or N (every N steps). `announce`: print one line saying how to attach. `tensorboard_dir`:
-    also write the recording there as TensorBoard event files, live (pip install
-    'amp-tui[tensorboard]'). `forecast_horizon`: a layer whose headroom forecast says it reaches
-    the dtype's max within this many steps raises an alert (docs/dashboard.md, "Forecasts")."""
+    most `probe_budget` percent of the training time, every step from the first sign of trouble,
+    a layer within `probe_alert_bits` of the dtype's max among them) or N (every N steps).
+    `announce`: print one line saying how to attach. `tensorboard_dir`: also write the recording
+    there as TensorBoard event files, live (pip install 'amp-tui[tensorboard]'). `on_nonfinite`:
+    "skip" (GradScaler's way) or "isolate" (the autopilot, job/autopilot.py: an overflowing module in
+    fp32 from the next step, the scale lowered and said). `forecast_horizon`: a layer whose headroom
+    forecast says it reaches the dtype's max within this many steps raises an alert (see
+    docs/session-format.md, "Forecasts")."""
     return Monitor(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, run_dir=run_dir,
-                   probe_every=probe_every, probe_budget=probe_budget, underflow_every=underflow_every,
-                   checkpoint_every=checkpoint_every, control=control, announce=announce,
-                   tensorboard_dir=tensorboard_dir, forecast_horizon=forecast_horizon)
+                   probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
+                   underflow_every=underflow_every, checkpoint_every=checkpoint_every, control=control,
+                   announce=announce, tensorboard_dir=tensorboard_dir, on_nonfinite=on_nonfinite,
+                   forecast_horizon=forecast_horizon)
 
 
 class Monitor(RunController):
     STOP_ANSWER = "stopping: monitor.should_stop is now True"
 
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
-                 probe_every="auto", probe_budget=1.0, underflow_every=10, checkpoint_every=None, control=True,
-                 announce=True, tensorboard_dir=None, framework: str | None = None, forecast_horizon=500):
+                 probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0, underflow_every=10,
+                 checkpoint_every=None, control=True, announce=True, tensorboard_dir=None, framework=None,
+                 on_nonfinite="skip", forecast_horizon=500):
+        if on_nonfinite not in MONITOR_POLICIES:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}: use {' or '.join(map(repr, MONITOR_POLICIES))}")
         # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the
         # steps from its hooks.
         self.framework = framework
         self.model = model
         driver = HookDriver(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype,
-                            probe_every=probe_every, probe_budget=probe_budget, underflow_every=underflow_every,
-                            framework=framework)
+                            probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
+                            underflow_every=underflow_every, framework=framework)
         self.optimizer = driver.optimizer
         self.scheduler = scheduler
         script = driver.script
@@ -112,8 +122,9 @@ class Monitor(RunController):
             run_dir = Path(ranks.share(str(run_dir)))
         main = not ranks or ranks.is_main
         super().__init__(driver, device=driver.device, run_dir=run_dir, script=script, ranks=ranks,
+                         on_nonfinite=on_nonfinite,
+                         guard=GuardConfig(fallback=on_nonfinite == "isolate", forecast_horizon=forecast_horizon),
                          io_policy=IoPolicy.CARRY_ON, checkpoint_every=checkpoint_every,
-                         guard=GuardConfig(forecast_horizon=forecast_horizon),
                          control=control and main)
         driver.run = self
         driver.in_step = lambda: self._open_step is not None
@@ -221,6 +232,8 @@ class Monitor(RunController):
         if self.ranks:
             result = self.ranks.gather_step(result, self.driver.probe.names, details=False)
         self.record_step(result, batched=True)
+        if result.xray is not None:
+            record_xray(self, result.step, result.xray, self.driver.xray_by)
         announce_probe_changes(self, step=result.step + 1)   # (the step counter moves on below)
         self.driver.update_done()
         self.after_update()

@@ -21,7 +21,7 @@ from amp_tui.recording.format import SessionFormatError, event_record
 from amp_tui.training import checkpoint as ckpt
 from amp_tui.training.script import ScriptError, TrainSetup
 
-NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback")
+NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback", "isolate")
 PRECISION_ACTIONS = ("dtype", "scale", "fp32")  # what --at 0:... may set before the pre-flight
 
 

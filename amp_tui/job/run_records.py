@@ -70,13 +70,16 @@ def nonfinite_message(result: StepResult) -> str:
 
 
 def op_sentence(fields: dict) -> str:
-    """The op that made inf or NaN and its fix in words ("" when no op was found)."""
-    message = fields.get("op_message") if fields.get("op") else None
+    """The op that made inf or NaN and its fix in words ("" when no op was found, unless the
+    replay was not exact: that is always said)."""
+    message = fields.get("op_message") if fields.get("op") or fields.get("op_replay_exact") is False else None
     if not message:
         return ""
     fix = fields.get("fix")
     if fix:
-        message += f"; fix: {fix} ({'verified on this step' if fields.get('fix_verified') else 'not verified'})"
+        # In the user's own loop a fix may be checked on the forward alone (op_replay_from).
+        step = "this step's forward" if fields.get("op_replay_from") == "forward" else "this step"
+        message += f"; fix: {fix} ({f'verified on {step}' if fields.get('fix_verified') else 'not verified'})"
     return message
 
 
@@ -118,13 +121,16 @@ def nonfinite_fields(result: StepResult) -> dict:
             **({"rank": rank} if rank is not None else {}), **(result.op_trace or {})}
 
 
-def record_xray(run: RunController, step: int, xray: dict) -> None:
+def record_xray(run: RunController, step: int, xray: dict, by: dict | None = None) -> None:
     """The X-ray of `step` (StepResult.xray) as JSON in the run directory, then its event naming
-    the file and the op closest to its dtype's max. Written whole or not at all (a temporary
-    file renamed): a reader never finds half of one."""
+    the file and the op closest to its dtype's max, and who asked for it (`by`: the command's
+    `source` and `client`). Written whole or not at all (a temporary file renamed): a reader never
+    finds half of one."""
     name = xray_file_name(step)
+    by = by or {}
+    asked = {"source": by["source"]} if "source" in by else {}   # an error names its source only
     if "error" in xray:
-        run.event("error", f"X-ray of step {step} failed: {xray['error']}", step=step, during="xray")
+        run.event("error", f"X-ray of step {step} failed: {xray['error']}", step=step, during="xray", **asked)
         return
     path = run.run_dir / name
     temporary = path.with_name(f".{name}.tmp")
@@ -135,9 +141,9 @@ def record_xray(run: RunController, step: int, xray: dict) -> None:
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
         run.event("error", f"X-ray of step {step} not written: {exc.strerror or exc}: {path}", step=step,
-                  during="xray")
+                  during="xray", **asked)
         return
     first = (xray.get("closest") or [{}])[0]
     run.event("xray", xray_message(step, xray), step=step, path=name, dtype=xray.get("dtype"),
               op=first.get("op"), op_module=first.get("module"), op_phase=first.get("phase"),
-              headroom_bits=first.get("headroom_bits"))
+              headroom_bits=first.get("headroom_bits"), **by)

@@ -268,8 +268,8 @@ def marker_label(kind: str, e: dict) -> str | None:
         label = f"fp32={value}"
     else:
         label = action
-    if e.get("source") == "fallback":
-        label += " (fallback)"
+    if e.get("source") in ("fallback", "autopilot"):
+        label += f" ({e['source']})"
     return one_line(label, LABEL_CHARS)
 
 

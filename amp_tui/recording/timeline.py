@@ -25,9 +25,10 @@ MESSAGE_LIMIT = 400
 
 _DTYPE_NAMES = {**{k: k for k in SHORT}, **{v: k for k, v in SHORT.items()}}
 
-# Interventions the run made on its own (the precision guard's fallback ladder): a run repeated
-# with the same settings makes them again, so they are not turned into --at arguments.
-AUTOMATIC_SOURCES = frozenset({"fallback", "guard", "checkpoint_every"})
+# Interventions the run made on its own (the precision guard's fallback ladder, the autopilot of
+# --on-nonfinite isolate): a run repeated with the same settings makes them again, so they are not
+# turned into --at arguments.
+AUTOMATIC_SOURCES = frozenset({"fallback", "guard", "checkpoint_every", "autopilot"})
 
 IndexLike = Union[SessionIndex, str, Path]
 
@@ -285,7 +286,7 @@ def _at_action(kind: str, e: dict) -> str | None:
             if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0:
                 return f"scale={_number_text(x)}"
         return None
-    if action in ("save", "pause", "resume", "step", "stop"):
+    if action in ("save", "pause", "resume", "step", "stop", "undo"):
         return action
     if action == "fp32" and isinstance(value, str) and value:
         return f"fp32={one_line(value, 4096)}"
@@ -296,9 +297,10 @@ def interventions_as_at(index: IndexLike) -> list[str]:
     """Every intervention and restore the user made, as `STEP:ACTION` (for `--at`), in order:
     `10:dtype=bf16`, `20:scale=4096`, `20:scale=half`, `30:save`,
     `40:restore=checkpoints/step-0000030.safetensors`, `50:pause`, `50:resume`. Interventions the
-    run made itself (source "fallback") are left out. Refused commands left no intervention event
-    and are not repeated either, nor are notes: a note says what happened to that run (a data
-    shard changed by hand), which a run repeating its interventions can't claim."""
+    run made itself (source "fallback", "autopilot") are left out; an `undo` of the autopilot's is
+    kept. Refused commands left no intervention event and are not repeated either, nor are notes: a
+    note says what happened to that run (a data shard changed by hand), which a run repeating its
+    interventions can't claim."""
     idx = _index(index)
     out = []
     for k in range(idx.event_count):

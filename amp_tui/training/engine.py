@@ -21,10 +21,13 @@ import torch
 from amp_tui.training.autocast import autocast
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.diagnose import Diagnosis, diagnose
+from amp_tui.training.hidden_activation import HiddenActivationWatch
+from amp_tui.training.isolation import FailedStep
 from amp_tui.training.op_trace import RngSnapshot, rng_snapshot
 from amp_tui.training.precision_state import OwnedScaling, PrecisionRefused
 from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
 from amp_tui.training.probes import LayerFigures, LayerProbe
+from amp_tui.training.sharding import full_value, is_sharded
 from amp_tui.training.step_trace import trace_failing_step, xray_step
 
 __all__ = ["GuardedTrainer", "LossError", "PrecisionRefused", "StepResult", "check_loss", "to_host"]
@@ -123,6 +126,8 @@ class GuardedTrainer:
         # torch.compile: the probes and the diagnosis look at the module the user wrote.
         self.eager_model = original_module(model)
         self.compiled_modules = compiled_module_names(model)
+        # FSDP2: each rank holds shards; what is judged from gradients must be agreed.
+        self.sharded = is_sharded(model)
         self.probe = LayerProbe(self.eager_model, keep_hooks=bool(self.compiled_modules)) if probe else None
         # Set once a probed step of a compiled model ran none of the hooks: its graph was
         # compiled before they were attached, and activations can't be measured inside it.
@@ -136,7 +141,8 @@ class GuardedTrainer:
         self.trace_ops = trace_ops
         self._batch_rng: list[RngSnapshot] = []
         self._xray_due = False   # request_xray(): the next step is traced op by op first
-        self._hidden_act_layer: str | None = None   # the hidden non-finite activation said last
+        self.failed_step: FailedStep | None = None   # the last step traced, until the next one starts
+        self._hidden = HiddenActivationWatch()
         # Several ranks: the finite-loss check agreed by all of them. Called with the loss, it
         # starts the check and returns its answer to wait for (True: finite on every rank),
         # which the step asks for after the micro-batch's backward.
@@ -263,6 +269,7 @@ class GuardedTrainer:
         if ahead is not None and ahead.batch is not micro_batches[0]:
             ahead = None  # kept for another batch
         xray = self._xray(micro_batches, ahead) if self._xray_due else None
+        self.failed_step = None
         started = time.perf_counter()
         self._batch_rng = [ahead.rng] if ahead is not None else []
         probe = self.probe if self.probing_next() else None
@@ -309,7 +316,8 @@ class GuardedTrainer:
             return self._skip_nonfinite_loss(micro_batches, bad, mean_loss, used_scale, lr, probe)
         self._unscale(used_scale)
         found_inf = self._measure_gradients(probe, used_scale)
-        grad_norm = (torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+        # Sharded: the total norm over every rank's shards (a DTensor), the same on every rank.
+        grad_norm = (full_value(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
                      if self.max_grad_norm is not None else None)
         if probe:
             probe.record_weights()  # before the update: the weights this step's forward used
@@ -407,8 +415,10 @@ class GuardedTrainer:
         if probe:
             underflow = self.probe_schedule.underflow_due(self.step_index, self.underflow_every)
             probe.record_gradients(used_scale, underflow=underflow)
-        if self.scaler is None and (self._unprobed_params or not probe):
-            params = self._unprobed_params if probe else self._params
+        # Sharded: the flag over every shard, which the DTensor op all-reduces (a rank's own
+        # figures see its shards only, and the ranks must skip alike).
+        if self.scaler is None and (self._unprobed_params or not probe or self.sharded):
+            params = self._unprobed_params if probe and not self.sharded else self._params
             return _nonfinite_flag([p.grad for p in params if p.grad is not None], self.device)
         return None
 
@@ -429,7 +439,8 @@ class GuardedTrainer:
         from the probes' figures or the flag, in the same one transfer."""
         flags = [found_inf] if found_inf is not None else []
         figures, host = probe.collect(flags + extra) if probe else (None, to_host(flags + extra))
-        skipped = (found_inf is not None and host.pop(0) > 0) or bool(figures and figures.grads_nonfinite)
+        skipped = ((found_inf is not None and host.pop(0) > 0)
+                   or bool(figures and figures.grads_nonfinite and not self.sharded))
         if not skipped:
             self.optimizer.step()
         return skipped, figures, host
@@ -456,17 +467,10 @@ class GuardedTrainer:
         return first, diagnosis
 
     def _hidden_activation(self, figures: LayerFigures | None) -> str | None:
-        """The first layer whose output held inf/NaN on a probed step whose loss and gradients came
-        out finite (a saturating op after it hid it), when that is news: said once, and again only
-        after a probed step found it finite (or another layer first). Several ranks: not looked
-        for (this rank's figures alone would make the step non-finite on this rank only)."""
-        if figures is None or self.agree_finite is not None:
-            return None
-        index = figures.first_nonfinite("act")
-        layer = self.layer_names[index] if index is not None else None
-        news = layer is not None and layer != self._hidden_act_layer
-        self._hidden_act_layer = layer
-        return layer if news else None
+        """A non-finite activation the loss never saw, when that is news (hidden_activation.py).
+        Several ranks: not looked for (this rank's figures alone would make the step non-finite on
+        this rank only)."""
+        return None if self.agree_finite is not None else self._hidden.news(figures, self.layer_names)
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -507,9 +511,13 @@ class GuardedTrainer:
             return None
         diagnosis = None
         for batch in micro_batches:
-            diagnosis = diagnose(self.eager_model, lambda batch=batch: self._forward_unchecked(batch, self.eager_model),
-                                 scale=scale, device=self.device, backward=backward)
-            if diagnosis.forward_layer or diagnosis.backward_layer:
+            # Sharded: every rank replays the same forwards (each gathers the shards with the
+            # others) and no backward (whose gradients go to the unsharded parameters).
+            found = diagnose(self.eager_model, lambda batch=batch: self._forward_unchecked(batch, self.eager_model),
+                             scale=scale, device=self.device, backward=backward and not self.sharded)
+            if diagnosis is None or not (diagnosis.forward_layer or diagnosis.backward_layer):
+                diagnosis = found
+            if (diagnosis.forward_layer or diagnosis.backward_layer) and not self.sharded:
                 break
         self._zero_grad()
         return diagnosis
@@ -523,12 +531,14 @@ class GuardedTrainer:
             return None
         n = len(micro_batches)
         factor = (scale if scale is not None else 1.0) / n
-        return trace_failing_step(
+        self.failed_step = FailedStep(
             self.eager_model, lambda batch: self.loss_fn(self.eager_model, batch),
             [micro_batches[i] for i in indices],
-            [self._batch_rng[i] if i < len(self._batch_rng) else None for i in indices],
-            scale=None if scale is None and n == 1 else factor, dtype=self.dtype, device=self.device,
-            backward=backward)
+            [self._batch_rng[i] if i < len(self._batch_rng) else None for i in indices], backward=backward,
+            scale=None if scale is None and n == 1 else factor, dtype=self.dtype, device=self.device)
+        f = self.failed_step
+        return trace_failing_step(f.model, f.forward_of, f.batches, f.rngs, scale=f.scale, dtype=f.dtype,
+                                  device=f.device, backward=backward)
 
     def _xray(self, micro_batches, ahead: _StartedStep | None) -> dict:
         """The step about to run, X-rayed on its first micro-batch with the backward as the step
@@ -563,7 +573,7 @@ def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Te
     GradScaler's own fused check, one call per dtype and device, with an inverse scale of 1
     (which leaves every gradient as it is): on the CPU a third of an aminmax per gradient and a
     stack, on CUDA one kernel launch."""
-    found = torch.zeros(1, device=device)
+    found = torch.zeros((), device=device)   # 0-d, as GradScaler's (a DTensor op replicates it as it is)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         if g.is_sparse:
@@ -571,8 +581,8 @@ def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Te
         groups.setdefault((g.device, g.dtype), []).append(g)
     with torch.no_grad():
         for (where, _), tensors in groups.items():
-            flag = found if where == found.device else torch.zeros(1, device=where)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, torch.ones(1, device=where))
+            flag = found if where == found.device else torch.zeros((), device=where)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, torch.ones((), device=where))
             if flag is not found:
                 found = torch.maximum(found, flag.to(found.device))
     return found

@@ -51,7 +51,7 @@ class RngSnapshot:
 
 def rng_snapshot() -> RngSnapshot:
     """The generators' states before a step, for a replay of that step to draw the same numbers."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None   # (False without CUDA)
     return RngSnapshot(torch.get_rng_state(), cuda)
 
 
@@ -206,9 +206,14 @@ def origin(records: Sequence[OpRecord]) -> OpRecord | None:
 
 # ---- the replay --------------------------------------------------------------------------------
 
-def loss_of(output: Any) -> torch.Tensor:
-    """The loss in what a forward returned: a one-element tensor, a `.loss` (transformers'
-    ModelOutput), a "loss" key, or the first element of a tuple (`return_dict=False`)."""
+class NoLoss(ValueError):
+    """The forward returned no loss for the backward to start from."""
+
+
+def loss_in(output: Any) -> torch.Tensor | None:
+    """The loss tensor itself in what a forward returned (None: none): a one-element tensor, a
+    `.loss` (transformers' ModelOutput), a "loss" key, or the first element of a tuple
+    (`return_dict=False`)."""
     candidates = [output, getattr(output, "loss", None)]
     if isinstance(output, dict):
         candidates.append(output.get("loss"))
@@ -216,9 +221,17 @@ def loss_of(output: Any) -> torch.Tensor:
         candidates.append(output[0])
     for value in candidates:
         if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
-            return value.reshape(())
-    raise ValueError("the forward returned no loss to run the backward from; "
-                     "pass the gradients of its outputs as backward=")
+            return value
+    return None
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in what a forward returned (`loss_in`), as a scalar."""
+    loss = loss_in(output)
+    if loss is None:
+        raise NoLoss("the forward returned no loss to run the backward from; "
+                         "pass the gradients of its outputs as backward=")
+    return loss.reshape(())
 
 
 @dataclass

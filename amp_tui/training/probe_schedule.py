@@ -253,6 +253,10 @@ class ProbeSchedule:
             return None
         return ["auto", self.interval(), round(100 * self.share(), 2)]
 
+    def status_field(self) -> list:
+        """The schedule in `ctl status`: the record's field, or ["every_n", N] for a fixed one."""
+        return self.record_field() or ["every_n", self.every]
+
 
 def observe_step(schedule: ProbeSchedule, result, *, planned: bool) -> None:
     """A StepResult told to the schedule, which the result then carries (`probes`)."""

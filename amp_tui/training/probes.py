@@ -22,6 +22,7 @@ import torch
 from amp_tui.core.precision import FP16_TINY
 from amp_tui.training.compiled import clean_name
 from amp_tui.training.extremes import SMALL_NUMEL, MaxAbsPlan, PlanMismatch
+from amp_tui.training.sharding import dtensor_type, local_tensor
 
 UNMEASURED = None  # a module that did not run, or a parameter without a gradient
 
@@ -129,6 +130,10 @@ class LayerProbe:
                     self._params.append(p)
                 idx.append(seen[id(p)])
             self._layer_params.append(idx)
+        # FSDP2: the parameters are DTensors, and this rank measures its own shards of them and
+        # of their gradients (the ranks' maxima are reduced with the step's figures).
+        dtensor = dtensor_type()
+        self._sharded = dtensor is not None and any(isinstance(p, dtensor) for p in self._params)
         self._handles: list = []
         self._armed = False
         self._untrained: set[int] = set()   # indices into _params the optimizer doesn't step
@@ -324,7 +329,7 @@ class LayerProbe:
         """Call after unscale_ (and before clipping): the true gradients' extremes and (with
         `underflow`) the underflow counts, still on the device."""
         self.end_forward()
-        grads = [p.grad for p in self._params]
+        grads = [local_tensor(p.grad) for p in self._params] if self._sharded else [p.grad for p in self._params]
         # One no_grad() for all (a gradient built with create_graph would otherwise record).
         with torch.no_grad():
             plan, values = self._measure_grads(grads)
@@ -360,8 +365,11 @@ class LayerProbe:
     def _device(self) -> torch.device:
         return self._params[0].device if self._params else torch.device("cpu")
 
+    def _weights(self) -> list[torch.Tensor]:
+        return [local_tensor(p) for p in self._params] if self._sharded else self._params
+
     def _plan_weights(self) -> None:
-        self._weight_plan = MaxAbsPlan(self._params, self._layer_params, device=self._device())
+        self._weight_plan = MaxAbsPlan(self._weights(), self._layer_params, device=self._device())
 
     def record_weights(self) -> None:
         """Call before the optimizer step, so the weights are those this step's forward used."""
@@ -371,10 +379,10 @@ class LayerProbe:
             try:
                 if self._weight_plan is None:
                     raise PlanMismatch("no plan yet")
-                values = self._weight_plan.measure(self._params)
+                values = self._weight_plan.measure(self._weights())
             except PlanMismatch:
                 self._plan_weights()
-                values = self._weight_plan.measure(self._params)
+                values = self._weight_plan.measure(self._weights())
             self._weight_layers = self._weight_plan.fold(values)
 
     # ---- to the host ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 REQUIRED = ("model", "optimizer", "loss_fn", "batches")
-OPTIONAL = ("scheduler", "max_grad_norm", "accumulate", "eval_batches", "predict")
+OPTIONAL = ("scheduler", "max_grad_norm", "accumulate", "eval_batches", "predict", "fsdp_blocks")
 
 
 class ScriptError(Exception):
@@ -52,6 +52,7 @@ class TrainSetup:
     accumulate: int = 1
     eval_batches: Iterable | None = None
     predict: Callable | None = None
+    fsdp_blocks: list | None = None   # --fsdp: the modules to shard one by one (names or classes)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -222,6 +223,10 @@ def validate_setup(values: dict, script: Path) -> TrainSetup:
     eval_batches = values.get("eval_batches")
     if eval_batches is not None and not isinstance(eval_batches, Iterable):
         raise ScriptError(f"'eval_batches' from {name} is not an iterable")
+    blocks = values.get("fsdp_blocks")
+    if blocks is not None and (isinstance(blocks, (str, bytes)) or not isinstance(blocks, Iterable)):
+        raise ScriptError(f"'fsdp_blocks' from {name} must be a list of module names or classes")
     return TrainSetup(model=model, optimizer=optimizer, loss_fn=loss_fn, batches=batches,
                       scheduler=scheduler, max_grad_norm=clip, accumulate=int(accumulate),
-                      eval_batches=eval_batches, predict=predict, warnings=warnings)
+                      eval_batches=eval_batches, predict=predict,
+                      fsdp_blocks=list(blocks) if blocks is not None else None, warnings=warnings)

@@ -76,6 +76,11 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
               "step boundary", modes=ALL, shown=False,
               texts=(("replay", ("fix", "The verified fix", "Say the last verified fix (a recording "
                                  "can't be steered: run again with it)")),)),
+    KeyAction("amp.undo_autopilot", "u", "undo_autopilot", "undo", "Undo autopilot",
+              "Take back the autopilot's last decision (--on-nonfinite isolate): a module out of fp32, "
+              "the scale or the dtype as before it, at the next step boundary", modes=ALL, shown=False,
+              texts=(("replay", ("undo", "Undo autopilot", "Say why a recording can't be steered "
+                                 "(u in a live run)")),)),
     KeyAction("amp.replay.faster", "plus", "replay_faster", "faster", "Replay faster",
               "Double the playback speed", key_display="+", modes=REPLAY, priority=True),
     KeyAction("amp.replay.slower", "minus", "replay_slower", "slower", "Replay slower",

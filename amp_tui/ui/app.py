@@ -23,7 +23,7 @@ from textual.screen import Screen
 
 from amp_tui.core import precision
 from amp_tui.core.commands import Action, Command, Outcome
-from amp_tui.core.fixes import fix_command, last_verified_fix
+from amp_tui.core.fixes import applied_by_autopilot, fix_command, last_verified_fix
 from amp_tui.core.records import ENDED, STEERED_MODES
 from amp_tui.core.signals import handling_signals
 from amp_tui.core.text import clip, visible
@@ -48,7 +48,7 @@ NOTIFY_LIMIT = 400         # characters of a recorded text in a notification (th
 COMMAND_TITLES: dict[Action, str] = {
     "dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore", "pause": "pause",
     "resume": "resume", "step": "single step", "stop": "stop", "fp32": "local fp32", "note": "note",
-    "probe": "probes", "xray": "X-ray"}
+    "probe": "probes", "xray": "X-ray", "undo": "undo autopilot"}
 
 
 class AmpTuiApp(App[int]):
@@ -353,13 +353,17 @@ class AmpTuiApp(App[int]):
         self.push_screen(NoteDialog(), chosen)
 
     def action_apply_fix(self) -> None:
-        event = last_verified_fix(self.source.snapshot().events)
+        events = self.source.snapshot().events
+        event = last_verified_fix(events)
         if event is None:
             self.notify("no verified fix: none of the run's non-finite steps found one", title="fix",
                         severity="warning", markup=False)
         elif self.source.mode == "replay":
             self.notify(visible(f"a recording can't be steered: run again with {event['fix']}"),
                         title="fix", severity="warning", markup=False)
+        elif applied_by_autopilot(events, event):
+            self.notify(visible(f"the autopilot applied {event['fix']} already (u undoes it)"), title="fix",
+                        severity="warning", markup=False)
         elif self._fixed_step == event.get("step"):   # fp32=MODULE toggles: twice would undo it
             self.notify(visible(f"{event['fix']} was already applied (the fix of step {event.get('step')})"),
                         title="fix", severity="warning", markup=False)
@@ -367,6 +371,13 @@ class AmpTuiApp(App[int]):
             self._fixed_step = event.get("step")
             command = fix_command(event["fix"])
             self.send(command.action, command.value)
+
+    def action_undo_autopilot(self) -> None:
+        if self.source.mode == "replay":
+            self.notify("a recording can't be steered: u undoes the autopilot's last decision in a live run "
+                        "(or amp-tui ctl RUN undo)", title="undo autopilot", severity="warning", markup=False)
+        else:
+            self.send("undo")
 
     def action_xray(self) -> None:
         if self.source.mode == "replay":

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 
@@ -21,7 +21,7 @@ from amp_tui.job.control import send
 from amp_tui.recording.reader import read_session
 
 from frameworks import command, lightning_module_class, pl_trainer, regression_loader
-from support import wait_for
+from support import ATTENTION_SCRIPT, wait_for
 
 
 class Seen(Callback):
@@ -247,3 +247,80 @@ def test_misuse_says_what_to_do(tmp_path):
         AmpTuiCallback(pl_trainer([]))
     with pytest.raises(TypeError, match=r'dtype= is Lightning\'s choice here: set it with L\.Trainer\(precision='):
         AmpTuiCallback(dtype="bf16")
+
+
+def test_an_attention_overflow_planted_in_16_mixed_is_traced_to_its_product_in_the_attention(tmp_path):
+    """The loss is computed in training_step, outside the model's forward: the failing step is
+    replayed from the inputs Lightning gave the forward, under the autocast it ran in."""
+    namespace: dict = {}
+    exec(ATTENTION_SCRIPT, namespace)
+
+    class Attending(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = namespace["TinyTransformer"]()
+            with torch.no_grad():
+                self.net.blocks[1].attn.q.weight.mul_(200.0)
+                self.net.blocks[1].attn.k.weight.mul_(200.0)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self(x).float().flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 8, 16, generator=g), torch.randint(0, 4, (8, 8), generator=g))
+    callback = AmpTuiCallback(run_dir=tmp_path / "run", announce=False)
+    trainer = pl_trainer([callback], steps=2, plugins=[MixedPrecision("16-mixed", "cpu")])
+    torch.manual_seed(0)
+    trainer.fit(Attending(), torch.utils.data.DataLoader(data, batch_size=2))
+    session = read_session(tmp_path / "run")
+    event = [e for e in session.events if e["kind"] == "nonfinite"][0]
+    assert event["step"] == 0 and session.steps[0]["skipped"]
+    assert event["op"] in ("aten.bmm", "aten.matmul", "aten.mm")
+    assert (event["op_module"], event["op_phase"], event["op_output_dtype"]) == \
+        ("net.blocks.1.attn", "forward", "float16")
+    assert [i["dtype"] for i in event["op_inputs"]] == ["float16", "float16"]
+    assert event["op_replay_exact"] is True
+    assert (event["fix"], event["fix_verified"]) == ("--fp32-modules 'net.blocks.1.attn'", True)
+
+
+def test_an_activation_a_tanh_hides_in_16_mixed_is_said_at_the_first_probed_step_that_shows_it(tmp_path):
+    """A Linear whose fp16 output passes 65504, then a tanh: the loss and the gradients stay finite.
+    Step 1 overflows unprobed (nothing to tell), step 2 is probed: the event is there."""
+
+    class Saturated(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.big, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+            with torch.no_grad():
+                self.big.weight.fill_(1000.0)   # 8 x 10 x 1000 = 80000: past fp16's 65504
+                self.big.bias.zero_()
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.big(x)))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self(x).float(), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    x = torch.cat([torch.full((2, 8), 0.1), torch.full((4, 8), 10.0)])
+    data = torch.utils.data.TensorDataset(x, torch.zeros(6, 1))
+    callback = AmpTuiCallback(run_dir=tmp_path / "run", announce=False, probe_every=2)
+    trainer = pl_trainer([callback], steps=3, plugins=[MixedPrecision("16-mixed", "cpu")])
+    trainer.fit(Saturated(), torch.utils.data.DataLoader(data, batch_size=2))
+    session = read_session(tmp_path / "run")
+    assert [s.get("nonfinite") for s in session.steps] == [None, None, "activations"]
+    [event] = [e for e in session.events if e["kind"] == "nonfinite"]
+    assert (event["step"], event["where"], event["layer"]) == (2, "activations", "big")
+    assert event["op"] in ("aten.addmm", "aten.mm", "aten.linear")
+    assert (event["op_module"], event["op_phase"], event["op_output_dtype"]) == ("big", "forward", "float16")
+    assert (event["fix"], event["fix_verified"]) == ("--fp32-modules 'big'", True)

@@ -17,7 +17,7 @@ from amp_tui.integrations.transformers import AmpTuiCallback
 from amp_tui.job.control import send
 from amp_tui.recording.reader import read_session
 
-from frameworks import at_steps, command, hf_trainer
+from frameworks import at_steps, command, hf_trainer, tiny_gpt2
 from support import wait_for
 
 
@@ -232,3 +232,24 @@ def test_the_callback_without_its_trainer_says_to_pass_it(tmp_path):
                 callbacks=[AmpTuiCallback])    # the class: the Trainer calls it with no argument
     with pytest.raises(TypeError, match=r"dtype= is the Trainer's choice here: set it with TrainingArguments"):
         AmpTuiCallback(trainer, dtype="fp16")
+
+
+def test_an_attention_overflow_planted_in_fp16_is_traced_to_its_product_in_the_attention(tmp_path):
+    """The Trainer's loss is the model's own (`labels`): the failing step is replayed from the
+    inputs the Trainer gave the model, forward and backward from that loss, with its fix."""
+    model = tiny_gpt2()
+    model.config._attn_implementation = "eager"   # the matmuls themselves, not SDPA's kernel
+    with torch.no_grad():   # the queries and keys of block 1 (c_attn's first two thirds) made huge
+        model.transformer.h[1].attn.c_attn.weight[:, :64].mul_(2000.0)
+    trainer, _ = watched(tmp_path, steps=2, cpu_fp16_scaler=1.0, model=model)
+    trainer.train()
+    session = read_session(tmp_path / "run")
+    event = [e for e in session.events if e["kind"] == "nonfinite"][0]
+    assert event["step"] == 0 and session.steps[0]["skipped"]
+    assert event["op"] in ("aten.bmm", "aten.matmul", "aten.mm")
+    assert (event["op_module"], event["op_phase"], event["op_output_dtype"]) == \
+        ("transformer.h.1.attn", "forward", "float16")
+    assert [i["dtype"] for i in event["op_inputs"]] == ["float16", "float16"]
+    assert (event["op_replay_exact"], event["op_replay_from"]) == (True, "loss")
+    assert event["fixes_tried"][0]["fix"] == "--fp32-modules 'transformer.h.1.attn'"
+    assert event["fix_verified"] is True

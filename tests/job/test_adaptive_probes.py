@@ -21,7 +21,7 @@ from amp_tui.sources.buffer import RunBuffer
 from amp_tui.training.probe_schedule import FIRST_INTERVAL, FIRST_PROBED
 from amp_tui.training.probes import LayerProbe
 
-from frameworks import command, lightning_module_class, pl_trainer, regression_loader
+from frameworks import at_steps, command, hf_trainer, lightning_module_class, pl_trainer, regression_loader
 from support import train_run
 
 STEP = 0.005         # seconds an unprobed step takes, by the made-up clock
@@ -245,3 +245,29 @@ def test_the_probe_command_in_a_monitored_loop_and_under_lightning(tmp_path):
             [(at[0], "every", "command", "api"), (at[1], "auto", "command", "api")]
         assert probes_events(s)[0]["message"] == "probing every step: asked for"
         assert all("layers" in r for r in s.steps if at[0] <= r["step"] < at[1])
+
+
+def test_the_schedule_under_the_hf_trainer(tmp_path, made_up_clock):
+    """The HF Trainer's callback has the same schedule: auto in the header, the first steps then
+    one in FIRST_INTERVAL probed, and the probe command's events."""
+    from amp_tui.integrations.transformers import AmpTuiCallback
+    trainer = hf_trainer(tmp_path, steps=16)
+    callback = AmpTuiCallback(trainer, run_dir=tmp_path / "hf", announce=False)
+    trainer.add_callback(callback)
+    trainer.add_callback(at_steps({12: "probe=every", 14: "probe=auto"}, lambda: callback.monitor))
+    trainer.train()
+    session = read_session(tmp_path / "hf")
+    assert session.header["probe_every"] == "auto"
+    probed = [r["step"] for r in session.steps if "layers" in r]
+    assert probed[:FIRST_PROBED] == list(range(FIRST_PROBED)) and FIRST_PROBED not in probed
+    assert [(e["step"], e["mode"], e["reason"]) for e in probes_events(session)] == \
+        [(12, "every", "command"), (14, "auto", "command")]
+    assert {12, 13} <= set(probed)
+
+
+def test_the_monitor_takes_the_headroom_that_escalates(tmp_path):
+    """`probe_alert_bits=` reaches the monitor's schedule: a layer within that many bits of
+    fp16's max (here every layer: fp16 has 16 bits above 1) probes every step."""
+    wary = probes_events(monitored_loop(tmp_path / "wary", 12, init_scale=1.0, probe_alert_bits=30))
+    assert wary and (wary[0]["mode"], wary[0]["reason"]) == ("every", "headroom")
+    assert not probes_events(monitored_loop(tmp_path / "default", 12, init_scale=1.0))

@@ -102,3 +102,17 @@ def test_killed_job_gives_a_clear_error_and_its_stale_socket_is_cleaned(write_sc
     assert not socket_path(run_dir).exists()
     assert main(["ls", str(tmp_path)]) == 0
     assert "crashed" in capsys.readouterr().out
+
+
+def test_status_says_how_the_run_probes(live_run, capsys):
+    run_dir = str(live_run.run_dir)
+    assert main(["ctl", run_dir, "status", "--json"]) == 0
+    assert '"probes": [\n      "auto"' in capsys.readouterr().out   # the default schedule
+    assert main(["ctl", run_dir, "probe=every"]) == 0
+    capsys.readouterr()
+    assert main(["ctl", run_dir, "status"]) == 0
+    assert "probes every step (asked for)" in capsys.readouterr().out
+    assert main(["ctl", run_dir, "probe=auto"]) == 0
+    capsys.readouterr()
+    assert main(["ctl", run_dir, "status"]) == 0
+    assert ", probes auto 1/" in capsys.readouterr().out

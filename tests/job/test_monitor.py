@@ -378,12 +378,14 @@ def test_a_monitored_step_costs_one_transfer_to_the_host(tmp_path, monkeypatch):
     """The loss, the scale, GradScaler's verdict and every per-layer figure come over together:
     one sync per step of amp-tui's own (the loop's own GradScaler syncs are its business). An
     unprobed step's few scalars come through `to_host`, one transfer on an accelerator (on the
-    CPU it reads them one by one, which moves nothing)."""
+    CPU it reads them one by one, which moves nothing). A failing step's replay under the op
+    tracer reads its own figures back, and is counted apart: it runs on failing steps only."""
     import traceback as tb
 
     import amp_tui.job.hook_driver as driver_module
     _, twin = load_twin(tmp_path)
     ours = []
+    replays = []
     for name in ("tolist", "item", "__float__"):
         original = getattr(torch.Tensor, name)
 
@@ -391,7 +393,8 @@ def test_a_monitored_step_costs_one_transfer_to_the_host(tmp_path, monkeypatch):
             *callers, _ = tb.extract_stack(limit=3)   # (a comprehension is a frame of its own)
             caller = callers[-1]
             inside_to_host = any(frame.name == "to_host" for frame in callers)
-            if "amp_tui" in caller.filename and "tests" not in caller.filename and not inside_to_host:
+            if "amp_tui" in caller.filename and "tests" not in caller.filename and not inside_to_host \
+                    and not replays[-1:] == ["running"]:
                 ours.append(_name)
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, counted)
@@ -401,9 +404,19 @@ def test_a_monitored_step_costs_one_transfer_to_the_host(tmp_path, monkeypatch):
         ours.append("to_host")
         return to_host(tensors)
     monkeypatch.setattr(driver_module, "to_host", counted_to_host)
+    trace_kept_step = driver_module.trace_kept_step
+
+    def counted_replay(*args, **kwargs):
+        replays.append("running")
+        try:
+            return trace_kept_step(*args, **kwargs)
+        finally:
+            replays.append("done")
+    monkeypatch.setattr(driver_module, "trace_kept_step", counted_replay)
     twin.loop(tmp_path / "run", "fp16", steps=12, monitor_kw={"probe_every": 2})
     # One transfer a step: the figures' (a probed step, or a skipped one measured after the
     # fact) or the few scalars'.
     steps = read_session(tmp_path / "run").steps
     assert sum(1 for r in steps if "layers" not in r) >= 1
     assert sorted(ours) == sorted("tolist" if "layers" in r else "to_host" for r in steps), ours
+    assert replays.count("done") == sum(1 for r in steps if r.get("nonfinite"))   # the failing ones only

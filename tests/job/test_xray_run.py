@@ -1,17 +1,13 @@
 """`xray` (the dashboard's x, `amp-tui ctl RUN xray`): the next step traced op by op before it
 runs, on the same batch and RNG state; its JSON file in the run directory, its event naming the op
-closest to its dtype's max, `amp-tui report`'s lines; refused in the user's own loop. Small models
-on the CPU, in fp16."""
+closest to its dtype's max and who asked, `amp-tui report`'s lines (in the user's own loop:
+tests/job/test_op_trace_monitor.py). Small models on the CPU, in fp16."""
 
 import json
+import os
 import threading
 
-import torch
-from torch import nn
-
-import amp_tui
 from amp_tui.cli import main
-from amp_tui.core.commands import Command
 from amp_tui.job.control import send
 from amp_tui.recording.reader import read_session
 
@@ -56,6 +52,8 @@ def test_ctl_xray_writes_the_file_and_its_event_and_leaves_the_run_as_it_was(wri
     session = read_session(tmp_path / "xrayed")
     [event] = [e for e in session.events if e["kind"] == "xray"]
     assert event["step"] == 2 and event["path"] == "xray-step-0000002.json"
+    # Who asked, as an intervention names it.
+    assert event["source"].startswith("ctl pid=") and event["client"]["uid"] == os.getuid()
     xray = json.loads((tmp_path / "xrayed" / event["path"]).read_text(encoding="utf-8"))
     step = next(r for r in session.steps if r["step"] == 2)
     assert xray["dtype"] == "float16" and xray["scale"] == step["scale"]
@@ -96,21 +94,3 @@ def test_report_lists_the_closest_ops_of_the_last_xray(write_script, tmp_path, c
     assert "xray-step-0000002.json" in out and "xray-step-0000000.json" not in out
     first = xray["closest"][0]
     assert f"{first['headroom_bits']:.1f} bits  {first['op']} ({first['phase']}, {first['dtype']})" in out
-
-
-def test_xray_in_the_users_own_loop_is_refused_with_the_reason(tmp_path):
-    model = nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False)
-    answer = []
-    command = Command("xray", None, "test")
-    command.on_done = answer.append
-    monitor.submit(command)
-    with monitor.step() as step:
-        loss = model(torch.ones(1, 2)).sum()
-        step.loss = loss
-        loss.backward()
-        opt.step()
-    monitor.close()
-    assert answer and not answer[0].ok and answer[0].message.startswith("the X-ray needs amp-tui train: ")
-    assert not list((tmp_path / "run").glob("xray-*"))

@@ -12,11 +12,15 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:   # the acceptance cases live with the benchmark that reuses them
+if str(ROOT) not in sys.path:   # the forecasts' acceptance cases live with the benchmark that reuses them
     sys.path.insert(0, str(ROOT))
 
+from autopilot_cases import ATTENTION  # noqa: E402
+
+import amp_tui  # noqa: E402
 from amp_tui.cli import main  # noqa: E402
 from amp_tui.job.control import send  # noqa: E402
 from amp_tui.training.guards import GuardConfig  # noqa: E402
@@ -138,7 +142,8 @@ def records(tmp_path_factory) -> list[dict]:
     def on_record(record):
         if record.get("kind") == "paused" or (record.get("action") == "pause"
                                               and record.get("after", {}).get("state") == "paused"):
-            commands = ["step", "note=answered over ctl", "probe=auto", "resume"] if not pauses else ["resume"]
+            commands = (["step", "note=answered over ctl", "probe=auto", "xray", "resume"] if not pauses
+                        else ["resume"])
             pauses.append(record)
             threading.Thread(target=lambda: answers.extend(send(steered, c) for c in commands)).start()
     run.observers.append(on_record)
@@ -151,19 +156,46 @@ def records(tmp_path_factory) -> list[dict]:
     train("fallback", "--steps", "6", "--on-nonfinite", "fallback", "--fallback-after", "1",
           "--rollback", status=0)
     train("stop", "--steps", "10", "--on-nonfinite", "stop", status=3)
+    # The autopilot: the attention isolated in fp32 on a replay of its failing step, then undone.
+    attention = folder / "attention.py"
+    attention.write_text(ATTENTION, encoding="utf-8")
+    assert main(["train", str(attention), "--headless", "--run-dir", str(folder / "isolate"), "--dtype", "fp16",
+                 "--steps", "3", "--on-nonfinite", "isolate", "--at", "2:undo"]) == 0
+    out.extend(strict_lines(folder / "isolate" / "session.jsonl"))
     script.write_text(SCRIPT.replace("FAIL_AFTER = None", "FAIL_AFTER = 3"), encoding="utf-8")
     train("error", "--steps", "5", status=1)
     script.write_text(SCRIPT, encoding="utf-8")
     code = main(["train", str(script), "--headless", "--resume", str(steered), "--steps", "2"])
     assert code == 0
     out.extend(r for r in strict_lines(steered / "session.jsonl") if r.get("kind") == "resumed")
+    out.extend(monitored_overflow(folder / "monitored"))
 
-    # The forecasts, in monitored loops that show them (tests/forecast_cases.py): a scale growth
+    # The forecasts, in monitored loops that show them (bench/forecast_cases.py): a scale growth
     # that overflows, forecast and checked; the layers' ETAs of attention logits that grow.
     near = forecast_cases.near_half(folder / "near_half", steps=forecast_cases.GROWTH_INTERVAL + 2)
     logits = forecast_cases.growing_logits(folder / "logits", steps=70)
     out.extend(r for r in near + logits if r["type"] in ("step", "event"))
     return out
+
+
+def monitored_overflow(run_dir) -> list[dict]:
+    """A loop of the user's own whose fp16 forward overflows: its replay's fields."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        model.weight.fill_(3000.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=run_dir, announce=False)
+    with monitor.step() as step:
+        with monitor.autocast():
+            out = model(torch.full((2, 8), 10.0))
+        step.loss = loss = out.float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    monitor.close()
+    return strict_lines(run_dir / "session.jsonl")
 
 
 def keys(records: list[dict], *, nested: bool) -> set[str]:

@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+import amp_tui
 from amp_tui.cli import main
+from amp_tui.recording.reader import read_session
 from amp_tui.sources.buffer import RunBuffer
 from amp_tui.sources.replay import ReplaySource
 from amp_tui.training.compiled import clean_name, compiled_module_names, original_module
@@ -186,6 +188,10 @@ def test_a_planted_overflow_under_compile_names_the_real_layer(write_script, tmp
     for e in bad:
         assert e["where"] == "loss" and e["origin"] == "hot.0" and e["origin_input_nonfinite"] is False
         assert e["layer"] == "hot.0" and "first non-finite output: hot.0" in e["message"]
+        # Replayed op by op eagerly, on the module the user wrote: its op, in fp16, and the fix.
+        assert e["op"] in ("aten.addmm", "aten.mm", "aten.linear") and "op_trace_error" not in e
+        assert (e["op_module"], e["op_phase"], e["op_output_dtype"]) == ("hot.0", "forward", "float16")
+        assert e["fixes_tried"][0]["fix"] == "--fp32-modules 'hot.0'"
     for record in probed_steps(lines):   # and the figure itself, measured inside the compiled graph
         assert as_float(record["layers"]["act"][NAMES.index("hot.0")]) == math.inf
         assert as_float(record["layers"]["act"][NAMES.index("embed")]) < 1e4
@@ -229,3 +235,26 @@ def test_fp32_modules_by_their_original_names_reach_the_compiled_graph(write_scr
                           "--init-scale", "256", name="fp32")
     assert status == 0 and lines[0]["fp32_modules"] == ["hot.0"]
     assert not events(lines, "nonfinite")   # hot.0 overflowed fp16 without it (the test above)
+
+
+@pytest.mark.slow
+def test_a_planted_overflow_under_compile_in_the_users_own_loop_is_replayed_eagerly(tmp_path, fresh_dynamo):
+    """The monitor's hooks keep the compiled model's inputs; the replay runs the module the user
+    wrote, eagerly, and names its op."""
+    compiled = torch.compile(planted_net())
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = amp_tui.monitor(compiled, opt, scaler=scaler, run_dir=tmp_path / "run", announce=False)
+    x = torch.randn(8, 8)
+    with monitor.step() as step:
+        with monitor.autocast():
+            loss = compiled(x).float().pow(2).mean()
+        step.loss = loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    monitor.close()
+    [event] = [e for e in read_session(tmp_path / "run").events if e["kind"] == "nonfinite"]
+    assert event["op"] in ("aten.addmm", "aten.mm", "aten.linear") and "op_trace_error" not in event
+    assert (event["op_module"], event["op_phase"], event["op_output_dtype"]) == ("hot.0", "forward", "float16")
+    assert event["op_replay_exact"] is True

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from amp_tui.training.checkpoint.errors import Problem, dtype_name, few
-from amp_tui.training.checkpoint.live import ModelState, cuda_ready, flat_params
+from amp_tui.training.checkpoint.live import ModelState, class_name, cuda_ready, flat_params
 
 
 def scaler_problem(state: Any) -> str | None:
@@ -89,7 +89,7 @@ def check_model(saved: dict[str, torch.Tensor], model: ModelState) -> dict[str, 
 
 
 def check_optimizer(saved: dict, optimizer) -> None:
-    live_class = type(optimizer).__name__
+    live_class = class_name(optimizer)
     if saved["class"] != live_class:
         raise Problem(f"the optimizer was {saved['class']} when saved, but the live optimizer "
                       f"is {live_class}")

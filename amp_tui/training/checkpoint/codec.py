@@ -23,7 +23,7 @@ from amp_tui.core import jsonsafe
 from amp_tui.core.precision import DTYPES
 from amp_tui.training.checkpoint.checks import scaler_problem
 from amp_tui.training.checkpoint.errors import Problem, Unencodable, few, one_line, reason
-from amp_tui.training.checkpoint.live import cuda_ready, flat_params, model_state, portable_names
+from amp_tui.training.checkpoint.live import class_name, cuda_ready, flat_params, model_state, portable_names
 
 FORMAT = "amp-tui-checkpoint"
 FORMAT_VERSION = "1"
@@ -205,7 +205,7 @@ def _encode_optimizer(optimizer, tensors: dict[str, torch.Tensor]) -> dict:
         groups.append({key: _encode(value, sink, f"optim.group.{g}.{key}")
                        for key, value in group.items()})
     return {
-        "class": type(optimizer).__name__,
+        "class": class_name(optimizer),
         "param_shapes": [list(p.shape) for p in flat_params(optimizer)],
         "state": state,
         "param_groups": groups,

@@ -38,6 +38,11 @@ def model_state(model: torch.nn.Module) -> ModelState:
                       {p: k for k, p in portable.items()})
 
 
+def class_name(optimizer) -> str:
+    """The optimizer's class as a checkpoint names it (a view of a sharded one names the real one)."""
+    return getattr(optimizer, "class_name", None) or type(optimizer).__name__
+
+
 def flat_params(optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
