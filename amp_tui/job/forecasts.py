@@ -14,7 +14,7 @@ recorded: the GradScaler's growth tracker read then is this step's, whichever dr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from amp_tui.core.forecast_words import scale_forecast_text
 from amp_tui.core.precision import SHORT
@@ -22,8 +22,8 @@ from amp_tui.training.engine import StepResult
 from amp_tui.training.headroom_trend import HeadroomForecast, LayerEta
 from amp_tui.training.scale_forecast import ScaleOutlook, largest, scale_outlook
 
-if TYPE_CHECKING:
-    from amp_tui.job.controller import RunController
+# The run controller (job/controller.py), which imports this module: named, not imported.
+RunController = Any
 
 DEFAULT_HORIZON = 500   # steps: a layer's ETA under this raises its alert
 
