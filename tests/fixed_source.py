@@ -71,10 +71,11 @@ SYNTHETIC_STEP_S = 0.125            # 8 steps a second
 
 
 def synthetic_records(steps: int = 400, *, total: int | None = 1000, ending: str = "running",
-                      layers: list[str] | None = None) -> list[dict]:
+                      layers: list[str] | None = None, forecast: bool = False) -> list[dict]:
     """A plausible fp16 run: init_scale overflow skips, a scheduled scale change, checkpoints, a
     layer creeping towards 65504. `ending`: "running", "nonfinite" (the last loss is NaN and the
-    run paused itself), "error" (the script raised), or "finished"."""
+    run paused itself), "error" (the script raised), or "finished". `forecast`: from step
+    FORECAST_FROM on, the creeping layer's headroom forecast (`layers.eta`), its trend's own."""
     names = list(layers or SYNTHETIC_LAYERS)
     hot = names.index("h.4.mlp.c_fc") if "h.4.mlp.c_fc" in names else len(names) // 2
     records: list[dict] = [{
@@ -98,6 +99,8 @@ def synthetic_records(steps: int = 400, *, total: int | None = 1000, ending: str
                   "skipped": overflow, "dtype": "float16", "micro_batches": 1,
                   "time": round(t, 3), "duration": SYNTHETIC_STEP_S,
                   "layers": {"act": act, "grad": grad, "weight": weight}}
+        if forecast and step >= FORECAST_FROM:
+            record["layers"]["eta"] = [creeping_eta(step) if i == hot else None for i in range(len(names))]
         if ending == "nonfinite" and last:
             record.update(loss="NaN", skipped=True, nonfinite="loss")
             record["layers"]["act"][hot] = "Infinity"
@@ -144,6 +147,17 @@ def synthetic_records(steps: int = 400, *, total: int | None = 1000, ending: str
                         "skipped_total": skipped, "dtype": "float16", "scale": scale,
                         "time": round(t, 3), "exit_status": 0})
     return records
+
+
+FORECAST_FROM = 40
+
+
+def creeping_eta(step: int) -> int:
+    """The steps the creeping layer's trend (log2 1800 + 2.2 log2(1 + step/150)) leaves it before
+    65504, at its slope at `step`."""
+    left = math.log2(65504.0) - math.log2(1800.0 * (1.0 + step / 150.0) ** 2.2)
+    slope = 2.2 / (math.log(2) * (150.0 + step))
+    return math.ceil(left / slope)
 
 
 SYNTHETIC_TRACEBACK = """Traceback (most recent call last):

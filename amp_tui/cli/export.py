@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
                         help="one row per step: loss, scale, skips, dtype, lr, grad norm, least headroom")
     export.add_argument("--layers-csv", type=Path, default=None, metavar="FILE",
                         help="one row per step and layer: max |act|, |grad|, |weight|, headroom bits")
+    export.add_argument("--forecasts-csv", type=Path, default=None, metavar="FILE",
+                        help="one row per forecast (loss-scale growth, layer headroom) and whether it came true")
     export.set_defaults(func=cmd_export)
 
 
@@ -27,16 +29,19 @@ def cmd_export(args) -> int:
     from amp_tui.recording.extras import MissingExtra
     from amp_tui.recording.format import SessionFormatError
 
-    if args.tensorboard is None and args.csv is None and args.layers_csv is None:
-        return error("export: say what to write: --tensorboard DIR, --csv FILE and/or --layers-csv FILE")
+    if args.tensorboard is None and args.csv is None and args.layers_csv is None and args.forecasts_csv is None:
+        return error("export: say what to write: --tensorboard DIR, --csv FILE, --layers-csv FILE and/or "
+                     "--forecasts-csv FILE")
     try:
         result = export(args.run, tensorboard=args.tensorboard, csv=args.csv, layers_csv=args.layers_csv,
+                        forecasts_csv=args.forecasts_csv,
                         notify=lambda text: print(f"amp-tui: note: {text}", file=sys.stderr, flush=True))
     except (SessionFormatError, MissingExtra, ValueError) as exc:
         return error(str(exc))
     except OSError as exc:
         return error(f"export: {exc.filename or args.run}: {exc.strerror or exc}", 1)
-    names = {"tensorboard": "TensorBoard", "csv": "steps CSV", "layers_csv": "layers CSV"}
+    names = {"tensorboard": "TensorBoard", "csv": "steps CSV", "layers_csv": "layers CSV",
+             "forecasts_csv": "forecasts CSV"}
     for key, path in result.written.items():
         print(f"{names[key]:<12} {path}")
     print(f"exported {result.steps:,} steps and {result.events:,} events"

@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
     train.add_argument("--probe-alert-bits", type=argtypes.nonnegative, default=3.0, metavar="BITS",
                        help="with --probe-every auto: every step is probed once a layer has less "
                             "headroom than this (default 3)")
+    train.add_argument("--forecast-horizon", type=argtypes.positive_int, default=500, metavar="STEPS",
+                       help="alert when a layer's headroom forecast says it reaches the dtype's max within "
+                            "this many steps (default 500)")
     train.add_argument("--underflow-every", type=argtypes.positive_int, default=10, metavar="N",
                        help="underflow shares on every Nth probed step (default 10; 1 = every probe)")
     train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback", "isolate"), default=None,

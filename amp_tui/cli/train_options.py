@@ -21,7 +21,7 @@ def run_config(args, *, on_nonfinite_default: str = "skip"):
         min_scale=args.min_scale, alert_scale_drops=args.alert_scale_drops,
         alert_skip_share=args.alert_skip_share, alert_window=args.alert_window,
         fallback_after=args.fallback_after, storm_share=args.storm_share, storm_window=args.storm_window,
-        rollback=args.rollback, isolate_widen=args.isolate_widen)
+        rollback=args.rollback, isolate_widen=args.isolate_widen, forecast_horizon=args.forecast_horizon)
     return RunConfig(
         script=args.script, script_argv=list(args.script_argv), dtype=args.dtype, init_scale=args.init_scale,
         steps=args.steps, run_dir=args.run_dir, checkpoint_every=args.checkpoint_every,

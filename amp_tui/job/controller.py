@@ -33,6 +33,7 @@ from amp_tui.job import command_handlers as handlers
 from amp_tui.job.checkpoints import RunCheckpoints, TrainingState
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
 from amp_tui.job.driver import Driver
+from amp_tui.job.forecasts import RunForecasts
 from amp_tui.job.full_disk import FullDisk
 from amp_tui.job.recorder import Observers, RankEcho, Recorder
 from amp_tui.job.run_records import FORWARD_KINDS, nonfinite_fields, nonfinite_message, session_header
@@ -71,6 +72,7 @@ class RunController:
         self.ranks = ranks   # several ranks (job/distributed.py): what they agree on goes through it
         self.guard = PrecisionGuard(guard or GuardConfig())
         self.autopilot = autopilot.Autopilot(self, on_nonfinite == "isolate", self.guard.config)
+        self.forecasts = RunForecasts(self, self.guard.config.forecast_horizon)   # job/forecasts.py
         self.on_nonfinite = on_nonfinite
         self.io_policy = io_policy
         self.checkpoint_every = checkpoint_every
@@ -242,6 +244,7 @@ class RunController:
         every two steps, when the training step has left the caches cold."""
         self.last_result = result
         self._unpublished.append(result)
+        self.forecasts.observe(result)   # before it is recorded: its ETAs go in its record
         if not batched or result.nonfinite is not None or self.state == "paused" \
                 or time.monotonic() - self._published_at >= PUBLISH_INTERVAL:
             self.publish()

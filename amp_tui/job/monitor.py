@@ -71,7 +71,8 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
             dtype: str | None = None, run_dir: str | Path | None = None, probe_every: int | str = "auto",
             probe_budget: float = 1.0, probe_alert_bits: float = 3.0, underflow_every: int = 10,
             checkpoint_every: int | None = None, control: bool = True, announce: bool = True,
-            tensorboard_dir: str | Path | None = None, on_nonfinite: str = "skip") -> Monitor:
+            tensorboard_dir: str | Path | None = None, on_nonfinite: str = "skip",
+            forecast_horizon: int = 500) -> Monitor:
     """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
 
     `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default fp16
@@ -83,11 +84,14 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
     `announce`: print one line saying how to attach. `tensorboard_dir`: also write the recording
     there as TensorBoard event files, live (pip install 'amp-tui[tensorboard]'). `on_nonfinite`:
     "skip" (GradScaler's way) or "isolate" (the autopilot, job/autopilot.py: an overflowing module in
-    fp32 from the next step, the scale lowered and said)."""
+    fp32 from the next step, the scale lowered and said). `forecast_horizon`: a layer whose headroom
+    forecast says it reaches the dtype's max within this many steps raises an alert (see
+    docs/session-format.md, "Forecasts")."""
     return Monitor(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, run_dir=run_dir,
                    probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
                    underflow_every=underflow_every, checkpoint_every=checkpoint_every, control=control,
-                   announce=announce, tensorboard_dir=tensorboard_dir, on_nonfinite=on_nonfinite)
+                   announce=announce, tensorboard_dir=tensorboard_dir, on_nonfinite=on_nonfinite,
+                   forecast_horizon=forecast_horizon)
 
 
 class Monitor(RunController):
@@ -96,7 +100,7 @@ class Monitor(RunController):
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
                  probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0, underflow_every=10,
                  checkpoint_every=None, control=True, announce=True, tensorboard_dir=None, framework=None,
-                 on_nonfinite="skip"):
+                 on_nonfinite="skip", forecast_horizon=500):
         if on_nonfinite not in MONITOR_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use {' or '.join(map(repr, MONITOR_POLICIES))}")
         # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the
@@ -118,7 +122,8 @@ class Monitor(RunController):
             run_dir = Path(ranks.share(str(run_dir)))
         main = not ranks or ranks.is_main
         super().__init__(driver, device=driver.device, run_dir=run_dir, script=script, ranks=ranks,
-                         on_nonfinite=on_nonfinite, guard=GuardConfig(fallback=on_nonfinite == "isolate"),
+                         on_nonfinite=on_nonfinite,
+                         guard=GuardConfig(fallback=on_nonfinite == "isolate", forecast_horizon=forecast_horizon),
                          io_policy=IoPolicy.CARRY_ON, checkpoint_every=checkpoint_every,
                          control=control and main)
         driver.run = self

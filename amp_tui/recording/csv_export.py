@@ -34,7 +34,8 @@ _NUMBER_START = frozenset("-0123456789")
 # The arrays of a step line's layers object, in the order the writer writes them.
 LINE_ARRAYS = ("act", "grad", "weight", "underflow", "underflow_scaled")
 _LAYERS_AT_END = re.compile(rb'"layers":\{"act":\[([^\]]*)\],"grad":\[([^\]]*)\],"weight":\[([^\]]*)\]'
-                            rb'(?:,"underflow":\[([^\]]*)\])?(?:,"underflow_scaled":\[([^\]]*)\])?\}\}$')
+                            rb'(?:,"underflow":\[([^\]]*)\])?(?:,"underflow_scaled":\[([^\]]*)\])?'
+                            rb'(?:,"eta":\[[^\]]*\])?\}\}$')   # the forecast's ETAs: not a CSV column
 _NUMBERS = {float, int}
 BUFFER_BYTES = 1 << 20
 

@@ -25,7 +25,7 @@ class ExportResult:
 
 
 def export(target, *, tensorboard: str | Path | None = None, csv: str | Path | None = None,
-           layers_csv: str | Path | None = None,
+           layers_csv: str | Path | None = None, forecasts_csv: str | Path | None = None,
            notify: Callable[[str], None] = lambda _text: None) -> ExportResult:
     """Write the recording at `target` (a run directory or a session file) to the outputs given.
     Raises SessionFormatError for a file that is not a session, MissingExtra when TensorBoard
@@ -34,9 +34,10 @@ def export(target, *, tensorboard: str | Path | None = None, csv: str | Path | N
     written). `notify` hears, before the records are written, what makes the export slower
     than it could be (TensorBoard's checksums without google-crc32c)."""
     from amp_tui.recording.csv_export import LayersCsv, StepsCsv
+    from amp_tui.recording.forecast_csv import ForecastsCsv
 
     with SessionIndex(target) as index:
-        _refuse_overwriting(index.path, csv, layers_csv)
+        _refuse_overwriting(index.path, csv, layers_csv, forecasts_csv)
         result = ExportResult(index.frames, index.event_count, index.end is not None,
                               index.skipped_summary())
         sinks = []
@@ -56,6 +57,9 @@ def export(target, *, tensorboard: str | Path | None = None, csv: str | Path | N
             if layers_csv is not None:
                 sinks.append(LayersCsv(layers_csv))
                 result.written["layers_csv"] = Path(layers_csv)
+            if forecasts_csv is not None:
+                sinks.append(ForecastsCsv(forecasts_csv))
+                result.written["forecasts_csv"] = Path(forecasts_csv)
             for record, line in entries(index):
                 for sink in sinks:
                     sink.write(record, line)
@@ -78,5 +82,5 @@ def _refuse_overwriting(session: Path, *outputs) -> None:
         if out.exists() and out.samefile(session):
             raise ValueError(f"{out} is the session being exported: choose another output file")
         if any(out.resolve() == other.resolve() for other in seen):
-            raise ValueError(f"{out} is given twice: --csv and --layers-csv need a file each")
+            raise ValueError(f"{out} is given twice: --csv, --layers-csv and --forecasts-csv need a file each")
         seen.append(out)

@@ -146,6 +146,9 @@ def step_record(result) -> EncodedStep:
         arrays["underflow"] = figures_json(f.underflow, SHARE_DIGITS)
     if f.underflow_scaled is not None:
         arrays["underflow_scaled"] = figures_json(f.underflow_scaled, SHARE_DIGITS)
+    eta = getattr(result, "eta", None)
+    if eta is not None:   # the headroom forecast: whole steps, null where a layer shows no trend
+        arrays["eta"] = json.dumps(eta)
     text = "{" + ",".join(f'"{name}":{array}' for name, array in arrays.items()) + "}"
     record["layers"] = json.loads(text)   # the compact values, parsed back from their tokens
     record.line = head[:-1] + ',"layers":' + text + "}"

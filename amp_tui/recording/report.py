@@ -11,6 +11,7 @@ from pathlib import Path
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import note_text, world_size_of
+from amp_tui.recording.forecast_outcomes import forecast_outcomes, is_forecast, outcome_text
 from amp_tui.recording.format import MAX_LINE_BYTES, SessionFormatError
 from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.reader import (
@@ -23,6 +24,7 @@ from amp_tui.recording.reader import (
 )
 from amp_tui.recording.xray_file import CLOSEST_SHOWN, closest_lines, read_xray
 
+FORECASTS_SHOWN = 10   # forecasts listed one a line (report --json has them all)
 TEXT_LIMIT = 1000   # characters of a recorded string (a path, an error message) printed at most
 
 
@@ -50,6 +52,8 @@ class Summary:
     # The last X-ray: {"step", "path", "closest"} (its file's closest ops), or "error" for why
     # its file can't be read; None: the run has none.
     xray: dict | None = None
+    # The forecasts (forecast_scale, forecast_layer alerts) and whether they came true (forecast_outcomes.py)
+    forecasts: list[dict] = field(default_factory=list)
     skipped_lines: int = 0
     unknown_records: int = 0
     long_lines: int = 0        # of skipped_lines: longer than the readers' limit, never read
@@ -92,6 +96,7 @@ class RecordingDigest:
     notes: list[dict] = field(default_factory=list)   # {"step", "text"} of the note events, in file order
     op_traces: list[dict] = field(default_factory=list)   # `op_trace_of` each non-finite event naming an op
     last_xray: dict | None = None   # the last xray event
+    forecasts: list[dict] = field(default_factory=list)   # forecast_outcomes of the events
     skipped_lines: int = 0
     unknown_records: int = 0
     long_lines: int = 0
@@ -107,6 +112,7 @@ def digest_of(session: Session) -> RecordingDigest:
         notes=[_note(e) for e in events if e.get("kind") == "note"],
         op_traces=[op_trace_of(e) for e in events if e.get("kind") == "nonfinite" and e.get("op")],
         last_xray=next((e for e in reversed(events) if e.get("kind") == "xray"), None),
+        forecasts=forecast_outcomes(events, steps[-1].get("step") if steps else None),
         skipped_lines=session.skipped_lines, unknown_records=session.unknown_records,
         long_lines=session.long_lines)
 
@@ -146,11 +152,11 @@ def read_digest(target: str | Path) -> RecordingDigest:
             note = index.kind_code("note")
             notes = [_note(_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {})
                      for k, code in enumerate(index.event_kinds) if code == note]
-            nonfinite = index.kind_code("nonfinite")
-            op_traces = [op_trace_of(e) for e in
-                         (_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {}
-                          for k, code in enumerate(index.event_kinds) if code == nonfinite)
-                         if e.get("op")]
+            nonfinite, alert = index.kind_code("nonfinite"), index.kind_code("alert")
+            read = [_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {}
+                    for k, code in enumerate(index.event_kinds) if code in (nonfinite, alert)]
+            op_traces = [op_trace_of(e) for e in read if e.get("kind") == "nonfinite" and e.get("op")]
+            said = [e for e in read if e.get("kind") == "nonfinite" or is_forecast(e)]
             xray = index.kind_code("xray")
             xrays = [k for k, code in enumerate(index.event_kinds) if code == xray]
             last_xray = _record_at(fh, index.event_offsets[xrays[-1]], index.event_lengths[xrays[-1]], "event") \
@@ -159,6 +165,7 @@ def read_digest(target: str | Path) -> RecordingDigest:
     return RecordingDigest(
         header=header, path=path, steps=steps, skipped_steps=skipped_steps, last_step=last, end=end,
         event_kinds=kinds, errors=errors, notes=notes, op_traces=op_traces, last_xray=last_xray,
+        forecasts=forecast_outcomes(said, last.get("step") if last else None),
         skipped_lines=skipped_lines,
         unknown_records=unknown, long_lines=long_lines)
 
@@ -210,6 +217,7 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         notes=list(d.notes),
         op_traces=list(d.op_traces),
         xray=_xray_of(d.last_xray, d.path.parent if d.path is not None else None),
+        forecasts=list(d.forecasts),
         skipped_lines=d.skipped_lines,
         unknown_records=d.unknown_records,
         long_lines=d.long_lines,
@@ -299,6 +307,12 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
                      + (f" (and {len(s.op_traces) - 1} more steps)" if len(s.op_traces) > 1 else "")))
     if s.xray is not None:
         rows += _xray_rows(s.xray)
+    if s.forecasts:
+        came = sum(1 for f in s.forecasts if f["came_true"])
+        rows.append(("forecasts", f"{len(s.forecasts)}, {came} came true"))
+        rows += [("", outcome_text(f)) for f in s.forecasts[:FORECASTS_SHOWN]]
+        if len(s.forecasts) > FORECASTS_SHOWN:
+            rows.append(("", f"... and {len(s.forecasts) - FORECASTS_SHOWN} more (report --json lists them all)"))
     if s.skipped_lines or s.unknown_records:
         long = f" ({s.long_lines} over {MAX_LINE_BYTES >> 20} MiB)" if s.long_lines else ""
         rows.append(("unreadable records",

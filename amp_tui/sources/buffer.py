@@ -96,7 +96,7 @@ class RunBuffer:
             self._layers = LayerView(
                 self._layers.names,
                 read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n),
-                weight, step, r.get("dtype"), weight_step)
+                weight, step, r.get("dtype"), weight_step, read_floats(layers.get("eta"), n))
         ranks = rank_view(r)
         if ranks is not None:
             self._ranks = ranks

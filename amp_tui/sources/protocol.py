@@ -55,6 +55,9 @@ class LayerView:
     # The step `weight` was read at, when that is an earlier probed step than `step` (the
     # adaptive schedule reads the weights on some probed steps only); None: at `step`.
     weight_step: int | None = None
+    # The headroom forecast of `step`: each layer's steps left before the dtype's max (None: no
+    # trend; empty: the step forecast none).
+    eta: list[float | None] = field(default_factory=list)
 
 
 @dataclass

@@ -435,7 +435,7 @@ class ReplaySource:
         if "weight" not in layers:
             weight, weight_step = self._last_weights(j, n)
         return LayerView(list(names), read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n),
-                         weight, r.get("step"), r.get("dtype"), weight_step)
+                         weight, r.get("step"), r.get("dtype"), weight_step, read_floats(layers.get("eta"), n))
 
     def _last_weights(self, j: int, n: int) -> tuple[list[float | None], int | None]:
         """The weights of the newest probed step before frame `j` that read them (the adaptive

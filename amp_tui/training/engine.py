@@ -74,6 +74,7 @@ class StepResult:
     probes: list | None = None    # the probe schedule after this step (ProbeSchedule.record_field)
     op_trace: dict | None = None  # a non-finite step replayed op by op: the op and its fix (step_trace.py)
     xray: dict | None = None      # the step traced op by op on request (request_xray; op_xray.py)
+    eta: list | None = None       # each layer's steps left before the dtype's max (job/forecasts.py)
 
 
 @dataclass

@@ -27,6 +27,7 @@ class GuardConfig:
     storm_window: int = 20                # ... over this many steps in the current dtype
     rollback: bool = False                # restore the newest good checkpoint before moving
     isolate_widen: int = 2                # --on-nonfinite isolate: enclosing modules tried before the ladder
+    forecast_horizon: int = 500           # a layer's forecast alert: its ETA under this many steps
 
 
 @dataclass

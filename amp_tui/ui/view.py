@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from amp_tui.core import precision
+from amp_tui.core.forecast_words import scale_forecast_text
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import nonfinite_layer, world_size_of
 from amp_tui.sources.protocol import LayerView, Snapshot
@@ -58,6 +59,7 @@ class LayerRow:
     weight: float | None
     headroom: float | None      # bits; -inf when a figure is non-finite, None if nothing measured
     limit: str | None           # which figure sets the headroom: "act", "grad" or "weight"
+    eta: float | None = None    # the forecast's steps left before the dtype's max (None: no trend)
 
     @property
     def nonfinite(self) -> bool:
@@ -93,13 +95,14 @@ def layer_rows(layers: LayerView, prec: Precision) -> list[LayerRow]:
                       (headroom(weight, max_finite), "weight")]
         known = [(bits, which) for bits, which in candidates if bits is not None]
         bits, limit = min(known, key=lambda c: c[0]) if known else (None, None)
-        rows.append(LayerRow(i, name, act, grad, weight, bits, limit))
+        rows.append(LayerRow(i, name, act, grad, weight, bits, limit, _at(layers.eta, i)))
     return rows
 
 
 SORTS = {
     # column -> (label, default reverse)
     "headroom": ("least headroom first (non-finite on top)", False),
+    "eta": ("soonest forecast overflow first", False),
     "index": ("model order", False),
     "name": ("name", False),
     "act": ("largest activation first", True),
@@ -121,8 +124,8 @@ def sort_rows(rows: list[LayerRow], column: str, reverse: bool = False) -> list[
 
 
 def _sort_value(row: LayerRow, column: str) -> float | None:
-    if column == "headroom":
-        return row.headroom
+    if column in ("headroom", "eta"):
+        return getattr(row, column)
     value = getattr(row, column)
     if value is None:
         return None
@@ -292,6 +295,20 @@ def nonfinite_pause(snap: Snapshot) -> NonfinitePause | None:
     return None
 
 
+def scale_forecast(snap: Snapshot) -> str | None:
+    """The loss-scale forecast still ahead of the step shown, in words: the newest
+    `forecast_scale` alert, while its growth step is to come (None: none)."""
+    step = int((snap.last or {}).get("step", -1))
+    for event in reversed(snap.events):
+        if event.get("kind") == "alert" and event.get("reason") == "forecast_scale":
+            said = event.get("forecast") if isinstance(event.get("forecast"), dict) else {}
+            growth, head = said.get("growth_step"), read_float(said.get("headroom"))
+            if isinstance(growth, int) and growth > step and head is not None:
+                return scale_forecast_text(growth, head)
+            return None
+    return None
+
+
 # ---- the event log ----------------------------------------------------------------------------
 
 EVENT_LABELS = {
@@ -305,6 +322,7 @@ EVENT_LABELS = {
     "paused": ("paused", "magenta"),
     "stopping": ("stopping", "magenta"),
     "alert": ("alert", "bold yellow"),
+    "forecast_checked": ("forecast", "yellow"),
     "note": ("note", "bold blue"),
 }
 

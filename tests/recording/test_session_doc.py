@@ -7,18 +7,26 @@ with the doc's tables. A new field needs its row in the doc, and a row needs a w
 """
 
 import re
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
-from autopilot_cases import ATTENTION
 
-import amp_tui
-from amp_tui.cli import main
-from amp_tui.job.control import send
-from amp_tui.training.guards import GuardConfig
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:   # the forecasts' acceptance cases live with the benchmark that reuses them
+    sys.path.insert(0, str(ROOT))
 
-from support import REPO, strict_lines, train_run
+from autopilot_cases import ATTENTION  # noqa: E402
+
+import amp_tui  # noqa: E402
+from amp_tui.cli import main  # noqa: E402
+from amp_tui.job.control import send  # noqa: E402
+from amp_tui.training.guards import GuardConfig  # noqa: E402
+from bench import forecast_cases  # noqa: E402
+
+from support import REPO, strict_lines, train_run  # noqa: E402
 
 DOC = REPO / "docs" / "session-format.md"
 
@@ -161,6 +169,12 @@ def records(tmp_path_factory) -> list[dict]:
     assert code == 0
     out.extend(r for r in strict_lines(steered / "session.jsonl") if r.get("kind") == "resumed")
     out.extend(monitored_overflow(folder / "monitored"))
+
+    # The forecasts, in monitored loops that show them (bench/forecast_cases.py): a scale growth
+    # that overflows, forecast and checked; the layers' ETAs of attention logits that grow.
+    near = forecast_cases.near_half(folder / "near_half", steps=forecast_cases.GROWTH_INTERVAL + 2)
+    logits = forecast_cases.growing_logits(folder / "logits", steps=70)
+    out.extend(r for r in near + logits if r["type"] in ("step", "event"))
     return out
 
 

@@ -40,11 +40,13 @@ class Column:
     right: bool = True
 
 
-# Headroom comes right after the name: on a narrow terminal it is the column that must show.
+# Headroom comes right after the name: on a narrow terminal it is the column that must show. The
+# ETA next to it: the steps the headroom forecast gives it (blank while its figures show no trend).
 COLUMNS = (
     Column("index", "#", 0),
     Column("name", "layer", 0, right=False),
     Column("headroom", "headroom", 12, right=False),
+    Column("eta", "ETA", 6),
     Column("act", "max|act|", 8),
     Column("grad", "max|grad|", 9),
     Column("weight", "max|weight|", 11),
@@ -286,7 +288,19 @@ def _cells(row: LayerRow, names: list[str], origin: str | None = None) -> list[l
     bits = magnitude(getattr(row, row.limit)) if row.nonfinite and row.limit else bits_text(row.headroom)
     head = [(f"{bits:>5} ", style), (f"{row.limit or '':<6}", style or "dim")]
     figures = [[(magnitude(v), _figure_style(v, style))] for v in (row.act, row.grad, row.weight)]
-    return [[(str(row.index), "dim")], [(name, style)], head, *figures]
+    return [[(str(row.index), "dim")], [(name, style)], head, [(eta_text(row.eta), style)], *figures]
+
+
+def eta_text(steps: float | None) -> str:
+    """A forecast's steps left, short: "340", "12k", "3.4M"; blank without one."""
+    if steps is None or not math.isfinite(steps):
+        return ""
+    steps = max(0, int(steps))
+    if steps < 10_000:
+        return str(steps)
+    if steps < 1_000_000:
+        return f"{steps // 1000}k"
+    return f"{steps / 1e6:.2g}M"
 
 
 def _fit(cell: list[tuple[str, str]], width: int) -> list[tuple[str, str]]:

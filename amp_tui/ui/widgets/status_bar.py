@@ -15,7 +15,7 @@ from amp_tui.core.records import STEERED_MODES
 from amp_tui.core.text import one_line
 from amp_tui.sources.protocol import Snapshot
 from amp_tui.ui.text import literal, loss_text, same_text
-from amp_tui.ui.view import Precision, rank_summary
+from amp_tui.ui.view import Precision, rank_summary, scale_forecast
 
 STATE_STYLES = {
     "starting": "black on grey70",
@@ -97,6 +97,9 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
         text.append(f"  {snap.mode} (read-only)", style="bold magenta")
         if playback is not None:
             text.append(f": {playback}", style="magenta")
+    forecast = scale_forecast(snap)
+    if forecast is not None:
+        text.append(f"  {forecast}", style="yellow")
     if snap.notice:
         text.append("  ")
         text.append_text(literal(snap.notice, "yellow"))

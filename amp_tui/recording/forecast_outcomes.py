@@ -1,0 +1,87 @@
+"""The forecasts a run recorded (its `forecast_scale` and `forecast_layer` alerts) and whether they
+came true, worked out from the records alone (docs/session-format.md, "Forecasts"):
+
+- a scale forecast came true when the growth step it named went non-finite (its update skipped),
+  and did not when a step before it skipped (the scaler fell back: its growth moved on);
+- a layer forecast came true when a later step went non-finite in that layer (the module a
+  `nonfinite` event names is the layer, or inside it, or holds it).
+
+A forecast whose step the recording has not reached yet is open (`came_true` None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from amp_tui.core.records import nonfinite_layer
+
+REASONS = ("forecast_scale", "forecast_layer")
+COLUMNS = ("step", "reason", "layer", "figure", "eta", "at_step", "headroom", "came_true", "true_at", "lead")
+
+
+def is_forecast(event: Mapping[str, Any]) -> bool:
+    return event.get("kind") == "alert" and event.get("reason") in REASONS
+
+
+def _same_module(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def forecast_outcomes(events: Iterable[Mapping[str, Any]], last_step: int | None) -> list[dict]:
+    """Each forecast alert of `events` (in file order, with the `nonfinite` events among them),
+    as a row of COLUMNS; `last_step`: the recording's last step (what is not past it is open)."""
+    forecasts, nonfinite = [], []
+    for e in events:
+        step = e.get("step")
+        if not isinstance(step, int):
+            continue
+        if is_forecast(e):
+            forecasts.append(e)
+        elif e.get("kind") == "nonfinite":
+            nonfinite.append((step, nonfinite_layer(e), e.get("where")))
+    return [_outcome(e, nonfinite, last_step) for e in forecasts]
+
+
+def _outcome(event: Mapping[str, Any], nonfinite: list, last_step: int | None) -> dict:
+    said = event.get("forecast") if isinstance(event.get("forecast"), Mapping) else {}
+    step, reason = event["step"], event.get("reason")
+    row = dict.fromkeys(COLUMNS)
+    row.update(step=step, reason=reason, headroom=said.get("headroom"))
+    if reason == "forecast_scale":
+        at = said.get("growth_step")
+        row.update(figure="grad", at_step=at)
+        if isinstance(at, int):
+            row["eta"] = at - step
+            hit = next((s for s, _layer, where in nonfinite if s == at and where == "gradients"), None)
+            moved = any(step < s < at for s, _layer, _where in nonfinite)
+            due = moved or (last_step is not None and last_step >= at)
+            row["came_true"] = hit is not None if due else None
+            row["true_at"] = hit
+    else:
+        layer = said.get("layer")
+        row.update(layer=layer, figure=said.get("figure"), eta=said.get("eta"), at_step=said.get("at_step"))
+        hit = next((s for s, named, _where in nonfinite
+                    if s >= step and isinstance(layer, str) and named and _same_module(named, layer)), None)
+        row["true_at"] = hit
+        at = row["at_step"]
+        due = last_step is not None and (not isinstance(at, int) or last_step >= at)
+        row["came_true"] = True if hit is not None else (False if due else None)
+    if row["true_at"] is not None:
+        row["lead"] = row["true_at"] - step
+    return row
+
+
+def outcome_text(row: Mapping[str, Any]) -> str:
+    """One forecast in words, for `amp-tui report`."""
+    if row["reason"] == "forecast_scale":
+        what = f"scale growth at step {row['at_step']} overflows"
+    else:
+        what = f"{row['layer']} ({row['figure']}) reaches the max in ~{row['eta']} steps"
+    if row["came_true"] is None:
+        end = "open"
+    elif row["came_true"]:
+        end = f"came true at step {row['true_at']} ({row['lead']} steps later)"
+    else:
+        end = "did not come true"
+    return f"step {row['step']}: {what}: {end}"

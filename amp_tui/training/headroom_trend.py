@@ -1,0 +1,134 @@
+"""The headroom forecast: for each layer, the trend of log2 max |act| and of log2 max |grad| over
+the recent probed steps, and the steps left before it reaches the dtype's max.
+
+A forecast that cries wolf is worse than none, so a trend has to be real before it says anything:
+enough points over enough steps, a least-squares slope that is significantly above zero and fits
+well, a robust (Theil-Sen) slope that agrees, with most pairs of points rising, and a recent half
+that rises about as fast as the older one (not much slower, not much faster). The cheap
+least-squares screen runs on every series; the robust checks only on the few that pass it. And an
+ETA is only said for what is within reach: bits left at most REACH times what the trend rose over
+its window (the growth of the first hundred steps of training is a real trend that mostly stops
+well short of the max).
+
+Gradients are fitted unscaled (the true gradient): the loss scale multiplies them by a power of
+two that jumps at each growth or backoff, and fitted scaled, every growth would fake a trend.
+Their limit is the dtype's max divided by the scale in force now.
+
+Pure arithmetic on host floats: both drivers' runs (job/forecasts.py) use it, and no tensor is read.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from amp_tui.core.precision import MAX_FINITE
+
+WINDOW = 64              # recent probed points per series
+MIN_POINTS = 24          # a trend needs at least this many points ...
+MIN_SPAN = 48            # ... over at least this many steps (the first steps' transient is no trend)
+MIN_T = 6.0              # the least-squares slope, in standard errors above zero
+MIN_R2 = 0.8             # the share of the series' variance the line explains
+MIN_RISING = 0.75        # the share of pairs of points that rise (Theil-Sen's pairs)
+STEADY = 0.7             # the two halves' slopes within this factor of each other (either way)
+REACH = 2.0              # an ETA is said when the bits left are at most this many times the rise seen
+FIGURES = ("act", "grad")
+
+
+@dataclass(frozen=True)
+class Trend:
+    slope: float    # bits a step (of log2 of the figure): the recent half's, where it is the lower
+    level: float    # log2 of the figure at the last point, on the robust line
+
+
+def _theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """The median of the pairwise slopes, and the share of them above zero."""
+    n = len(xs)
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(n) for j in range(i + 1, n) if xs[j] != xs[i]]
+    if not slopes:
+        return 0.0, 0.0
+    return statistics.median(slopes), sum(s > 0 for s in slopes) / len(slopes)
+
+
+def fit_trend(xs: list[float], ys: list[float]) -> Trend | None:
+    """A rising trend of `ys` over `xs`, or None when the points show none worth saying.
+
+    Beyond a good, significant fit, the rise must be steady, the recent half's slope about the
+    older half's: a growth that flattens out (the first steps' transient, gradients that grow
+    early in training and settle) or that is only taking off (early training's S-shaped rise,
+    caught on its way up) is not extrapolated. A steady slope of log2 is a steady factor a step:
+    attention logits that grow with training show one."""
+    n = len(xs)
+    if n < MIN_POINTS or xs[-1] - xs[0] < MIN_SPAN:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    syy = sum((y - my) ** 2 for y in ys)
+    if sxx <= 0 or syy <= 0 or sxy <= 0:
+        return None
+    slope = sxy / sxx
+    ssr = max(syy - slope * sxy, 0.0)
+    if 1 - ssr / syy < MIN_R2:
+        return None
+    se = math.sqrt(ssr / (n - 2) / sxx)
+    if se > 0 and slope / se < MIN_T:
+        return None
+    robust, rising = _theil_sen(xs, ys)
+    if robust <= 0 or rising < MIN_RISING:
+        return None
+    half = n // 2
+    older, _ = _theil_sen(xs[:half], ys[:half])
+    recent, _ = _theil_sen(xs[half:], ys[half:])
+    if recent <= 0 or not STEADY * older <= recent <= older / STEADY:
+        return None
+    intercept = statistics.median(y - robust * x for x, y in zip(xs, ys))
+    return Trend(min(robust, recent), intercept + robust * xs[-1])
+
+
+@dataclass(frozen=True)
+class LayerEta:
+    """A layer's forecast: its `figure` reaches the dtype's max in about `steps` steps."""
+
+    index: int
+    figure: str         # "act" or "grad" (times the scale)
+    steps: int
+    headroom: float     # bits left now
+    slope: float        # bits lost a step
+
+
+class HeadroomForecast:
+    """Each layer's series of probed figures, and their ETAs. A dtype change starts them over
+    (another dtype's range; its figures too)."""
+
+    def __init__(self):
+        self._series: dict[tuple[int, str], deque[tuple[int, float]]] = {}
+        self._dtype: str | None = None
+
+    def observe(self, step: int, dtype: str, scale: float | None, act: list, grad: list) -> list[LayerEta]:
+        """A probed step's figures (None: not measured); each figure with a trend, by layer."""
+        if dtype != self._dtype:
+            self._dtype = dtype
+            self._series.clear()
+        top = math.log2(MAX_FINITE.get(dtype, MAX_FINITE["float32"]))
+        limits = {"act": top, "grad": top - math.log2(scale or 1.0)}
+        out: list[LayerEta] = []
+        for figure, values in zip(FIGURES, (act, grad)):
+            for i, v in enumerate(values or ()):
+                if v is None or v == 0 or not math.isfinite(v):
+                    continue   # not measured, or already overflowed: nothing left to forecast
+                series = self._series.setdefault((i, figure), deque(maxlen=WINDOW))
+                if series and series[-1][0] >= step:
+                    series.clear()   # the run went back (a restore): the old points are another past
+                series.append((step, math.log2(abs(v))))
+                trend = fit_trend([float(s) for s, _ in series], [y for _, y in series])
+                if trend is None:
+                    continue
+                level = max(trend.level, series[-1][1])
+                left = limits[figure] - level
+                if left > REACH * trend.slope * (series[-1][0] - series[0][0]):
+                    continue   # farther than the trend has gone: early training's growth often stops
+                out.append(LayerEta(i, figure, max(0, math.ceil(left / trend.slope)), left, trend.slope))
+        return sorted(out, key=lambda eta: (eta.index, eta.steps))
