@@ -51,7 +51,7 @@ from amp_tui.training.autocast import autocast, torch_dtype
 from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
 from amp_tui.training.guards import GuardConfig
 
-__all__ = ["Monitor", "MonitorError", "MonitoredStep", "monitor"]
+__all__ = ["Monitor", "MonitorError", "MonitoredStep"]
 
 RUN_DIR_VARIABLE = "AMP_TUI_RUN_DIR"   # set by `amp-tui run`: where the monitor records
 MONITOR_POLICIES = ("skip", "isolate")   # a loop of the user's own pauses and stops itself
@@ -65,33 +65,6 @@ class MonitoredStep:
 
     def __init__(self) -> None:
         self.loss: Any = None
-
-
-def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
-            dtype: str | None = None, run_dir: str | Path | None = None, probe_every: int | str = "auto",
-            probe_budget: float = 1.0, probe_alert_bits: float = 3.0, underflow_every: int = 10,
-            checkpoint_every: int | None = None, control: bool = True, announce: bool = True,
-            tensorboard_dir: str | Path | None = None, on_nonfinite: str = "skip",
-            forecast_horizon: int = 500) -> Monitor:
-    """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
-
-    `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default fp16
-    when an enabled GradScaler is given, else bf16 where the device has it (fp32 otherwise).
-    `run_dir`: where the session goes (default: $AMP_TUI_RUN_DIR, set by `amp-tui run`, or
-    runs/<time>-<script>). `probe_every`: "auto" (per-layer figures spaced so that they cost at
-    most `probe_budget` percent of the training time, every step from the first sign of trouble,
-    a layer within `probe_alert_bits` of the dtype's max among them) or N (every N steps).
-    `announce`: print one line saying how to attach. `tensorboard_dir`: also write the recording
-    there as TensorBoard event files, live (pip install 'amp-tui[tensorboard]'). `on_nonfinite`:
-    "skip" (GradScaler's way) or "isolate" (the autopilot, job/autopilot.py: an overflowing module in
-    fp32 from the next step, the scale lowered and said). `forecast_horizon`: a layer whose headroom
-    forecast says it reaches the dtype's max within this many steps raises an alert (see
-    docs/session-format.md, "Forecasts")."""
-    return Monitor(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, run_dir=run_dir,
-                   probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
-                   underflow_every=underflow_every, checkpoint_every=checkpoint_every, control=control,
-                   announce=announce, tensorboard_dir=tensorboard_dir, on_nonfinite=on_nonfinite,
-                   forecast_horizon=forecast_horizon)
 
 
 class Monitor(RunController):
