@@ -57,8 +57,18 @@ class Net(L.LightningModule):
 
 
 class Scales(L.Callback):
+    """Each step's scale after it, and each layer's whole gradient and weight maxima as the
+    optimizer gets them (full_tensor(): a collective every rank joins)."""
+
     def __init__(self):
-        self.seen = []
+        self.seen, self.whole = [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        layers = [pl_module.first, pl_module.last]
+        self.whole.append({kind: [max(t.full_tensor().abs().max().item() for t in tensors) for tensors in
+                                  ([p.grad for p in m.parameters()] if kind == "grad" else list(m.parameters())
+                                   for m in layers)]
+                           for kind in ("grad", "weight")})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.seen.append(trainer.precision_plugin.scaler.get_scale())
@@ -75,6 +85,8 @@ trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=8, logger=False, ena
                     callbacks=[AmpTuiCallback(run_dir=sys.argv[1], probe_every=1, control=False), scales])
 trainer.fit(Net(), loader)
 print(f"rank {trainer.global_rank} scales {json.dumps(scales.seen)}", flush=True)
+if trainer.global_rank == 0:
+    print(f"whole {json.dumps(scales.whole)}", flush=True)
 '''
 
 
@@ -104,3 +116,10 @@ def test_lightning_model_parallel_strategy_is_watched_on_both_ranks(write_script
     scales = {rank: json.loads(seen) for rank, seen in re.findall(r"rank (\d) scales (\[.*\])", out)}
     assert set(scales) == {"0", "1"} and scales["0"] == scales["1"], out
     assert [r["next_scale"] for r in session.steps] == scales["0"]
+    # Each layer's figures over the shards are the whole layer's, as the optimizer got it.
+    whole = json.loads(re.search(r"^whole (.*)$", out, flags=re.M).group(1))
+    assert len(whole) == len(session.steps)
+    for r, seen in zip(session.steps, whole):
+        if not r["skipped"]:
+            for kind in ("grad", "weight"):
+                assert all(math.isclose(a, b, rel_tol=2e-3) for a, b in zip(r["layers"][kind], seen[kind])), (r, seen)
