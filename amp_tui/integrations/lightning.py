@@ -20,6 +20,10 @@ optimization), and what the callback does there:
 
 Gradient accumulation: each micro-batch opens and ends a monitored block; the blocks before the
 update are folded into its step, and commands apply only between updates.
+
+Several processes are watched only where the model is sharded with FSDP2 (ModelParallelStrategy,
+`configure_model` calling `fully_shard`): every rank drives its monitor, which agrees with the
+others at the boundaries as amp_tui.monitor does in a loop of one's own; rank 0 records.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import sys
 
 from amp_tui.integrations.common import loss_tensor, options, refuse_engine_keys, require, warn
 from amp_tui.job.monitor import Monitor
+from amp_tui.training.sharding import is_sharded
 
 try:
     _pl = require("lightning.pytorch", package="lightning", extra="lightning",
@@ -165,8 +170,9 @@ def _not_watched(trainer, pl_module, dtype: str | None) -> str | None:
         # training_step steps the optimizer itself: no batch hook sees its loss or its update.
         return ("automatic_optimization is False (training_step steps the optimizer itself); "
                 "use amp_tui.monitor around the optimizer step there instead")
-    if trainer.world_size > 1:
-        return f"it trains in {trainer.world_size} processes, and AmpTuiCallback watches one"
+    if trainer.world_size > 1 and not is_sharded(pl_module):
+        return (f"it trains in {trainer.world_size} processes, and AmpTuiCallback watches one, or a model "
+                "sharded with FSDP2 (ModelParallelStrategy) on every rank")
     if dtype is None:
         return f"precision={trainer.precision_plugin.precision!r} is none of fp16, bf16, fp32"
     if len(trainer.optimizers) != 1:

@@ -85,6 +85,7 @@ from amp_tui.job.rank_output import rank_log_path
 from amp_tui.job.rank_probes import RankProbes
 from amp_tui.job.rng_states import rng_state
 from amp_tui.training.engine import StepResult
+from amp_tui.training.sharding import is_sharded
 
 DEFAULT_TIMEOUT_S = 300.0   # init_process_group's timeout: how long a collective waits for a rank
 HEARTBEAT_S = 1.0           # while paused, the boundary's own all-reduce runs at least this often
@@ -220,7 +221,10 @@ class Ranks:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        return cls(device=device, timeout_s=None, owns_group=False)
+        ranks = cls(device=device, timeout_s=None, owns_group=False)
+        if is_sharded(model):   # the words go in collectives of their own, and the header says why
+            ranks.coordination = "collectives: the model is sharded with FSDP2 (fully_shard)"
+        return ranks
 
     def close(self) -> None:
         """Leave the process group (a survivor that doesn't may abort as the interpreter exits),

@@ -292,6 +292,7 @@ def test_amp_tui_run_follows_a_torchrun_loop_that_shards_its_own_model(write_scr
     assert job.returncode == 0, out
     session = read_session(run_dir)
     assert session.header["world_size"] == 2
+    assert session.header["coordination"] == "collectives: the model is sharded with FSDP2 (fully_shard)"
     for r in session.steps:
         assert len(r["rank_loss"]) == 2 and len(r["layers"]["grad"]) == len(r["layers"]["weight"]) == 2
     ends = dict(re.findall(r"rank (\d) stopped at (.*)", out))
