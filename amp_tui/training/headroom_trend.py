@@ -3,9 +3,11 @@ the recent probed steps, and the steps left before it reaches the dtype's max.
 
 A forecast that cries wolf is worse than none, so a trend has to be real before it says anything:
 enough points over enough steps, a least-squares slope that is significantly above zero and fits
-well, a robust (Theil-Sen) slope that agrees, with most pairs of points rising, and a recent half
-that rises about as fast as the older one (not much slower, not much faster). The cheap
-least-squares screen runs on every series; the robust checks only on the few that pass it. And an
+well (kept as running sums: O(1) a point), a robust (Theil-Sen) slope that agrees (made again
+every REFIT points of a series that passes the screen, carried on between), with most pairs of
+points rising, and a recent half that rises about as fast as the older one (not much slower, not
+much faster). The cheap screen runs on every series; the robust checks only on the few that pass
+it. And an
 ETA is only said for what is within reach: bits left at most REACH times what the trend rose over
 its window (the growth of the first hundred steps of training is a real trend that mostly stops
 well short of the max).
@@ -34,6 +36,7 @@ MIN_R2 = 0.8             # the share of the series' variance the line explains
 MIN_RISING = 0.75        # the share of pairs of points that rise (Theil-Sen's pairs)
 STEADY = 0.7             # the two halves' slopes within this factor of each other (either way)
 REACH = 2.0              # an ETA is said when the bits left are at most this many times the rise seen
+REFIT = 8                # a trending series' robust fit is made again once this many points came
 FIGURES = ("act", "grad")
 
 
@@ -64,17 +67,8 @@ def fit_trend(xs: list[float], ys: list[float]) -> Trend | None:
     if n < MIN_POINTS or xs[-1] - xs[0] < MIN_SPAN:
         return None
     mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    syy = sum((y - my) ** 2 for y in ys)
-    if sxx <= 0 or syy <= 0 or sxy <= 0:
-        return None
-    slope = sxy / sxx
-    ssr = max(syy - slope * sxy, 0.0)
-    if 1 - ssr / syy < MIN_R2:
-        return None
-    se = math.sqrt(ssr / (n - 2) / sxx)
-    if se > 0 and slope / se < MIN_T:
+    if not screen(n, sum((x - mx) ** 2 for x in xs), sum((x - mx) * (y - my) for x, y in zip(xs, ys)),
+                  sum((y - my) ** 2 for y in ys)):
         return None
     robust, rising = _theil_sen(xs, ys)
     if robust <= 0 or rising < MIN_RISING:
@@ -86,6 +80,66 @@ def fit_trend(xs: list[float], ys: list[float]) -> Trend | None:
         return None
     intercept = statistics.median(y - robust * x for x, y in zip(xs, ys))
     return Trend(min(robust, recent), intercept + robust * xs[-1])
+
+
+def screen(n: int, sxx: float, sxy: float, syy: float) -> bool:
+    """The cheap least-squares test, from the centred sums of squares and products: a slope above
+    zero, a good fit (MIN_R2), and significant (MIN_T standard errors)."""
+    if sxx <= 0 or syy <= 0 or sxy <= 0:
+        return False
+    slope = sxy / sxx
+    ssr = max(syy - slope * sxy, 0.0)
+    if 1 - ssr / syy < MIN_R2:
+        return False
+    se = math.sqrt(ssr / (n - 2) / sxx)
+    return not (se > 0 and slope / se < MIN_T)
+
+
+class _Series:
+    """One figure of one layer: its recent points, with running sums for the least-squares screen
+    (O(1) a point instead of the whole window), and the last robust fit, made again once REFIT
+    points have come (its O(n²) pairs are the costly part; a real trend moves slowly)."""
+
+    def __init__(self) -> None:
+        self.points: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        self.origin = 0            # steps are counted from here in the sums (kept small)
+        self.sums = [0.0] * 5      # x, y, xx, xy, yy
+        self.fitted_at: int | None = None   # the step of the last robust fit
+        self.since_fit = 0
+        self.trend: Trend | None = None
+
+    def add(self, step: int, y: float) -> None:
+        if self.points and self.points[-1][0] >= step:
+            self.__init__()   # the run went back (a restore): the old points are another past
+        if not self.points:
+            self.origin = step
+        if len(self.points) == WINDOW:
+            self._count(*self.points[0], -1.0)
+        self.points.append((step, y))
+        self._count(step, y, 1.0)
+        self.since_fit += 1
+
+    def _count(self, step: int, y: float, sign: float) -> None:
+        x = float(step - self.origin)
+        for i, v in enumerate((x, y, x * x, x * y, y * y)):
+            self.sums[i] += sign * v
+
+    def screened(self) -> bool:
+        n = len(self.points)
+        if n < MIN_POINTS or self.points[-1][0] - self.points[0][0] < MIN_SPAN:
+            return False
+        sx, sy, sxx, sxy, syy = self.sums
+        return screen(n, sxx - sx * sx / n, sxy - sx * sy / n, syy - sy * sy / n)
+
+    def current(self) -> Trend | None:
+        """The trend as of the last point: the robust fit when due, else the last one carried on."""
+        step = self.points[-1][0]
+        if self.fitted_at is None or self.since_fit >= REFIT:
+            self.trend = fit_trend([float(s) for s, _ in self.points], [y for _, y in self.points])
+            self.fitted_at, self.since_fit = step, 0
+        if self.trend is None:
+            return None
+        return Trend(self.trend.slope, self.trend.level + self.trend.slope * (step - self.fitted_at))
 
 
 @dataclass(frozen=True)
@@ -104,7 +158,7 @@ class HeadroomForecast:
     (another dtype's range; its figures too)."""
 
     def __init__(self):
-        self._series: dict[tuple[int, str], deque[tuple[int, float]]] = {}
+        self._series: dict[tuple[int, str], _Series] = {}
         self._dtype: str | None = None
 
     def observe(self, step: int, dtype: str, scale: float | None, act: list, grad: list) -> list[LayerEta]:
@@ -119,16 +173,20 @@ class HeadroomForecast:
             for i, v in enumerate(values or ()):
                 if v is None or v == 0 or not math.isfinite(v):
                     continue   # not measured, or already overflowed: nothing left to forecast
-                series = self._series.setdefault((i, figure), deque(maxlen=WINDOW))
-                if series and series[-1][0] >= step:
-                    series.clear()   # the run went back (a restore): the old points are another past
-                series.append((step, math.log2(abs(v))))
-                trend = fit_trend([float(s) for s, _ in series], [y for _, y in series])
+                series = self._series.get((i, figure))
+                if series is None:
+                    series = self._series[(i, figure)] = _Series()
+                series.add(step, math.log2(abs(v)))
+                if not series.screened():
+                    series.fitted_at = None   # no trend now: the next one is fitted at once
+                    continue
+                trend = series.current()
                 if trend is None:
                     continue
-                level = max(trend.level, series[-1][1])
+                points = series.points
+                level = max(trend.level, points[-1][1])
                 left = limits[figure] - level
-                if left > REACH * trend.slope * (series[-1][0] - series[0][0]):
+                if left > REACH * trend.slope * (points[-1][0] - points[0][0]):
                     continue   # farther than the trend has gone: early training's growth often stops
                 out.append(LayerEta(i, figure, max(0, math.ceil(left / trend.slope)), left, trend.slope))
         return sorted(out, key=lambda eta: (eta.index, eta.steps))
