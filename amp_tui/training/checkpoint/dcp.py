@@ -117,25 +117,12 @@ def save_sharded(path: Path, temporary: Path, *, model, optimizer, scheduler, sc
             described["scheduler_note"] = sched_note
         manifest.write_manifest(temporary, described)
         os.rename(temporary, path)
-        _fsync_dir(path.parent)
+        io.fsync_folder(path.parent)
         mtime = (path / manifest.MANIFEST).stat().st_mtime
     except Exception as e:
         shutil.rmtree(temporary, ignore_errors=True)
         raise fail(reason(e)) from e
     return CheckpointInfo(path=path, step=step, dtype=canonical(dtype), kind="full", mtime=mtime)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def folder_bytes(path: Path) -> int:

@@ -100,7 +100,11 @@ def write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dic
     finally:
         with _in_progress_lock:
             _in_progress.discard(tmp.name)
-    # Make the rename itself durable; not possible on every platform/filesystem.
+    fsync_folder(folder)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a rename in `folder` durable; not possible on every platform or filesystem."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
