@@ -23,11 +23,9 @@ Targets as DDP's: <= 3% and <= 1% (the exit status says whether they are met).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +35,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
+
+from bench import rank_launch  # noqa: E402
 
 TARGETS = {1: 0.03, 10: 0.01}   # the coordination's share of a bare FSDP2 step
 COPIES = ("bare", "amp-tui", "bare again")
@@ -124,41 +124,17 @@ def worker(args) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    p.add_argument("--dtype", default="float16")
-    p.add_argument("--rounds", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--quick", action="store_true", help="60 rounds")
-    p.add_argument("--depth", type=int, default=12)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.quick:
-        args.rounds = 60
+    args = rank_launch.arguments(__doc__.split("\n\n")[0])
     if args.worker:
         worker(args)
         return 0
     from bench import common
 
-    args.out.mkdir(parents=True, exist_ok=True)
     result = args.out / f"{common.stamp()}-fsdp-{args.backend}.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-               str(Path(__file__).resolve()), "--worker", "--result", str(result), "--backend", args.backend,
-               "--dtype", args.dtype, "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-               "--depth", str(args.depth), "--width", str(args.width), "--batch", str(args.batch)]
     started = time.perf_counter()
-    done = subprocess.run(command, env=env)
-    if done.returncode != 0 or not result.exists():
-        print(f"the ranks failed (exit {done.returncode})", file=sys.stderr)
+    out = rank_launch.launch(__file__, args, result)
+    if out is None:
         return 1
-    out = json.loads(result.read_text())
     print(f"amp-tui coordination over a bare FSDP2 loop: {out['world_size']} ranks, {out['backend']}, "
           f"{out['model']}, {out['dtype']} ({time.perf_counter() - started:.0f} s)")
     rows, met = [], True

@@ -1,0 +1,50 @@
+"""What the several-rank benchmarks (ddp_overhead.py, fsdp_overhead.py) share: their options, and
+the launch of their own file as the workers under torch.distributed.run, whose rank 0 writes the
+results as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def arguments(description: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="60 rounds")
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.quick:
+        args.rounds = 60
+    return args
+
+
+def launch(script: str, args: argparse.Namespace, result: Path) -> dict | None:
+    """Run `script --worker` on args.nproc ranks; rank 0's results, or None when the ranks failed."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+               str(Path(script).resolve()), "--worker", "--result", str(result), "--backend", args.backend,
+               "--dtype", args.dtype, "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+               "--depth", str(args.depth), "--width", str(args.width), "--batch", str(args.batch)]
+    done = subprocess.run(command, env=env)
+    if done.returncode != 0 or not result.exists():
+        print(f"the ranks failed (exit {done.returncode})", file=sys.stderr)
+        return None
+    return json.loads(result.read_text())
