@@ -5,8 +5,9 @@ in the same pairs (`auto=True`, the default), `amp-tui train` with its defaults 
 `--probe-every`: the adaptive schedule at its 1% budget), as a third process ("amp-tui auto").
 
 Each pair runs one process of each, in a random order; a warm-up pair comes first (the page
-cache then holds torch for both; `warmup_steps` may make it shorter: what it warms is loaded by
-the first steps). Per process, as `/usr/bin/time` gives them: the wall time from
+cache then holds torch for both, and the bytecode cache their compiled modules, as an installed
+package has them, whatever PYTHONDONTWRITEBYTECODE says here; `warmup_steps` may make it shorter:
+what it warms is loaded by the first steps). Per process, as `/usr/bin/time` gives them: the wall time from
 spawn to exit, the CPU time (user + system, the child's own rusage) and its peak RSS; and the time
 to the first step: from spawn to the first call of loss_fn, which the case stamps with the wall
 clock (in amp-tui that call is the pre-flight forward, which is the first step's forward).
@@ -126,6 +127,11 @@ def measure(model: str = "blocks", dtype: str = "bfloat16", *, steps: int = 400,
     warmup = commands(model, dtype, warmup_steps or steps, device, tmp, baseline, auto)
     for _, env in [*cmds.values(), *warmup.values()]:
         env["AMP_TUI_BENCH_STAMP"] = str(stamp)
+        # Compiled modules cached, as an installed package has them (the warm-up pair writes the
+        # cache, in a folder of the run's own): an environment that writes no bytecode would
+        # have every process compile all of amp-tui's modules again, where the bare loop is one.
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(tmp / "bytecode")
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
     rng = random.Random(seed)
