@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_tui.core.forecast_words import scale_forecast_text
+from amp_tui.core.forecast_words import SKIP_WITHIN, scale_forecast_text
 from amp_tui.core.precision import SHORT
 from amp_tui.training.engine import StepResult
 from amp_tui.training.headroom_trend import HeadroomForecast, LayerEta
@@ -37,6 +37,7 @@ class RunForecasts:
         self._dtype: str | None = None
         self._warned: set[int] = set()                     # layers alerted in this dtype
         self._growths: dict[int, tuple[int, float, float]] = {}   # growth step -> (alerted at, scale, grown)
+        self._since_growth = 0   # steps run at a grown scale without a skip, while one is judged
         # GradScaler's count of clean steps, followed on the host from each step's scales (the
         # scaler's own is a device tensor: reading it costs a sync); None: to be read once.
         self._clean: int | None = None
@@ -139,8 +140,9 @@ class RunForecasts:
         self._next_scale = result.next_scale
 
     def _check_growths(self, result: StepResult) -> None:
-        """Each forecast growth once its step is here (did it skip at the grown scale?), or once
-        the scale changed before it (a skip, a command: the growth it forecast won't come)."""
+        """Each forecast growth once its step is here: did the grown scale skip an update within
+        SKIP_WITHIN steps? Or once the scale changed before it (a skip, a command: the growth it
+        forecast won't come)."""
         for growth_step in sorted(self._growths):
             alerted_at, scale, grown = self._growths[growth_step]
             if result.step < growth_step:
@@ -151,16 +153,25 @@ class RunForecasts:
                 self._checked(alerted_at, growth_step, False, f"the scale changed at step {result.step:,}, "
                               f"before the growth: it comes later, if at all", result.step)
                 continue
+            at_grown = result.scale == grown
+            waiting = result.step < growth_step + SKIP_WITHIN and result.step == growth_step + self._since_growth
+            if at_grown and not result.skipped and waiting:
+                self._since_growth += 1
+                continue   # at the grown scale: a skip within SKIP_WITHIN steps is the growth's
             del self._growths[growth_step]
-            came = result.step == growth_step and result.skipped and result.scale == grown
+            self._since_growth = 0
+            came = at_grown and result.skipped and waiting
+            later = f" at step {result.step:,}" if result.step != growth_step else ""
             if came:
-                said = f"the scale growth to {grown:g} at step {growth_step:,} overflowed: 1 update skipped"
-            elif result.step != growth_step:
-                said = f"step {growth_step:,} was not recorded (the run went elsewhere)"
-            elif result.scale != grown:
-                said = f"step {growth_step:,} ran at scale {result.scale:g}, not {grown:g}: the scale did not grow then"
+                said = f"the scale growth to {grown:g} at step {growth_step:,} overflowed{later}: 1 update skipped"
+            elif not waiting:
+                said = (f"the scale grew to {grown:g} at step {growth_step:,} and ran {SKIP_WITHIN} steps without "
+                        "an overflow" if at_grown and result.step == growth_step + SKIP_WITHIN
+                        else f"the run went elsewhere at step {result.step:,} (a restore, a resume)")
+            elif result.step == growth_step:
+                said = f"step {result.step:,} ran at scale {result.scale:g}, not {grown:g}: the scale did not grow then"
             else:
-                said = f"the scale grew to {grown:g} at step {growth_step:,} without an overflow"
+                said = f"the scale changed at step {result.step:,}, {SKIP_WITHIN} steps not yet run at {grown:g}"
             self._checked(alerted_at, growth_step, came, said, result.step)
 
     def _checked(self, alerted_at: int, growth_step: int, came: bool, said: str, step: int) -> None:

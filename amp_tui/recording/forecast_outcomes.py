@@ -1,8 +1,10 @@
 """The forecasts a run recorded (its `forecast_scale` and `forecast_layer` alerts) and whether they
 came true, worked out from the records alone (docs/session-format.md, "Forecasts"):
 
-- a scale forecast came true when the growth step it named went non-finite (its update skipped),
-  and did not when a step before it skipped (the scaler fell back: its growth moved on);
+- a scale forecast came true when the grown scale skipped an update within SKIP_WITHIN steps of the
+  growth step it named (as the run's `forecast_checked` event says; from the `nonfinite` events
+  where a recording cut short has none), and did not when a step before it skipped (the scaler
+  fell back: its growth moved on);
 - a layer forecast came true when a later step went non-finite in that layer (the module a
   `nonfinite` event names is the layer, or inside it, or holds it).
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from amp_tui.core.forecast_words import SKIP_WITHIN
 from amp_tui.core.records import nonfinite_layer
 
 REASONS = ("forecast_scale", "forecast_layer")
@@ -31,7 +34,7 @@ def _same_module(a: str, b: str) -> bool:
 def forecast_outcomes(events: Iterable[Mapping[str, Any]], last_step: int | None) -> list[dict]:
     """Each forecast alert of `events` (in file order, with the `nonfinite` events among them),
     as a row of COLUMNS; `last_step`: the recording's last step (what is not past it is open)."""
-    forecasts, nonfinite = [], []
+    forecasts, nonfinite, checked = [], [], {}
     for e in events:
         step = e.get("step")
         if not isinstance(step, int):
@@ -40,10 +43,13 @@ def forecast_outcomes(events: Iterable[Mapping[str, Any]], last_step: int | None
             forecasts.append(e)
         elif e.get("kind") == "nonfinite":
             nonfinite.append((step, nonfinite_layer(e), e.get("where")))
-    return [_outcome(e, nonfinite, last_step) for e in forecasts]
+        elif e.get("kind") == "forecast_checked" and isinstance(e.get("forecast_step"), int):
+            checked[e["forecast_step"]] = (e.get("came_true") is True, step)   # the run's own verdict
+    return [_outcome(e, nonfinite, last_step, checked.get(e["step"])) for e in forecasts]
 
 
-def _outcome(event: Mapping[str, Any], nonfinite: list, last_step: int | None) -> dict:
+def _outcome(event: Mapping[str, Any], nonfinite: list, last_step: int | None,
+             checked: tuple[bool, int] | None = None) -> dict:
     said = event.get("forecast") if isinstance(event.get("forecast"), Mapping) else {}
     step, reason = event["step"], event.get("reason")
     row = dict.fromkeys(COLUMNS)
@@ -53,11 +59,15 @@ def _outcome(event: Mapping[str, Any], nonfinite: list, last_step: int | None) -
         row.update(figure="grad", at_step=at)
         if isinstance(at, int):
             row["eta"] = at - step
-            hit = next((s for s, _layer, where in nonfinite if s == at and where == "gradients"), None)
-            moved = any(step < s < at for s, _layer, _where in nonfinite)
-            due = moved or (last_step is not None and last_step >= at)
-            row["came_true"] = hit is not None if due else None
-            row["true_at"] = hit
+            if checked is not None:
+                row["came_true"], row["true_at"] = checked[0], checked[1] if checked[0] else None
+            else:   # a recording cut short before the run said: the skip within the window
+                hit = next((s for s, _layer, where in nonfinite
+                            if at <= s < at + SKIP_WITHIN and where == "gradients"), None)
+                moved = any(step < s < at for s, _layer, _where in nonfinite)
+                due = moved or hit is not None or (last_step is not None and last_step >= at + SKIP_WITHIN - 1)
+                row["came_true"] = hit is not None if due else None
+                row["true_at"] = hit
     else:
         layer = said.get("layer")
         row.update(layer=layer, figure=said.get("figure"), eta=said.get("eta"), at_step=said.get("at_step"))
