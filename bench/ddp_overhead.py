@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -91,37 +90,8 @@ def worker(args) -> None:
                         raise SystemExit(f"the words can't ride on this model's all-reduce: {problem}")
                 coordinated[name] = ranks
             copies[name] = (trainer, batches)
-        due = dict.fromkeys(coordinated)   # each coordinated copy's last probed figures, on their way
-        times = {name: [] for name in copies}
-        probed = {name: [] for name in copies}
-        order = random.Random(every)   # the same sequence on every rank: they run the same copy
-        for i in range(args.warmup + args.rounds):
-            names = list(copies)
-            order.shuffle(names)
-            for name in names:
-                trainer, batches = copies[name]
-                ranks = coordinated.get(name)
-                dist.barrier()
-                t0 = clock()
-                if ranks is not None:
-                    ranks.agree_commands(list)
-                result = trainer.step([batches[i % len(batches)]])
-                if ranks is not None:
-                    if due[name] is not None:
-                        due[name]()   # as a Run: after the next step, when every rank has sent them
-                    if result.nonfinite is None:
-                        due[name] = ranks.gather_later(result, trainer.layer_names)
-                    else:
-                        due[name] = None
-                        ranks.gather_step(result, trainer.layer_names, details=True)
-                t1 = clock()
-                if i >= args.warmup:
-                    times[name].append(t1 - t0)
-                    probed[name].append(result.figures is not None)
-        for pending in due.values():
-            if pending is not None:
-                pending()
-        median = {name: common.stratified_median(times[name], probed[name], every) for name in copies}
+        median = rank_launch.time_copies(copies, coordinated, every=every, rounds=args.rounds,
+                                         warmup=args.warmup, clock=clock, barrier=dist.barrier)
         plain = median["plain"]
         results[every] = {"plain_ms": plain * 1e3, "target_share": TARGETS[every], "rounds": args.rounds}
         for name in COPIES[1:]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -77,37 +76,8 @@ def worker(args) -> None:
                 ranks.carry_in_gradients(model, len(trainer.layer_names))   # refused: collectives of its own
                 coordinated[name] = ranks
             copies[name] = (trainer, batches)
-        due = dict.fromkeys(coordinated)
-        times = {name: [] for name in copies}
-        probed = {name: [] for name in copies}
-        order = random.Random(every)   # the same sequence on every rank: they run the same copy
-        for i in range(args.warmup + args.rounds):
-            names = list(copies)
-            order.shuffle(names)
-            for name in names:
-                trainer, batches = copies[name]
-                ranks = coordinated.get(name)
-                dist.barrier()
-                t0 = clock()
-                if ranks is not None:
-                    ranks.agree_commands(list)
-                result = trainer.step([batches[i % len(batches)]])
-                if ranks is not None:
-                    if due[name] is not None:
-                        due[name]()
-                    if result.nonfinite is None:
-                        due[name] = ranks.gather_later(result, trainer.layer_names)
-                    else:
-                        due[name] = None
-                        ranks.gather_step(result, trainer.layer_names, details=True)
-                t1 = clock()
-                if i >= args.warmup:
-                    times[name].append(t1 - t0)
-                    probed[name].append(result.figures is not None)
-        for pending in due.values():
-            if pending is not None:
-                pending()
-        median = {name: common.stratified_median(times[name], probed[name], every) for name in copies}
+        median = rank_launch.time_copies(copies, coordinated, every=every, rounds=args.rounds,
+                                         warmup=args.warmup, clock=clock, barrier=dist.barrier)
         bare = median["bare"]
         results[every] = {"bare_ms": bare * 1e3, "target_share": TARGETS[every], "rounds": args.rounds}
         for name in COPIES[1:]:

@@ -48,3 +48,45 @@ def launch(script: str, args: argparse.Namespace, result: Path) -> dict | None:
         print(f"the ranks failed (exit {done.returncode})", file=sys.stderr)
         return None
     return json.loads(result.read_text())
+
+
+def time_copies(copies: dict, coordinated: dict, *, every: int, rounds: int, warmup: int, clock, barrier) -> dict:
+    """Each copy's step time, its median stratified by probed and unprobed steps (common.py): the
+    copies run in turns, in an order shuffled the same on every rank, each step started together
+    (`barrier`). `copies`: name -> (trainer, batches); `coordinated`: name -> the Ranks a copy
+    steps with, as a Run does (the boundary's words, the figures gathered a step later)."""
+    import random
+
+    from bench import common
+
+    due = dict.fromkeys(coordinated)   # each coordinated copy's last probed figures, on their way
+    times = {name: [] for name in copies}
+    probed = {name: [] for name in copies}
+    order = random.Random(every)   # the same sequence on every rank: they run the same copy
+    for i in range(warmup + rounds):
+        names = list(copies)
+        order.shuffle(names)
+        for name in names:
+            trainer, batches = copies[name]
+            ranks = coordinated.get(name)
+            barrier()
+            t0 = clock()
+            if ranks is not None:
+                ranks.agree_commands(list)
+            result = trainer.step([batches[i % len(batches)]])
+            if ranks is not None:
+                if due[name] is not None:
+                    due[name]()   # as a Run: after the next step, when every rank has sent them
+                if result.nonfinite is None:
+                    due[name] = ranks.gather_later(result, trainer.layer_names)
+                else:
+                    due[name] = None
+                    ranks.gather_step(result, trainer.layer_names, details=True)
+            t1 = clock()
+            if i >= warmup:
+                times[name].append(t1 - t0)
+                probed[name].append(result.figures is not None)
+    for pending in due.values():
+        if pending is not None:
+            pending()
+    return {name: common.stratified_median(times[name], probed[name], every) for name in copies}
