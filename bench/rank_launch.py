@@ -1,6 +1,6 @@
-"""What the several-rank benchmarks (ddp_overhead.py, fsdp_overhead.py) share: their options, and
-the launch of their own file as the workers under torch.distributed.run, whose rank 0 writes the
-results as JSON."""
+"""What the several-rank benchmarks (ddp_overhead.py, fsdp_overhead.py) share: their options, the
+launch of their own file as the workers under torch.distributed.run (rank 0 writes the results as
+JSON), and the timing of their copies in turns on every rank."""
 
 from __future__ import annotations
 
