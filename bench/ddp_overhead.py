@@ -92,11 +92,7 @@ def worker(args) -> None:
             copies[name] = (trainer, batches)
         median = rank_launch.time_copies(copies, coordinated, every=every, rounds=args.rounds,
                                          warmup=args.warmup, clock=clock, barrier=dist.barrier)
-        plain = median["plain"]
-        results[every] = {"plain_ms": plain * 1e3, "target_share": TARGETS[every], "rounds": args.rounds}
-        for name in COPIES[1:]:
-            results[every][name] = {"ms": median[name] * 1e3, "cost_ms": (median[name] - plain) * 1e3,
-                                    "share": (median[name] - plain) / plain}
+        results[every] = rank_launch.costs(median, COPIES, target=TARGETS[every], rounds=args.rounds)
     if rank == 0:
         out = {"benchmark": "ddp_overhead", "when": common.now_iso(), "backend": backend,
                "world_size": dist.get_world_size(), "model": described, "dtype": args.dtype,
@@ -121,16 +117,9 @@ def main() -> int:
         return 1
     print(f"amp-tui coordination over plain DDP: {out['world_size']} ranks, {out['backend']}, {out['model']}, "
           f"{out['dtype']} ({time.perf_counter() - started:.0f} s)")
-    rows, met = [], True
-    for every, r in out["results"].items():
-        for name in COPIES[1:]:
-            c = r[name]
-            ok = c["share"] <= r["target_share"]
-            met = met and (ok or name != "carried")
-            verdict = "(noise)" if name == "plain again" else "met" if ok else "NOT met"
-            rows.append([f"every {every}", name, f"{r['plain_ms']:.3f}", f"{c['ms']:.3f}", f"{c['cost_ms']:+.3f}",
-                         f"{100 * c['share']:+.2f}%", f"<= {100 * r['target_share']:g}%", verdict])
-    print(common.table(rows, header=["probes", "words", "plain ms", "amp-tui ms", "cost ms", "share", "target", ""]))
+    met = rank_launch.print_costs(out["results"], COPIES, judged="carried", noise="plain again",
+                                  header=["probes", "words", "plain ms", "amp-tui ms", "cost ms", "share", "target",
+                                          ""])
     print(f"results: {result}")
     return 0 if met else 1
 

@@ -78,11 +78,7 @@ def worker(args) -> None:
             copies[name] = (trainer, batches)
         median = rank_launch.time_copies(copies, coordinated, every=every, rounds=args.rounds,
                                          warmup=args.warmup, clock=clock, barrier=dist.barrier)
-        bare = median["bare"]
-        results[every] = {"bare_ms": bare * 1e3, "target_share": TARGETS[every], "rounds": args.rounds}
-        for name in COPIES[1:]:
-            results[every][name] = {"ms": median[name] * 1e3, "cost_ms": (median[name] - bare) * 1e3,
-                                    "share": (median[name] - bare) / bare}
+        results[every] = rank_launch.costs(median, COPIES, target=TARGETS[every], rounds=args.rounds)
     if rank == 0:
         out = {"benchmark": "fsdp_overhead", "when": common.now_iso(), "backend": args.backend,
                "world_size": dist.get_world_size(), "model": described, "dtype": args.dtype,
@@ -107,16 +103,8 @@ def main() -> int:
         return 1
     print(f"amp-tui coordination over a bare FSDP2 loop: {out['world_size']} ranks, {out['backend']}, "
           f"{out['model']}, {out['dtype']} ({time.perf_counter() - started:.0f} s)")
-    rows, met = [], True
-    for every, r in out["results"].items():
-        for name in COPIES[1:]:
-            c = r[name]
-            ok = c["share"] <= r["target_share"]
-            met = met and (ok or name != "amp-tui")
-            verdict = "(noise)" if name == "bare again" else "met" if ok else "NOT met"
-            rows.append([f"every {every}", name, f"{r['bare_ms']:.3f}", f"{c['ms']:.3f}", f"{c['cost_ms']:+.3f}",
-                         f"{100 * c['share']:+.2f}%", f"<= {100 * r['target_share']:g}%", verdict])
-    print(common.table(rows, header=["probes", "loop", "bare ms", "ms", "cost ms", "share", "target", ""]))
+    met = rank_launch.print_costs(out["results"], COPIES, judged="amp-tui", noise="bare again",
+                                  header=["probes", "loop", "bare ms", "ms", "cost ms", "share", "target", ""])
     print(f"results: {result}")
     return 0 if met else 1
 

@@ -1,6 +1,7 @@
 """What the several-rank benchmarks (ddp_overhead.py, fsdp_overhead.py) share: their options, the
 launch of their own file as the workers under torch.distributed.run (rank 0 writes the results as
-JSON), and the timing of their copies in turns on every rank."""
+JSON), the timing of their copies in turns on every rank, and their costs over the loop without
+amp-tui, recorded and printed."""
 
 from __future__ import annotations
 
@@ -90,3 +91,33 @@ def time_copies(copies: dict, coordinated: dict, *, every: int, rounds: int, war
         if pending is not None:
             pending()
     return {name: common.stratified_median(times[name], probed[name], every) for name in copies}
+
+
+def costs(median: dict, copies: tuple[str, ...], *, target: float, rounds: int) -> dict:
+    """Each copy's step time over the first of `copies` (the loop without amp-tui), as the results
+    record them: `<first>_ms`, and per copy its ms, cost in ms and share."""
+    base = median[copies[0]]
+    out = {f"{copies[0]}_ms": base * 1e3, "target_share": target, "rounds": rounds}
+    for name in copies[1:]:
+        out[name] = {"ms": median[name] * 1e3, "cost_ms": (median[name] - base) * 1e3,
+                     "share": (median[name] - base) / base}
+    return out
+
+
+def print_costs(results: dict, copies: tuple[str, ...], *, judged: str, noise: str, header: list[str]) -> bool:
+    """The results as a table, a row per schedule and copy; whether the `judged` copy met every
+    target (`noise`: the bare loop run again, whose share is the run's own noise)."""
+    from bench import common
+
+    rows, met = [], True
+    for every, r in results.items():
+        for name in copies[1:]:
+            c = r[name]
+            ok = c["share"] <= r["target_share"]
+            met = met and (ok or name != judged)
+            verdict = "(noise)" if name == noise else "met" if ok else "NOT met"
+            rows.append([f"every {every}", name, f"{r[copies[0] + '_ms']:.3f}", f"{c['ms']:.3f}",
+                         f"{c['cost_ms']:+.3f}", f"{100 * c['share']:+.2f}%", f"<= {100 * r['target_share']:g}%",
+                         verdict])
+    print(common.table(rows, header=header))
+    return met
