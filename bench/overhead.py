@@ -237,14 +237,17 @@ def summarize(contenders: dict[str, Contender], n: int) -> dict:
             "probe_every": c.every if c.trainer.probe is not None else None,
         }
         if c.every == "auto":
-            # What probing took of the steps: as the schedule measured it for itself, and as the
-            # benchmark does (the probed share of steps times probes/1's paired cost per step).
+            # What amp-tui took of the steps (probing and the step records): as the schedule
+            # measured it for itself, and as the benchmark does (run/auto's paired cost over the
+            # bare step); and probing's part as the benchmark sees it (the probed share of steps
+            # times probes/1's paired cost per step).
             row["probed_share"] = common.rnd(sum(c.probed) / max(1, len(c.probed)), 4)
             row["schedule_share_pct"] = common.rnd(100 * c.trainer.probe_schedule.share(), 2)
             row["schedule_interval"] = c.trainer.probe_schedule.interval()
+            row["bench_share_pct"] = common.rnd(100 * over / t, 2)
             if "probes/1" in contenders:
                 cost = paired(contenders["probes/1"], everything)
-                row["bench_share_pct"] = common.rnd(100 * row["probed_share"] * cost / t, 2)
+                row["bench_probe_share_pct"] = common.rnd(100 * row["probed_share"] * cost / t, 2)
         if name != "bare":
             lo, hi = common.bootstrap_interval(lambda idx, c=c: 100 * paired(c, idx) / own(bare, idx), n)
             row["overhead_pct_90ci"] = [common.rnd(lo, 2), common.rnd(hi, 2)]

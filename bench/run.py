@@ -337,9 +337,10 @@ def render(results: dict) -> str:
             ratios = ", ".join(f"{n} {r['contenders'][n]['time_ratio']:.3f}x" for n in ("run/1", "run/10", "run/auto")
                                if n in r["contenders"])
             lines.append(f"  run/auto: one step in {auto['schedule_interval']} probed "
-                         f"({100 * auto['probed_share']:.1f}% of the steps); probing's share of the time: "
-                         f"{fmt(auto['schedule_share_pct'], '.2f')}% as the schedule measured it, "
-                         f"{fmt(auto.get('bench_share_pct'), '.2f')}% as measured here; step time / bare: {ratios}")
+                         f"({100 * auto['probed_share']:.1f}% of the steps); amp-tui's share of the time "
+                         f"(probes and records): {fmt(auto['schedule_share_pct'], '.2f')}% as the schedule "
+                         f"measured it, {fmt(auto.get('bench_share_pct'), '.2f')}% as measured here (probing's "
+                         f"part {fmt(auto.get('bench_probe_share_pct'), '.2f')}%); step time / bare: {ratios}")
     for r in results.get("process", []):
         lines.append("")
         auto = " and with its defaults (amp-tui auto: --probe-every auto)" if "amp-tui auto" in r["contenders"] else ""

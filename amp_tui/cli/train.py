@@ -44,8 +44,8 @@ def add_parser(sub) -> None:
                        help="per-layer figures: auto (default) spaces them to --probe-budget and probes "
                             "every step from the first sign of trouble; N: every N steps")
     train.add_argument("--probe-budget", type=argtypes.budget, default=1.0, metavar="PERCENT",
-                       help="with --probe-every auto: the most probing may cost, in percent of the "
-                            "training time (default 1)")
+                       help="with --probe-every auto: the most amp-tui may cost, probes and step records "
+                            "together, in percent of the training time (default 1)")
     train.add_argument("--probe-alert-bits", type=argtypes.nonnegative, default=3.0, metavar="BITS",
                        help="with --probe-every auto: every step is probed once a layer has less "
                             "headroom than this (default 3)")

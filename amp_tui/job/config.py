@@ -26,7 +26,7 @@ class RunConfig:
     run_dir: Path | None = None
     checkpoint_every: int | None = None
     probe_every: int | str = "auto"     # "auto": the adaptive schedule (training/probe_schedule.py)
-    probe_budget: float = 1.0           # percent of the training time probing may cost (auto)
+    probe_budget: float = 1.0           # percent of the training time amp-tui may cost (auto)
     probe_alert_bits: float = 3.0       # headroom under which every step is probed (auto)
     underflow_every: int = 10           # underflow shares on every Nth probed step
     on_nonfinite: str = "skip"          # skip, pause, stop, fallback or isolate (the guard's fallback follows it)

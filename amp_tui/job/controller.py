@@ -141,6 +141,11 @@ class RunController:
         return self.training.step_index
 
     @property
+    def _schedule(self):
+        """The driver's probe schedule, told what recording the steps costs (None: none)."""
+        return getattr(self.training, "probe_schedule", None)
+
+    @property
     def observers(self) -> Observers:
         return self.recorder.observers
 
@@ -244,7 +249,10 @@ class RunController:
         every two steps, when the training step has left the caches cold."""
         self.last_result = result
         self._unpublished.append(result)
+        started = time.perf_counter()
         self.forecasts.observe(result)   # before it is recorded: its ETAs go in its record
+        if self._schedule is not None:   # a probed step's forecasts are probing's cost
+            self._schedule.add_time(time.perf_counter() - started)
         if not batched or result.nonfinite is not None or self.state == "paused" \
                 or time.monotonic() - self._published_at >= PUBLISH_INTERVAL:
             self.publish()
@@ -253,12 +261,14 @@ class RunController:
         results, self._unpublished = self._unpublished, []
         if not results:
             return
-        self._published_at = time.monotonic()
+        self._published_at, started = time.monotonic(), time.perf_counter()
         for result in results:
             # A single step while paused: no later record comes to push it to the file, where
             # `ctl`, `attach` and `replay --follow` look for it.
             self.recorder.emit(step_record(result), flush=self.state == "paused")
             self.after_step(result)
+        if self._schedule is not None:   # what every step costs, taken from the probes' budget
+            self._schedule.add_record_time(time.perf_counter() - started, len(results))
 
     def after_step(self, result: StepResult) -> None:
         """What a recorded step raises: its non-finite event, the guards' alerts and moves."""

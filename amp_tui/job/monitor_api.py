@@ -25,8 +25,8 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
     `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default fp16
     when an enabled GradScaler is given, else bf16 where the device has it (fp32 otherwise).
     `run_dir`: where the session goes (default: $AMP_TUI_RUN_DIR, set by `amp-tui run`, or
-    runs/<time>-<script>). `probe_every`: "auto" (per-layer figures spaced so that they cost at
-    most `probe_budget` percent of the training time, every step from the first sign of trouble,
+    runs/<time>-<script>). `probe_every`: "auto" (per-layer figures spaced so that they and the
+    step records cost at most `probe_budget` percent of the training time, every step from the first sign of trouble,
     a layer within `probe_alert_bits` of the dtype's max among them) or N (every N steps).
     `announce`: print one line saying how to attach. `tensorboard_dir`: also write the recording
     there as TensorBoard event files, live (pip install 'amp-tui[tensorboard]'). `on_nonfinite`:

@@ -3,9 +3,12 @@
 The adaptive schedule (`every="auto"`) measures what a probed step costs over an unprobed one on
 this model and device, from the durations the steps already measure (the median of each kind's
 recent steps: one slow step of a busy machine moves a median little, where it would throw a
-moving average far off), and spaces the probed steps so that probing takes at most `budget` percent of
-the training time. It still probes once every `live_seconds` of training, so a dashboard stays
-live, and probes the first steps, to measure both costs.
+moving average far off), and spaces the probed steps so that amp-tui takes at most `budget` percent
+of the training time. A step's time includes what the run spends on it after it ends (`add_time`:
+its record, its forecasts, the guards), so a probed step's dearer record counts as probing's, and
+what every step's record costs comes out of the budget before probing is spaced. It still probes
+once every `live_seconds` of training, so a dashboard stays live, and probes the first steps, to
+measure both costs.
 
 From the first sign of trouble (a skipped update, a scale drop, a non-finite loss, a layer under
 `alert_bits` of headroom, a dtype change, a restore or a resume) every step is probed, until
@@ -59,7 +62,7 @@ class ProbeSchedule:
                  names: list[str] | None = None):
         self.auto = every == "auto"
         self.every = 1 if self.auto else max(1, int(every))
-        self.budget = max(0.0, float(budget))
+        self._budget = max(0.0, float(budget))
         self.alert_bits = float(alert_bits)
         self.live_seconds = float(live_seconds)
         self.clean_steps = max(1, int(clean_steps))
@@ -78,13 +81,29 @@ class ProbeSchedule:
         self.clean = 0                      # clean steps in a row while escalated
         self.probe_seconds = 0.0            # what probing cost so far (measured) ...
         self.total_seconds = 0.0            # ... out of this much training time
+        # What the run spends on an unprobed step after it (its record, the guards): the recent
+        # median, paid by every step whatever the schedule.
+        self._record_times: deque[float] = deque(maxlen=PLAIN_WINDOW)
+        self.record_time = 0.0
+        self._last: tuple[bool, deque | None] | None = None   # the last step: planned, its window
         self._changes: list[ProbeChange] = []
         self._spacing = FIRST_INTERVAL      # the interval the last resolvable cost gave
+        self._interval: int | None = None   # interval(), until a figure it depends on moves
         # Several ranks (`follow`): the spacing rank 0's schedule chose, as the ranks agreed on it
         # (None: this schedule decides alone), and the last low headroom this rank saw in its own
         # figures, for its vote, instead of an escalation of its own.
         self.agreed_spacing: int | None = None
         self.low_headroom: tuple[str, float] | None = None
+
+    @property
+    def budget(self) -> float:
+        """The most amp-tui may take, in percent of the training time."""
+        return self._budget
+
+    @budget.setter
+    def budget(self, percent: float) -> None:
+        self._budget = max(0.0, float(percent))
+        self._interval = None
 
     # ---- before a step ----------------------------------------------------------------------
     @property
@@ -106,15 +125,28 @@ class ProbeSchedule:
         return self.since_probe + 1 >= self.interval() or self.seconds_since_probe >= self.live_seconds
 
     def interval(self) -> int:
-        """One step in this many is probed, for probing to cost at most `budget` percent:
-        cost / (k * plain + cost) <= b gives k >= cost * (1 - b) / (b * plain)."""
+        """One step in this many is probed, for probing to cost at most what the budget leaves
+        once every step's record is paid (`probe_share`): cost / (k * plain + cost) <= b gives
+        k >= cost * (1 - b) / (b * plain)."""
+        if self._interval is None:
+            self._interval = self._spaced()
+        return self._interval
+
+    def probe_share(self) -> float:
+        """The share of the training time (0..1) the probes may take: the budget, less what the
+        record of every step costs, but never under half the budget (the figures are the point)."""
+        budget = self.budget / 100
+        fixed = self.record_time / self.plain_time if self.plain_time else 0.0
+        return max(budget - fixed, budget / 2)
+
+    def _spaced(self) -> int:
         if not self.auto:
             return self.every
         if self.probed_time is None or self.plain_time is None:
             return FIRST_INTERVAL
-        share = self.budget / 100
-        if share >= 1:
+        if self.budget >= 100:
             return 1
+        share = self.probe_share()
         cost = self.probed_time - self.plain_time
         if share <= 0 or self.plain_time <= 0:
             return 1 << 30   # only the live floor probes
@@ -156,8 +188,12 @@ class ProbeSchedule:
         return probed % every == 0
 
     def share(self) -> float:
-        """The share of the training time probing took so far, as measured (0..1)."""
-        return max(0.0, self.probe_seconds) / self.total_seconds if self.total_seconds > 0 else 0.0
+        """The share of the training time amp-tui took so far, as measured (0..1): probing, and
+        the record of every step."""
+        if self.total_seconds <= 0:
+            return 0.0
+        fixed = self.record_time / self.plain_time if self.plain_time else 0.0
+        return max(0.0, self.probe_seconds) / self.total_seconds + fixed
 
     # ---- after a step -----------------------------------------------------------------------
     def observe(self, *, planned: bool, duration: float, skipped: bool = False, nonfinite: str | None = None,
@@ -193,14 +229,45 @@ class ProbeSchedule:
         else:
             self.since_probe += 1
             self.seconds_since_probe += duration
+        self._last = (planned, None)
         if not counted:   # the first steps (warm-up) and trouble steps (a diagnosis) say nothing of the cost
             return
         times = self._probed_times if planned else self._plain_times
         times.append(duration)
+        self._last = (planned, times)
+        self._update_median(planned)
+
+    def _update_median(self, planned: bool) -> None:
         if planned:
-            self.probed_time = statistics.median(times)
+            self.probed_time = statistics.median(self._probed_times)
         else:
-            self.plain_time = statistics.median(times)
+            self.plain_time = statistics.median(self._plain_times)
+        self._interval = None
+
+    def add_time(self, seconds: float) -> None:
+        """What the run spent on the last step observed after it ended (its forecasts): counted
+        in that step's time, so what a probed step adds there is probing's cost."""
+        if self._last is None or seconds <= 0:
+            return
+        planned, times = self._last
+        self.total_seconds += seconds
+        if planned:
+            self.probe_seconds += seconds
+        else:
+            self.seconds_since_probe += seconds
+        if times:
+            times[-1] += seconds
+            self._update_median(planned)
+
+    def add_record_time(self, seconds: float, records: int) -> None:
+        """What formatting `records` step records together took, with the guards on them: what
+        every step pays, whatever the schedule, taken from the budget before probing is spaced."""
+        if records <= 0 or seconds <= 0:
+            return
+        self.total_seconds += seconds
+        self._record_times.append(seconds / records)
+        self.record_time = statistics.median(self._record_times)
+        self._interval = None
 
     def _trouble(self, skipped, nonfinite, scale, next_scale, dtype, act, grad, step) -> tuple[str, str] | None:
         at = f" at step {step}" if step is not None else ""

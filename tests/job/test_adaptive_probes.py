@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import amp_tui
+import amp_tui.job.controller as controller_module
 import amp_tui.job.hook_driver as hook_driver_module
 import amp_tui.training.engine as engine_module
 from amp_tui.core.commands import parse_action
@@ -43,6 +44,10 @@ def made_up_clock(monkeypatch):
     fake_time = types.SimpleNamespace(perf_counter=perf_counter, time=__import__("time").time)
     monkeypatch.setattr(engine_module, "time", fake_time)
     monkeypatch.setattr(hook_driver_module, "time", fake_time)
+    # Recording the steps takes no time on this clock (test_probe_schedule.py counts it).
+    real = __import__("time")
+    monkeypatch.setattr(controller_module, "time", types.SimpleNamespace(
+        perf_counter=lambda: 0.0, monotonic=real.monotonic, time=real.time, sleep=real.sleep))
     collect = LayerProbe.collect
 
     def costly_collect(self, *args, **kwargs):

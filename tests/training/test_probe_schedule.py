@@ -33,6 +33,45 @@ def test_costly_probes_are_spaced_to_the_budget():
     assert schedule.mode == "auto" and not schedule.drain()
 
 
+def run_recorded(schedule: ProbeSchedule, steps: int, *, record: float, forecast: float) -> list[bool]:
+    """Feed `steps` steps as the run controller tells them: each step's forecasts right after it
+    (`forecast` seconds on a probed step, none on another), and its record, `record` seconds,
+    formatted in batches of 10."""
+    seen = []
+    for step in range(steps):
+        planned = schedule.probing(step)
+        seen.append(planned)
+        schedule.observe(planned=planned, duration=PROBED if planned else PLAIN, step=step)
+        schedule.add_time(forecast if planned else 0.0)
+        if step % 10 == 9:
+            schedule.add_record_time(10 * record, 10)
+    return seen
+
+
+def test_what_the_run_spends_after_a_step_counts_in_the_budget():
+    bare = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
+    run_recorded(bare, 3000, record=0.0, forecast=0.0)
+    assert bare.interval() == 198
+    # A probed step's forecasts take 10 ms more: probing costs 30 ms over a 10 ms step.
+    forecasts = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
+    run_recorded(forecasts, 3000, record=0.0, forecast=0.010)
+    assert forecasts.interval() == 297   # ceil(0.03 * 0.99 / (0.01 * 0.01))
+    # Every step's record takes 0.04 ms, 0.4% of a step: probing gets the 0.6% left.
+    records = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
+    seen = run_recorded(records, 6000, record=0.00004, forecast=0.0)
+    assert records.probe_share() == pytest.approx(0.006)
+    assert records.interval() == 332   # ceil(0.02 * 0.994 / (0.01 * 0.006))
+    probes = [i for i, p in enumerate(seen) if p and i >= 3000]
+    stretch = seen[probes[0]:probes[-1]]
+    spent = sum(PROBED - PLAIN for p in stretch if p) + 0.00004 * len(stretch)
+    assert spent / sum(PROBED if p else PLAIN for p in stretch) <= 0.01 + 1e-9   # all of it in the budget
+    assert records.share() == pytest.approx(0.01, abs=0.001)   # the schedule's own measure of it
+    # A record dearer than the budget leaves probing half of it, not nothing.
+    dear = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
+    run_recorded(dear, 3000, record=0.0005, forecast=0.0)
+    assert dear.probe_share() == pytest.approx(0.005)
+
+
 def test_a_larger_budget_probes_more_often():
     tight = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
     loose = ProbeSchedule("auto", budget=10.0, live_seconds=1e9)

@@ -138,7 +138,7 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
 
 def probes_text(probes) -> tuple[str, str] | None:
     """The probe schedule a step record carries, in words and a style: "auto 1/9 · 0.8%" (one
-    step in 9 probed, probing has cost 0.8% of the training time), or "every step · why"."""
+    step in 9 probed; probing and the records have cost 0.8% of the training time), or "every step · why"."""
     if not isinstance(probes, list) or not probes:
         return None
     if probes[0] == "every":
