@@ -5,8 +5,23 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
+from collections import Counter
 
-from amp_tui.training.headroom_trend import MIN_POINTS, MIN_SPAN, HeadroomForecast, fit_trend
+import numpy as np
+
+from amp_tui.training.headroom_trend import (
+    MIN_POINTS,
+    MIN_RISING,
+    MIN_SPAN,
+    STEADY,
+    WINDOW,
+    HeadroomForecast,
+    Trend,
+    _median,
+    fit_trend,
+    screen,
+)
 from amp_tui.training.scale_forecast import scale_outlook
 
 FP16_BITS = math.log2(65504.0)
@@ -106,3 +121,93 @@ def test_the_scale_outlook():
     assert abs(outlook.headroom - math.log2(65504 / (38.4 * 1024))) < 1e-9
     assert not scale_outlook(step=5, next_scale=16.0, tracker=6, interval=20, factor=2.0, max_grad=38.4).overflows
     assert scale_outlook(step=5, next_scale=16.0, tracker=0, interval=20, factor=2.0, max_grad=math.inf) is None
+
+
+# The fit as first written, in plain Python: fit_trend must give exactly what it gives.
+def _reference_theil_sen(xs, ys):
+    n = len(xs)
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(n) for j in range(i + 1, n) if xs[j] != xs[i]]
+    if not slopes:
+        return 0.0, 0.0
+    return statistics.median(slopes), sum(s > 0 for s in slopes) / len(slopes)
+
+
+def _reference_fit(xs, ys):
+    """The reference's Trend or None, and which test ended it (for the coverage of the cases)."""
+    n = len(xs)
+    if n < MIN_POINTS or xs[-1] - xs[0] < MIN_SPAN:
+        return None, "short"
+    mx, my = sum(xs) / n, sum(ys) / n
+    if not screen(n, sum((x - mx) ** 2 for x in xs), sum((x - mx) * (y - my) for x, y in zip(xs, ys)),
+                  sum((y - my) ** 2 for y in ys)):
+        return None, "screen"
+    robust, rising = _reference_theil_sen(xs, ys)
+    if robust <= 0 or rising < MIN_RISING:
+        return None, "robust"
+    half = n // 2
+    older, _ = _reference_theil_sen(xs[:half], ys[:half])
+    recent, _ = _reference_theil_sen(xs[half:], ys[half:])
+    if recent <= 0 or not STEADY * older <= recent <= older / STEADY:
+        return None, "steady"
+    intercept = statistics.median(y - robust * x for x, y in zip(xs, ys))
+    return Trend(min(robust, recent), intercept + robust * xs[-1]), "trend"
+
+
+def _random_series(rng):
+    n = rng.randint(MIN_POINTS, WINDOW)
+    kind = rng.choice(("rising", "rising", "noisy", "flat", "ties", "outliers", "bend", "stairs",
+                       "repeated_x"))
+    x, xs = float(rng.randint(0, 500)), []
+    for _ in range(n):
+        xs.append(x)
+        x += rng.choice((1.0, 2.0, 3.0)) if kind != "repeated_x" else rng.choice((0.0, 0.0, 2.0, 3.0, 5.0))
+    slope = rng.uniform(0.0, 0.1)
+    noise = {"rising": 0.02, "noisy": 0.3, "flat": 0.2}.get(kind, 0.05) * rng.uniform(0.2, 2.0)
+    base = rng.uniform(-20, 10)
+    ys = [base + slope * (x - xs[0]) + rng.gauss(0, noise) for x in xs]
+    if kind == "flat":
+        ys = [y - slope * (x - xs[0]) for x, y in zip(xs, ys)]
+    elif kind == "ties":     # figures on a coarse grid: many equal slopes, many of them zero
+        ys = [round(y * 4) / 4 for y in ys]
+    elif kind == "stairs":   # a few coarse steps up: most pairs level (no rise), a line fits well
+        unit = rng.uniform(0.5, 2.0) * slope * (xs[-1] - xs[0]) / 4
+        ys = [unit * round(y / unit) if unit else y for y in ys]
+    elif kind == "outliers":
+        for k in rng.sample(range(n), 3):
+            ys[k] += rng.choice((-3.0, 3.0))
+    elif kind == "bend":     # the rise slows or speeds up half way
+        half, bent = xs[n // 2], rng.choice((0.3, 0.6, 1.5, 3.0))
+        ys = [y + (bent - 1) * slope * max(x - half, 0.0) for x, y in zip(xs, ys)]
+    return xs, ys
+
+
+def test_the_fit_is_the_plain_python_fit_bit_for_bit():
+    """The same Trend (the same floats, to the bit) or None as the plain-Python Theil-Sen fit, on
+    random series of every length from MIN_POINTS to WINDOW: rising, flat, noisy, on a coarse grid,
+    with outliers, bending, and with points at the same step."""
+    rng = random.Random(3)
+    ends = Counter()
+    for _ in range(3000):
+        xs, ys = _random_series(rng)
+        want, end = _reference_fit(xs, ys)
+        got = fit_trend(xs, ys)
+        ends[end] += 1
+        if want is None:
+            assert got is None, (xs, ys)
+        else:
+            assert got is not None and type(got.slope) is float and type(got.level) is float
+            assert (got.slope.hex(), got.level.hex()) == (want.slope.hex(), want.level.hex()), (xs, ys)
+    assert min(ends[end] for end in ("screen", "robust", "steady", "trend")) >= 50, ends
+
+
+def test_the_median_is_statistics_median():
+    """Odd and even counts, ties, none (0.0, as the plain fit's pairs gave for none). Zeros are
+    positive here: a -0.0 and a 0.0 among the middle values could come out either way round (a zero
+    median ends the fit all the same)."""
+    rng = random.Random(4)
+    assert _median(np.array([], dtype=np.float64)) == 0.0
+    for _ in range(2000):
+        m = rng.randint(1, 600)
+        values = [rng.choice((round(rng.gauss(0, 1), 1) + 0.0, rng.gauss(0, 1))) for _ in range(m)]
+        got = _median(np.array(values))
+        assert type(got) is float and got.hex() == float(statistics.median(values)).hex()
