@@ -116,7 +116,6 @@ def add_parser(sub) -> None:
 
 def cmd_train(args) -> int:
     from amp_tui.cli import distributed
-    from amp_tui.cli.headless import run_headless
     from amp_tui.cli.train_options import attach_tensorboard, run_config, tensorboard_problem
     from amp_tui.core.commands import CommandError
     from amp_tui.job.build import build_run
@@ -149,6 +148,9 @@ def cmd_train(args) -> int:
         return error(problem)
     if dashboard:
         return run_dashboard(run, warnings, refresh_rate=args.refresh_rate)
+    # Imported once the run is built: Rich and the summary's modules are not needed before the
+    # first step (whose forward build_run's pre-flight has run), so they don't delay it.
+    from amp_tui.cli.headless import run_headless
     return run_headless(run, warnings)
 
 
