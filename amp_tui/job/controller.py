@@ -39,7 +39,6 @@ from amp_tui.job.recorder import Observers, RankEcho, Recorder
 from amp_tui.job.run_records import FORWARD_KINDS, nonfinite_fields, nonfinite_message, session_header
 from amp_tui.job.states import EXIT_ERROR, EXIT_NONFINITE_STOP, EXIT_OK, IoPolicy, PauseReason
 from amp_tui.recording.format import event_record, step_record
-from amp_tui.recording.report import RunOutcome
 from amp_tui.training import checkpoint as ckpt
 from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.engine import StepResult
@@ -48,6 +47,7 @@ from amp_tui.training.local_fp32 import LocalFp32
 
 if TYPE_CHECKING:
     from amp_tui.job.distributed import Ranks
+    from amp_tui.recording.report import RunOutcome
 
 ENDING_WAIT_S = 5.0   # how long another thread waits for the training thread to end the file
 PUBLISH_INTERVAL = 0.1   # seconds: the most a batched step waits to be recorded (record_step)
@@ -206,6 +206,9 @@ class RunController:
                 **(self.ranks.header_fields() if self.ranks else {})}
 
     def outcome(self) -> RunOutcome:
+        # The read side's report module, imported when the run's summary needs it: not before
+        # the first step.
+        from amp_tui.recording.report import RunOutcome
         return RunOutcome(state=self.state, steps=self.step_index, unwritten=dict(self.unwritten),
                           recording_error=self.recording_error)
 

@@ -13,10 +13,16 @@ from typing import Any
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.job.states import EXIT_ERROR, IoPolicy, PauseReason
 from amp_tui.recording.format import event_record
-from amp_tui.recording.report import describe_records
 
 # The run controller (job/controller.py), which imports this module: named, not imported.
 RunController = Any
+
+
+def describe_records(counts: dict[str, int]) -> str:
+    # The read side's report module (the words are its own), imported only once the disk has
+    # refused a write: a run starts without it.
+    from amp_tui.recording.report import describe_records
+    return describe_records(counts)
 
 
 class FullDisk:
