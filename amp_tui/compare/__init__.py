@@ -11,16 +11,17 @@ does not import torch; those two bring it in on first use.
 """
 
 from amp_tui.compare.criteria import Criteria, MaxFlips
-from amp_tui.compare.results import DtypeResult, Reference, Speed, SpeedRun, Validation
 
 __all__ = ["Criteria", "DtypeResult", "MaxFlips", "Reference", "Speed", "SpeedRun", "Validation",
            "measure_speed", "validate"]
 
-_LAZY = {"validate": "amp_tui.compare.validation", "measure_speed": "amp_tui.compare.speed"}
+_LAZY = {"validate": "amp_tui.compare.validation", "measure_speed": "amp_tui.compare.speed",
+         **dict.fromkeys(("DtypeResult", "Reference", "Speed", "SpeedRun", "Validation"), "amp_tui.compare.results")}
 
 
 def __getattr__(name: str):
-    # Lazy, so that building the CLI's parser (which imports compare.criteria) stays torch-free.
+    # Lazy, so that building the CLI's parser (which imports compare.criteria) stays torch-free,
+    # and every command (train too) builds it without importing the results' classes.
     if name in _LAZY:
         import importlib
         return getattr(importlib.import_module(_LAZY[name]), name)
