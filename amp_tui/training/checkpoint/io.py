@@ -22,8 +22,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors
-import safetensors.torch
 import torch
 
 from amp_tui.core import jsonsafe
@@ -60,8 +58,16 @@ def _as_os_error(exc: Exception) -> Exception:
 # --------------------------------------------------------------------------- writing
 
 
+def _safetensors():
+    """The safetensors library, imported on first use: a run that saves and restores no
+    checkpoint (most short runs) starts without it."""
+    import safetensors.torch
+    return safetensors
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     _check_little_endian()
+    safetensors = _safetensors()
     try:
         safetensors.torch.save_file(tensors, str(path), metadata=metadata)
     except KeyError as e:  # safetensors.torch knows no size for this dtype
@@ -222,6 +228,7 @@ def _open_regular(path: Path):
 def read_header(path: Path) -> tuple[Header, float] | None:
     """The checked header of a regular file and its mtime, reading no tensor data; None if the
     file cannot be read or is not a sound safetensors file."""
+    safetensors = _safetensors()
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
@@ -241,6 +248,7 @@ def read_file(path: Path) -> tuple[Header, dict[str, torch.Tensor], float]:
     """The checked header, every tensor (in memory) and the mtime of the file at `path`; raises
     Problem."""
     _check_little_endian()
+    safetensors = _safetensors()
     with _open_regular(path) as f:
         try:
             st = os.fstat(f.fileno())
