@@ -126,6 +126,7 @@ def train_rank(args) -> int:
 def _train(args, ranks) -> int:
     from amp_tui.cli.headless import run_headless
     from amp_tui.cli.train_options import attach_tensorboard, run_config
+    from amp_tui.cli.training_process import keep_imports_out_of_collections
     from amp_tui.core.commands import CommandError
     from amp_tui.job.build import build_run
     from amp_tui.job.distributed import RanksLost
@@ -134,6 +135,8 @@ def _train(args, ranks) -> int:
     from amp_tui.training.engine import PrecisionRefused
     from amp_tui.training.script import ScriptError
 
+    if args.own_process:
+        keep_imports_out_of_collections()
     try:
         run, warnings = build_run(run_config(args), ranks=ranks)
     except (ScriptError, DeviceError, CommandError, PrecisionRefused) as exc:

@@ -117,6 +117,7 @@ def add_parser(sub) -> None:
 def cmd_train(args) -> int:
     from amp_tui.cli import distributed
     from amp_tui.cli.train_options import attach_tensorboard, run_config, tensorboard_problem
+    from amp_tui.cli.training_process import keep_imports_out_of_collections
     from amp_tui.core.commands import CommandError
     from amp_tui.job.build import build_run
     from amp_tui.training.devices import DeviceError
@@ -139,6 +140,8 @@ def cmd_train(args) -> int:
     if args.nproc is not None or args.nnodes is not None or args.rdzv_endpoint is not None:
         return distributed.launch(args, dashboard=use_dashboard(args))
     dashboard = use_dashboard(args)
+    if args.own_process:
+        keep_imports_out_of_collections()
     try:
         run, warnings = build_run(run_config(args, on_nonfinite_default="pause" if dashboard else "skip"))
     except (ScriptError, DeviceError, CommandError, PrecisionRefused) as exc:

@@ -61,3 +61,42 @@ def test_train_still_imports_torch_in_the_same_probe(recorded_run, tmp_path):
                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "TORCH"
+
+
+FREEZE_PROBE = '''
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+FROZEN_AT_IMPORT = gc.get_freeze_count()
+
+
+def setup(ctx=None):
+    # Frozen before the script was imported, and nothing since: what the script makes is not.
+    Path(sys.argv[1]).write_text(f"{FROZEN_AT_IMPORT} {gc.get_freeze_count()}")
+    model = torch.nn.Linear(2, 1)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+            "loss_fn": lambda m, x: m(x).pow(2).mean(), "batches": [torch.ones(4, 2)] * 2}
+'''
+
+
+def test_train_freezes_what_its_imports_made_before_the_script_alone(tmp_path):
+    """As the program, `amp-tui train` moves the objects its imports made out of the collector's
+    walks before it loads the script (nothing the script makes is frozen); called in someone's
+    process (`main(argv)`), it leaves that process's objects as they were."""
+    import gc
+
+    script, seen = tmp_path / "freeze_probe.py", tmp_path / "seen.txt"
+    script.write_text(FREEZE_PROBE, encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "amp_tui", "train", str(script), "--headless", "--steps", "1",
+                           "--device", "cpu", "--run-dir", str(tmp_path / "run"), "--", str(seen)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr
+    at_import, at_setup = map(int, seen.read_text().split())
+    assert at_import > 10_000 and at_setup == at_import   # torch's and amp-tui's objects, frozen
+    before = gc.get_freeze_count()
+    assert main(["train", str(script), "--headless", "--steps", "1", "--device", "cpu",
+                 "--run-dir", str(tmp_path / "in-process"), "--", str(seen)]) == 0
+    assert gc.get_freeze_count() == before
