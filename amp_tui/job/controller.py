@@ -252,10 +252,13 @@ class RunController:
         every two steps, when the training step has left the caches cold."""
         self.last_result = result
         self._unpublished.append(result)
-        started = time.perf_counter()
-        self.forecasts.observe(result)   # before it is recorded: its ETAs go in its record
-        if self._schedule is not None:   # a probed step's forecasts are probing's cost
-            self._schedule.add_time(time.perf_counter() - started)
+        if result.figures is None:
+            self.forecasts.observe(result)   # before it is recorded: its ETAs go in its record
+        else:   # a probed step's forecasts (the trend fits) are probing's cost
+            started = time.perf_counter()
+            self.forecasts.observe(result)
+            if self._schedule is not None:
+                self._schedule.add_time(time.perf_counter() - started)
         if not batched or result.nonfinite is not None or self.state == "paused" \
                 or time.monotonic() - self._published_at >= PUBLISH_INTERVAL:
             self.publish()

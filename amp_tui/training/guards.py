@@ -104,6 +104,7 @@ class PrecisionGuard:
         self._drops = 0
         self._bad_streak = 0
         self._window: collections.deque[bool] = collections.deque(maxlen=max(1, config.alert_window))
+        self._window_skips = 0   # how many of _window are True (kept as it moves, not summed each step)
         # (step, skipped) over the storm window: where a storm began matters for --rollback
         self._storm: collections.deque[tuple[int, bool]] = collections.deque(maxlen=max(1, config.storm_window))
         self._raised: set[str] = set()
@@ -120,13 +121,17 @@ class PrecisionGuard:
             self._dtype = result.dtype
             self._drops, self._bad_streak = 0, 0
             self._window.clear()
+            self._window_skips = 0
             self._storm.clear()
             self._raised.clear()
         bad = result.nonfinite is not None
         self._trends.setdefault(result.dtype, LossTrend()).add(result.loss)
         if result.first_nonfinite_layer:
             self._last_layer = result.first_nonfinite_layer
-        self._window.append(result.skipped)
+        if len(self._window) == self._window.maxlen:
+            self._window_skips -= self._window[0]
+        self._window.append(bool(result.skipped))
+        self._window_skips += self._window[-1]
         self._storm.append((result.step, result.skipped))
         self._bad_streak = self._bad_streak + 1 if bad else 0
 
@@ -156,7 +161,7 @@ class PrecisionGuard:
                     "scale_drops", f"the loss scale fell {self._drops} times in a row", result))
             if self._drops == 0:
                 self._raised.discard("scale_drops")
-        share = sum(self._window) / len(self._window)
+        share = self._window_skips / len(self._window)
         if (len(self._window) >= min(cfg.alert_window, 10) and share > cfg.alert_skip_share
                 and "skip_share" not in self._raised):
             self._raised.add("skip_share")
