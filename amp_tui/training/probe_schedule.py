@@ -40,6 +40,7 @@ Mode = Literal["every", "auto"]
 FIRST_PROBED = 3        # the first steps are probed; warming up, their durations are not counted
 PROBED_WINDOW = 15      # recent probed steps whose median duration is a probed step's
 PLAIN_WINDOW = 31       # recent unprobed steps whose median duration is an unprobed step's
+PLAIN_REFRESH = 4       # ... made again every this many counted steps once the window is full
 FIRST_INTERVAL = 10     # one step in this many while a cost is still unknown
 MAX_SPACING = (1 << 24) - 1   # the widest spacing the ranks agree on (exact in fp32 and int64 words)
 
@@ -86,6 +87,7 @@ class ProbeSchedule:
         self._record_times: deque[float] = deque(maxlen=PLAIN_WINDOW)
         self.record_time = 0.0
         self._last: tuple[bool, deque | None] | None = None   # the last step: planned, its window
+        self._counted = 0                   # steps whose durations went into a window
         self._changes: list[ProbeChange] = []
         self._spacing = FIRST_INTERVAL      # the interval the last resolvable cost gave
         self._interval: int | None = None   # interval(), until a figure it depends on moves
@@ -235,7 +237,11 @@ class ProbeSchedule:
         times = self._probed_times if planned else self._plain_times
         times.append(duration)
         self._last = (planned, times)
-        self._update_median(planned)
+        self._counted += 1
+        # An unprobed step's median moves slowly once its window is full: made again every few
+        # of them, not at every step (each of which pays for it).
+        if planned or len(times) < PLAIN_WINDOW or self._counted % PLAIN_REFRESH == 0:
+            self._update_median(planned)
 
     def _update_median(self, planned: bool) -> None:
         if planned:
@@ -270,6 +276,9 @@ class ProbeSchedule:
         self._interval = None
 
     def _trouble(self, skipped, nonfinite, scale, next_scale, dtype, act, grad, step) -> tuple[str, str] | None:
+        if not skipped and nonfinite is None and act is None and grad is None \
+                and (scale is None or next_scale is None or next_scale >= scale):
+            return None   # an unprobed clean step: said without a word built
         at = f" at step {step}" if step is not None else ""
         if nonfinite in ("loss", "activations"):
             return "nonfinite", f"a non-finite {'loss' if nonfinite == 'loss' else 'activation'}{at}"
