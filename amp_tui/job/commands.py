@@ -23,6 +23,11 @@ class CommandQueue:
         self._queue.put(command)
         self.wakeup.set()
 
+    def idle(self) -> bool:
+        """Nothing submitted (without the queue's lock: one submitted as this reads is applied
+        at the next boundary)."""
+        return not self._queue.queue
+
     def drain(self) -> list[Command]:
         if self._queue.empty():   # the common case, at every step boundary
             return []

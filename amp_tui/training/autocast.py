@@ -7,16 +7,20 @@ import contextlib
 
 import torch
 
-from amp_tui.core.precision import canonical, uses_autocast
+from amp_tui.core.precision import canonical
+
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, canonical(name))
+    found = _TORCH_DTYPES.get(name)   # the canonical names, as a run holds them: every step asks
+    return found if found is not None else getattr(torch, canonical(name))
 
 
 def autocast(device_type: str, dtype: str) -> contextlib.AbstractContextManager:
     """`torch.autocast` for a precision name; fp32 is autocast turned off."""
-    return torch.autocast(device_type, dtype=torch_dtype(dtype), enabled=uses_autocast(dtype))
+    torch_type = torch_dtype(dtype)
+    return torch.autocast(device_type, dtype=torch_type, enabled=torch_type is not torch.float32)
 
 
 def unsupported_reason(device, dtype: str) -> str | None:
