@@ -104,6 +104,7 @@ class RunController:
         self._bf16_ok = unsupported_reason(device, "bfloat16") is None
         self._unpublished: list[StepResult] = []   # measured, not yet recorded (record_step)
         self._published_at = time.monotonic()
+        self.published_seconds = 0.0   # spent formatting records so far (publish), told apart from the rest
         self.should_stop = False                    # the run stops at this boundary (stopping ran)
         self.stop_requested = threading.Event()
         self._checkpoint_on_stop = False
@@ -273,8 +274,10 @@ class RunController:
             # `ctl`, `attach` and `replay --follow` look for it.
             self.recorder.emit(step_record(result), flush=self.state == "paused")
             self.after_step(result)
+        spent = time.perf_counter() - started
+        self.published_seconds += spent
         if self._schedule is not None:   # what every step costs, taken from the probes' budget
-            self._schedule.add_record_time(time.perf_counter() - started, len(results))
+            self._schedule.add_record_time(spent, len(results))
 
     def after_step(self, result: StepResult) -> None:
         """What a recorded step raises: its non-finite event, the guards' alerts and moves."""

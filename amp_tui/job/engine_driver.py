@@ -10,6 +10,7 @@ restored, the end of the run (job/distributed.py, docs/distributed.md).
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -141,6 +142,7 @@ class EngineDriver:
         try:
             micro = self.feed.take(self.setup.accumulate)  # the user's DataLoader or dataset may raise too
             result = self.trainer.step(micro)
+            after, published = time.perf_counter(), run.published_seconds
             if self.ranks:
                 # The last probed step's gather: every rank issued it before this step's loss
                 # check, which has been answered, so it is in (or as good as).
@@ -173,6 +175,9 @@ class EngineDriver:
         if result.xray is not None:
             record_xray(run, result.step, result.xray, self._xray_by)
         announce_probe_changes(run)
+        schedule = self.trainer.probe_schedule
+        if schedule is not None and not self.ranks:   # the run's own work on this step, the records apart
+            schedule.add_own_time(time.perf_counter() - after - (run.published_seconds - published))
         if self.trainer.act_unmeasured and not self._act_unmeasured_said:
             self._act_unmeasured_said = True
             run.alert("act_not_measured", self.trainer.act_unmeasured, step=result.step,

@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -202,6 +203,7 @@ class Monitor(RunController):
         if not self.driver.block_ends(loss):
             return   # no update in this block (accumulating): it belongs to the next one
         result = self.driver.finish_update()
+        after, published = time.perf_counter(), self.published_seconds
         if self.ranks:
             result = self.ranks.gather_step(result, self.driver.probe.names, details=False)
         self.record_step(result, batched=True)
@@ -210,6 +212,9 @@ class Monitor(RunController):
         announce_probe_changes(self, step=result.step + 1)   # (the step counter moves on below)
         self.driver.update_done()
         self.after_update()
+        if not self.ranks:   # the run's own work after the update, the records formatted apart
+            self.driver.probe_schedule.add_own_time(
+                time.perf_counter() - after - (self.published_seconds - published))
         # The boundary after the update: a stop asked for during the step is seen by the loop
         # at its very next `if monitor.should_stop`, and a pause holds the loop here.
         self._boundary()

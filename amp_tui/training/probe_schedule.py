@@ -82,10 +82,14 @@ class ProbeSchedule:
         self.clean = 0                      # clean steps in a row while escalated
         self.probe_seconds = 0.0            # what probing cost so far (measured) ...
         self.total_seconds = 0.0            # ... out of this much training time
-        # What the run spends on an unprobed step after it (its record, the guards): the recent
-        # median, paid by every step whatever the schedule.
+        # What the run spends on every step besides it, whatever the schedule: formatting its
+        # record with the guards (per record, as they are done in batches), and the rest of its
+        # own work between two steps (`add_own_time`): the recent medians of each.
         self._record_times: deque[float] = deque(maxlen=PLAIN_WINDOW)
         self.record_time = 0.0
+        self._own_times: deque[float] = deque(maxlen=PLAIN_WINDOW)
+        self.own_time = 0.0
+        self._own_count = 0
         self._last: tuple[bool, deque | None] | None = None   # the last step: planned, its window
         self._counted = 0                   # steps whose durations went into a window
         self._changes: list[ProbeChange] = []
@@ -134,12 +138,17 @@ class ProbeSchedule:
             self._interval = self._spaced()
         return self._interval
 
+    def fixed_share(self) -> float:
+        """What every step costs besides its own work (its record, the guards, the rest of the
+        run's work between steps), as a share of an unprobed step (0..1)."""
+        return (self.record_time + self.own_time) / self.plain_time if self.plain_time else 0.0
+
     def probe_share(self) -> float:
-        """The share of the training time (0..1) the probes may take: the budget, less what the
-        record of every step costs, but never under half the budget (the figures are the point)."""
+        """The share of the training time (0..1) the probes may take: the budget, less what every
+        step costs whatever the schedule (`fixed_share`), but never under a quarter of the budget
+        (the figures are the point)."""
         budget = self.budget / 100
-        fixed = self.record_time / self.plain_time if self.plain_time else 0.0
-        return max(budget - fixed, budget / 2)
+        return max(budget - self.fixed_share(), budget / 4)
 
     def _spaced(self) -> int:
         if not self.auto:
@@ -194,8 +203,7 @@ class ProbeSchedule:
         the record of every step."""
         if self.total_seconds <= 0:
             return 0.0
-        fixed = self.record_time / self.plain_time if self.plain_time else 0.0
-        return max(0.0, self.probe_seconds) / self.total_seconds + fixed
+        return max(0.0, self.probe_seconds) / self.total_seconds + self.fixed_share()
 
     # ---- after a step -----------------------------------------------------------------------
     def observe(self, *, planned: bool, duration: float, skipped: bool = False, nonfinite: str | None = None,
@@ -264,6 +272,20 @@ class ProbeSchedule:
         if times:
             times[-1] += seconds
             self._update_median(planned)
+
+    def add_own_time(self, seconds: float) -> None:
+        """The run's own work on the last step between it and the next one, besides formatting
+        records (`add_record_time`) and a probed step's forecasts (`add_time`): what every step
+        pays, taken from the budget. Told for unprobed steps; a probed step's is the same."""
+        if self._last is None or self._last[0] or seconds <= 0:
+            return
+        self.total_seconds += seconds
+        self.seconds_since_probe += seconds
+        self._own_times.append(seconds)
+        self._own_count += 1
+        if len(self._own_times) < PLAIN_WINDOW or self._own_count % PLAIN_REFRESH == 0:
+            self.own_time = statistics.median(self._own_times)
+            self._interval = None
 
     def add_record_time(self, seconds: float, records: int) -> None:
         """What formatting `records` step records together took, with the guards on them: what

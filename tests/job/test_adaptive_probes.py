@@ -14,7 +14,9 @@ from torch import nn
 
 import amp_tui
 import amp_tui.job.controller as controller_module
+import amp_tui.job.engine_driver as engine_driver_module
 import amp_tui.job.hook_driver as hook_driver_module
+import amp_tui.job.monitor as monitor_module
 import amp_tui.training.engine as engine_module
 from amp_tui.core.commands import parse_action
 from amp_tui.recording.reader import read_session
@@ -44,10 +46,13 @@ def made_up_clock(monkeypatch):
     fake_time = types.SimpleNamespace(perf_counter=perf_counter, time=__import__("time").time)
     monkeypatch.setattr(engine_module, "time", fake_time)
     monkeypatch.setattr(hook_driver_module, "time", fake_time)
-    # Recording the steps takes no time on this clock (test_probe_schedule.py counts it).
+    # Recording the steps, and the run's other work between them, take no time on this clock
+    # (test_probe_schedule.py counts them).
     real = __import__("time")
-    monkeypatch.setattr(controller_module, "time", types.SimpleNamespace(
-        perf_counter=lambda: 0.0, monotonic=real.monotonic, time=real.time, sleep=real.sleep))
+    still = types.SimpleNamespace(perf_counter=lambda: 0.0, monotonic=real.monotonic, time=real.time,
+                                  sleep=real.sleep)
+    for module in (controller_module, engine_driver_module, monitor_module):
+        monkeypatch.setattr(module, "time", still)
     collect = LayerProbe.collect
 
     def costly_collect(self, *args, **kwargs):

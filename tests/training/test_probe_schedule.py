@@ -66,10 +66,19 @@ def test_what_the_run_spends_after_a_step_counts_in_the_budget():
     spent = sum(PROBED - PLAIN for p in stretch if p) + 0.00004 * len(stretch)
     assert spent / sum(PROBED if p else PLAIN for p in stretch) <= 0.01 + 1e-9   # all of it in the budget
     assert records.share() == pytest.approx(0.01, abs=0.001)   # the schedule's own measure of it
-    # A record dearer than the budget leaves probing half of it, not nothing.
+    # The run's other work between steps counts alike: 0.02 ms more, and probing gets 0.4%.
+    both = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
+    for step in range(3000):
+        planned = both.probing(step)
+        both.observe(planned=planned, duration=PROBED if planned else PLAIN, step=step)
+        both.add_own_time(0.00002)   # told after every step: an unprobed one's counts
+        if step % 10 == 9:
+            both.add_record_time(10 * 0.00004, 10)
+    assert both.fixed_share() == pytest.approx(0.006) and both.probe_share() == pytest.approx(0.004)
+    # A record dearer than the budget leaves probing a quarter of it, not nothing.
     dear = ProbeSchedule("auto", budget=1.0, live_seconds=1e9)
     run_recorded(dear, 3000, record=0.0005, forecast=0.0)
-    assert dear.probe_share() == pytest.approx(0.005)
+    assert dear.probe_share() == pytest.approx(0.0025)
 
 
 def test_a_larger_budget_probes_more_often():
