@@ -51,9 +51,13 @@ def _reject_constant(token: str):
     raise ValueError(f"non-standard JSON token {token}")
 
 
+# allow_nan=False makes a stray float('nan') an error here instead of a broken file later. One
+# encoder for every record: json.dumps with options builds a new one on every call.
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+
 def dumps(obj: Any) -> str:
-    # allow_nan=False makes a stray float('nan') an error here instead of a broken file later.
-    return json.dumps(obj, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    return _ENCODER.encode(obj)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
