@@ -119,8 +119,10 @@ class ForwardKeeper:
         if not self.keeping() or not self.forwards:
             return
         kept = self.forwards[-1]
-        loss = own_loss(output)
-        if loss is not None:
+        if type(output) is torch.Tensor and output.numel() != 1:
+            # The common case, logits: one leaf, no loss to look for (every forward pays this).
+            leaves = [(0, output)] if output.grad_fn is not None and output.is_floating_point() else []
+        elif (loss := own_loss(output)) is not None:
             # Its backward starts from the loss alone: the logits' gradient, which the loss made,
             # would count that path twice.
             kept.own_loss = True
