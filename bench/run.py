@@ -57,6 +57,7 @@ PROBE_EVERY_STEP_MAX_PCT = 3.0          # the full Run step and the probes alone
 SMALL_MODULES_EVERY_STEP_MAX_PCT = 5.0  # ... on the model of many small modules
 PROBE_EVERY_10_MAX_PCT = 1.0
 PROBE_AUTO_MAX_PCT = 1.0                # the adaptive schedule (the default), at its 1% budget
+SMALL_MODULES_AUTO_MAX_PCT = 2.0        # ... on the model of many small modules (12 ms steps)
 CHEAPER_THAN_DUO_MIN = 3.0
 DASHBOARD_MIN_RATIO = 0.97
 WHOLE_PROCESS_MAX_RATIO = 1.05          # amp-tui train (probes every step, recording) / bare loop
@@ -224,10 +225,11 @@ def targets(results: dict) -> list[dict]:
     for r in results.get("overhead", []):
         c = r["contenders"]
         where = f"{r['model']} {r['dtype']}"
-        every = SMALL_MODULES_EVERY_STEP_MAX_PCT if r["model"].startswith("blocks-") else PROBE_EVERY_STEP_MAX_PCT
+        small = r["model"].startswith("blocks-")
+        every = SMALL_MODULES_EVERY_STEP_MAX_PCT if small else PROBE_EVERY_STEP_MAX_PCT
         for ours, limit in (("probes/1", every), ("run/1", every),
                             ("probes/10", PROBE_EVERY_10_MAX_PCT), ("run/10", PROBE_EVERY_10_MAX_PCT),
-                            ("run/auto", PROBE_AUTO_MAX_PCT)):
+                            ("run/auto", SMALL_MODULES_AUTO_MAX_PCT if small else PROBE_AUTO_MAX_PCT)):
             if ours not in c:
                 continue
             v = c[ours]["overhead_pct"]
