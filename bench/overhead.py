@@ -1,13 +1,14 @@
 """Per-step cost of the probes, against the bare guarded loop and the tools people use today.
 
 Contenders, each with its own trainer (and GradScaler), the same batches in the same order, the
-same dtype and init_scale. ``bare`` and the contenders that probe some steps only train one copy
-of the model with one AdamW, in turns: where each trained a copy of its own, where the copies lay
-in memory made identical contenders differ by up to 2% on the small models, more than the 1% being
-measured. Those whose hooks stay on their model between steps (``probes/1``, ``run/1``,
-``DebugUnderflowOverflow``) train a copy of their own. While ``run/auto`` probes every step (an
-escalation) its hooks stay on too: they are taken off after its step, out of the timed part, and
-its next probed step puts them back inside it (a cost the real run doesn't pay):
+same dtype and init_scale, all training **one copy of the model with one AdamW, in turns**, each
+at its share of the learning rate. Where each trained a copy of its own, where the copies lay in
+memory made identical contenders differ by up to 2% on the small models, more than the 1% being
+measured; and where some shared a copy and others didn't, the sharers found the weights warm in
+the caches and the others cold (`run/1` read 10 points dearer). ``DebugUnderflowOverflow``, whose
+hooks stay on its model, trains a copy of its own. The probes' hooks that a contender leaves on
+the model between its steps (probing every step) are taken off after its step and put back before
+its next one, both out of the timed part, so that no contender runs another's hooks:
 
 - ``bare``: ``GuardedTrainer(probe=False)``: the guarded step with no probe and no session;
 - ``probes/1``, ``probes/10``: ``GuardedTrainer(probe=True, probe_every=1 | 10)``;
@@ -82,15 +83,25 @@ class Contender:
         self.close = close or (lambda: None)
         self.times: list[float] = []
         self.probed: list[bool] = []
+        self._detached = False   # tidy() took its hooks off the shared model
 
     def probing(self) -> bool:
         return self.trainer.probe is not None and self.trainer.probing_next()
 
     def tidy(self) -> None:
         """After its step, out of the timed part: no hook of its own left on the shared model for
-        the next contender's step (its next probed step attaches them again)."""
-        if self.trainer.probe is not None and self.every != 1:
-            self.trainer.probe.detach()
+        the next contender's step."""
+        probe = self.trainer.probe
+        if probe is not None and probe._handles:
+            probe.detach()
+            self._detached = True
+
+    def prepare(self) -> None:
+        """Before its step, out of the timed part: the hooks `tidy` took off back on, where the
+        step is probed, as they would have stayed in a run of its own."""
+        if self._detached and self.probing():
+            self.trainer._begin_probe()
+        self._detached = False
 
 
 def make_contenders(names, model, batches, loss_fn, *, dtype: str, device: str, init_scale: float,
@@ -100,7 +111,7 @@ def make_contenders(names, model, batches, loss_fn, *, dtype: str, device: str, 
     shared_model = copy.deepcopy(model).to(dev)
     # Each sharer's step moves the shared copy by its share of the learning rate, so that it trains
     # no farther in the bench's rounds than a copy of one's own would (fp16 overflows come later).
-    sharers = sum(1 for n in names if n not in ("probes/1", "run/1", "DebugUnderflowOverflow"))
+    sharers = sum(1 for n in names if n != "DebugUnderflowOverflow")
     shared = (shared_model, torch.optim.AdamW(shared_model.parameters(), lr=1e-4 / max(1, sharers)))
 
     def fresh(own: bool = False):
@@ -121,12 +132,12 @@ def make_contenders(names, model, batches, loss_fn, *, dtype: str, device: str, 
             out[name] = Contender(name, lambda t=t, f=feed: t.step(f.take(1)), trainer=t)
         elif name.startswith("probes/"):
             every = int(name.split("/")[1])
-            t = trainer(True, every, own=every == 1)
+            t = trainer(True, every)
             out[name] = Contender(name, lambda t=t, f=feed: t.step(f.take(1)), trainer=t, every=every)
         elif name.startswith("run/"):
             every = name.split("/")[1]
             every = every if every == "auto" else int(every)
-            m, opt = fresh(own=every == 1)
+            m, opt = fresh()
             cfg = RunConfig(script=Path("bench.py"), dtype=dtype, init_scale=init_scale, probe_every=every,
                             run_dir=tmp / name.replace("/", "-"))
             run = Run(cfg, TrainSetup(model=m, optimizer=opt, loss_fn=loss_fn, batches=batches), dev, feed)
@@ -182,6 +193,7 @@ def measure(spec, dtype: str, *, device: str = "cpu", rounds: int = 100, min_rou
         try:
             for _ in range(warmup):
                 for c in list(order):
+                    c.prepare()
                     try:
                         c.step()
                     except Exception as exc:  # noqa: BLE001
@@ -193,6 +205,7 @@ def measure(spec, dtype: str, *, device: str = "cpu", rounds: int = 100, min_rou
             while done < rounds:
                 rng.shuffle(order)
                 for c in list(order):
+                    c.prepare()
                     probed = c.probing()
                     t0 = clock()
                     try:
