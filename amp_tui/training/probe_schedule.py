@@ -4,11 +4,11 @@ The adaptive schedule (`every="auto"`) measures what a probed step costs over an
 this model and device, from the durations the steps already measure (the median of each kind's
 recent steps: one slow step of a busy machine moves a median little, where it would throw a
 moving average far off), and spaces the probed steps so that amp-tui takes at most `budget` percent
-of the training time. A step's time includes what the run spends on it after it ends (`add_time`:
-its record, its forecasts, the guards), so a probed step's dearer record counts as probing's, and
-what every step's record costs comes out of the budget before probing is spaced. It still probes
-once every `live_seconds` of training, so a dashboard stays live, and probes the first steps, to
-measure both costs.
+of the training time. A probed step's forecasts, made after it, count in its time (`add_time`), and
+what every step costs whatever the schedule (formatting its record with the guards,
+`add_record_time`; the run's other work between two steps, `add_own_time`) comes out of the budget
+before probing is spaced. It still probes once every `live_seconds` of training, so a dashboard
+stays live, and probes the first steps, to measure both costs.
 
 From the first sign of trouble (a skipped update, a scale drop, a non-finite loss, a layer under
 `alert_bits` of headroom, a dtype change, a restore or a resume) every step is probed, until
@@ -54,6 +54,32 @@ class ProbeChange:
     message: str
 
 
+class RecentMedian:
+    """The median of the last `size` values (None before the first), made again at every value
+    until the window is full, then every `refresh` values: a window's median moves slowly, and
+    every step pays for making it."""
+
+    def __init__(self, size: int, refresh: int = 1):
+        self.values: deque[float] = deque(maxlen=size)
+        self.refresh = refresh
+        self.value: float | None = None
+        self._added = 0
+
+    def add(self, value: float) -> bool:
+        """Whether the median was made again."""
+        self.values.append(value)
+        self._added += 1
+        if len(self.values) < (self.values.maxlen or 0) or self._added % self.refresh == 0:
+            self.value = statistics.median(self.values)
+            return True
+        return False
+
+    def add_to_last(self, extra: float) -> None:
+        """The last value was `extra` more than told."""
+        self.values[-1] += extra
+        self.value = statistics.median(self.values)
+
+
 class ProbeSchedule:
     """`every`: "auto" (the budget), or N (every Nth step, as it always was; escalations on
     trouble are the adaptive schedule's, the `probe` command works on both)."""
@@ -71,10 +97,8 @@ class ProbeSchedule:
         self.names = list(names or [])
         self.escalated: str | None = None   # why every step is probed (a trouble's words)
         self.pinned = False                 # `probe=every`: until `probe=auto`
-        self._probed_times: deque[float] = deque(maxlen=PROBED_WINDOW)
-        self._plain_times: deque[float] = deque(maxlen=PLAIN_WINDOW)
-        self.probed_time: float | None = None   # a probed step's duration (the recent median) ...
-        self.plain_time: float | None = None    # ... and an unprobed one's
+        self._probed = RecentMedian(PROBED_WINDOW)               # a probed step's duration ...
+        self._plain = RecentMedian(PLAIN_WINDOW, PLAIN_REFRESH)   # ... and an unprobed one's
         self.observed = 0                   # steps observed
         self.probed_steps = 0               # planned probed steps observed
         self.since_probe = 0                # unprobed steps since the last probed one ...
@@ -85,13 +109,9 @@ class ProbeSchedule:
         # What the run spends on every step besides it, whatever the schedule: formatting its
         # record with the guards (per record, as they are done in batches), and the rest of its
         # own work between two steps (`add_own_time`): the recent medians of each.
-        self._record_times: deque[float] = deque(maxlen=PLAIN_WINDOW)
-        self.record_time = 0.0
-        self._own_times: deque[float] = deque(maxlen=PLAIN_WINDOW)
-        self.own_time = 0.0
-        self._own_count = 0
-        self._last: tuple[bool, deque | None] | None = None   # the last step: planned, its window
-        self._counted = 0                   # steps whose durations went into a window
+        self._record = RecentMedian(PLAIN_WINDOW)
+        self._own = RecentMedian(PLAIN_WINDOW, PLAIN_REFRESH)
+        self._last: tuple[bool, RecentMedian | None] | None = None   # the last step: planned, its window
         self._changes: list[ProbeChange] = []
         self._spacing = FIRST_INTERVAL      # the interval the last resolvable cost gave
         self._interval: int | None = None   # interval(), until a figure it depends on moves
@@ -110,6 +130,26 @@ class ProbeSchedule:
     def budget(self, percent: float) -> None:
         self._budget = max(0.0, float(percent))
         self._interval = None
+
+    @property
+    def probed_time(self) -> float | None:
+        """A probed step's duration: the median of the recent ones (None: none counted yet)."""
+        return self._probed.value
+
+    @property
+    def plain_time(self) -> float | None:
+        """An unprobed step's duration, alike."""
+        return self._plain.value
+
+    @property
+    def record_time(self) -> float:
+        """What formatting a step's record with the guards takes (the recent median)."""
+        return self._record.value or 0.0
+
+    @property
+    def own_time(self) -> float:
+        """What the run's other work between two steps takes (the recent median)."""
+        return self._own.value or 0.0
 
     # ---- before a step ----------------------------------------------------------------------
     @property
@@ -132,7 +172,7 @@ class ProbeSchedule:
 
     def interval(self) -> int:
         """One step in this many is probed, for probing to cost at most what the budget leaves
-        once every step's record is paid (`probe_share`): cost / (k * plain + cost) <= b gives
+        once what every step costs is paid (`probe_share`): cost / (k * plain + cost) <= b gives
         k >= cost * (1 - b) / (b * plain)."""
         if self._interval is None:
             self._interval = self._spaced()
@@ -200,7 +240,7 @@ class ProbeSchedule:
 
     def share(self) -> float:
         """The share of the training time amp-tui took so far, as measured (0..1): probing, and
-        the record of every step."""
+        what every step costs whatever the schedule (`fixed_share`, at its recent rate)."""
         if self.total_seconds <= 0:
             return 0.0
         return max(0.0, self.probe_seconds) / self.total_seconds + self.fixed_share()
@@ -242,36 +282,25 @@ class ProbeSchedule:
         self._last = (planned, None)
         if not counted:   # the first steps (warm-up) and trouble steps (a diagnosis) say nothing of the cost
             return
-        times = self._probed_times if planned else self._plain_times
-        times.append(duration)
-        self._last = (planned, times)
-        self._counted += 1
-        # An unprobed step's median moves slowly once its window is full: made again every few
-        # of them, not at every step (each of which pays for it).
-        if planned or len(times) < PLAIN_WINDOW or self._counted % PLAIN_REFRESH == 0:
-            self._update_median(planned)
-
-    def _update_median(self, planned: bool) -> None:
-        if planned:
-            self.probed_time = statistics.median(self._probed_times)
-        else:
-            self.plain_time = statistics.median(self._plain_times)
-        self._interval = None
+        window = self._probed if planned else self._plain
+        self._last = (planned, window)
+        if window.add(duration):
+            self._interval = None
 
     def add_time(self, seconds: float) -> None:
         """What the run spent on the last step observed after it ended (its forecasts): counted
         in that step's time, so what a probed step adds there is probing's cost."""
         if self._last is None or seconds <= 0:
             return
-        planned, times = self._last
+        planned, window = self._last
         self.total_seconds += seconds
         if planned:
             self.probe_seconds += seconds
         else:
             self.seconds_since_probe += seconds
-        if times:
-            times[-1] += seconds
-            self._update_median(planned)
+        if window is not None:
+            window.add_to_last(seconds)
+            self._interval = None
 
     def add_own_time(self, seconds: float) -> None:
         """The run's own work on the last step between it and the next one, besides formatting
@@ -281,10 +310,7 @@ class ProbeSchedule:
             return
         self.total_seconds += seconds
         self.seconds_since_probe += seconds
-        self._own_times.append(seconds)
-        self._own_count += 1
-        if len(self._own_times) < PLAIN_WINDOW or self._own_count % PLAIN_REFRESH == 0:
-            self.own_time = statistics.median(self._own_times)
+        if self._own.add(seconds):
             self._interval = None
 
     def add_record_time(self, seconds: float, records: int) -> None:
@@ -293,8 +319,7 @@ class ProbeSchedule:
         if records <= 0 or seconds <= 0:
             return
         self.total_seconds += seconds
-        self._record_times.append(seconds / records)
-        self.record_time = statistics.median(self._record_times)
+        self._record.add(seconds / records)
         self._interval = None
 
     def _trouble(self, skipped, nonfinite, scale, next_scale, dtype, act, grad, step) -> tuple[str, str] | None:
