@@ -5,7 +5,7 @@ same dtype and init_scale, all training **one copy of the model with one AdamW, 
 at its share of the learning rate. Where each trained a copy of its own, where the copies lay in
 memory made identical contenders differ by up to 2% on the small models, more than the 1% being
 measured; and where some shared a copy and others didn't, the sharers found the weights warm in
-the caches and the others cold (`run/1` read 10 points dearer). ``DebugUnderflowOverflow``, whose
+the caches and the others cold (`run/1` read several points dearer). ``DebugUnderflowOverflow``, whose
 hooks stay on its model, trains a copy of its own. The probes' hooks that a contender leaves on
 the model between its steps (probing every step) are taken off after its step and put back before
 its next one, both out of the timed part, so that no contender runs another's hooks:

@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv_given = argv
+    # amp-tui is the program (its console script, `python -m amp_tui`), not a call from someone's
+    # code: what a training process sets up for itself (cli/training_process.py) is for it alone.
+    own_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, script_argv = split_script_args(argv)
     args = build_parser().parse_args(ours)
@@ -37,7 +39,5 @@ def main(argv: list[str] | None = None) -> int:
     # (recorded in the session's header; --detach starts the job with it).
     args.script_argv = script_argv
     args.command_line = ["amp-tui", *argv]
-    # amp-tui is the program (its console script, `python -m amp_tui`), not a call from someone's
-    # code: what a training process sets up for itself (cli/training_process.py) is for it alone.
-    args.own_process = argv_given is None
+    args.own_process = own_process
     return args.func(args)

@@ -264,6 +264,13 @@ class RunController:
                 or time.monotonic() - self._published_at >= PUBLISH_INTERVAL:
             self.publish()
 
+    def own_work_done(self, since: float, published: float) -> None:
+        """The run's own work on a step, from `since` (perf_counter) to now, told to the probe
+        schedule as what every step costs; the records formatted meanwhile (`published_seconds`
+        was `published`) are told apart, by publish()."""
+        if self._schedule is not None and not self.ranks:
+            self._schedule.add_own_time(time.perf_counter() - since - (self.published_seconds - published))
+
     def publish(self) -> None:
         results, self._unpublished = self._unpublished, []
         if not results:

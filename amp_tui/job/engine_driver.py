@@ -175,9 +175,7 @@ class EngineDriver:
         if result.xray is not None:
             record_xray(run, result.step, result.xray, self._xray_by)
         announce_probe_changes(run)
-        schedule = self.trainer.probe_schedule
-        if schedule is not None and not self.ranks:   # the run's own work on this step, the records apart
-            schedule.add_own_time(time.perf_counter() - after - (run.published_seconds - published))
+        run.own_work_done(after, published)
         if self.trainer.act_unmeasured and not self._act_unmeasured_said:
             self._act_unmeasured_said = True
             run.alert("act_not_measured", self.trainer.act_unmeasured, step=result.step,

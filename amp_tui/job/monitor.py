@@ -212,9 +212,7 @@ class Monitor(RunController):
         announce_probe_changes(self, step=result.step + 1)   # (the step counter moves on below)
         self.driver.update_done()
         self.after_update()
-        if not self.ranks:   # the run's own work after the update, the records formatted apart
-            self.driver.probe_schedule.add_own_time(
-                time.perf_counter() - after - (self.published_seconds - published))
+        self.own_work_done(after, published)   # the run's own work after the update
         # The boundary after the update: a stop asked for during the step is seen by the loop
         # at its very next `if monitor.should_stop`, and a pause holds the loop here.
         self._boundary()
