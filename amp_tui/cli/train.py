@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
                             "together, in percent of the training time (default 1)")
     train.add_argument("--probe-alert-bits", type=argtypes.nonnegative, default=3.0, metavar="BITS",
                        help="with --probe-every auto: every step is probed once a layer has less "
-                            "headroom than this (default 3)")
+                            "headroom than this (default 3): its activations, or its unscaled gradients")
     train.add_argument("--forecast-horizon", type=argtypes.positive_int, default=500, metavar="STEPS",
                        help="alert when a layer's headroom forecast says it reaches the dtype's max within "
                             "this many steps (default 500)")

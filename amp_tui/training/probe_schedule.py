@@ -335,7 +335,7 @@ class ProbeSchedule:
             return "nonfinite", f"non-finite gradients{at}"
         if scale is not None and next_scale is not None and next_scale < scale:
             return "scale_drop", f"the loss scale dropped {scale:g} → {next_scale:g}{at}"
-        low = self.least_headroom(dtype, scale, act, grad)
+        low = self.least_headroom(dtype, act, grad)
         if low is not None and low[1] < self.alert_bits:
             if self.agreed_spacing is not None:   # this rank's own outputs: put to the ranks' vote
                 self.low_headroom = low
@@ -343,16 +343,22 @@ class ProbeSchedule:
             return "headroom", f"{low[0]} at {low[1]:.1f} bits of headroom"
         return None
 
-    def least_headroom(self, dtype: str, scale: float | None, act: list | None,
-                       grad: list | None) -> tuple[str, float] | None:
-        """The layer with the least headroom (act, or grad × scale, in bits to the dtype's max)."""
+    def least_headroom(self, dtype: str, act: list | None, grad: list | None) -> tuple[str, float] | None:
+        """The layer with the least headroom (its activations, or its gradients, in bits to the
+        dtype's max).
+
+        The gradients are judged unscaled. GradScaler's scale is always dynamic (its growth
+        factor must exceed 1): it raises the scale until grad × scale overflows, then halves it,
+        so that product sits within a bit or two of the max in every healthy fp16 run, and the
+        overflow it makes is a skipped update, a sign of its own. Gradients near the max even
+        unscaled are ones no scale of 1 or more can save."""
         top = MAX_FINITE.get(dtype, MAX_FINITE["float32"])
         worst: tuple[str, float] | None = None
-        for figures, times in ((act, 1.0), (grad, scale or 1.0)):
+        for figures in (act, grad):
             for i, v in enumerate(figures or ()):
                 if v is None or v == 0:
                     continue
-                v = abs(v) * times
+                v = abs(v)
                 bits = math.log2(top / v) if math.isfinite(v) else -math.inf
                 if worst is None or bits < worst[1]:
                     worst = (self.names[i] if i < len(self.names) else f"layer {i}", bits)

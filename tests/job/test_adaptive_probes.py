@@ -115,6 +115,36 @@ def test_trouble_probes_every_step_until_a_clean_stretch(write_script, tmp_path,
     assert steps[OVERFLOW]["probes"][0] == "every"
 
 
+SCALED_NEAR_THE_MAX = """
+import torch
+from torch import nn
+
+def setup(ctx=None):
+    model = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[1].weight.fill_(1.0)
+    # d loss / d output = 1 per element: at the scale 2**14, grad x scale is 2 bits under fp16's max
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.0),
+            "loss_fn": lambda m, x: m(x).float().sum(),
+            "batches": [torch.ones(1, 1)] * 40}
+"""
+
+
+def test_gradients_scaled_near_the_max_leave_the_schedule_alone(write_script, tmp_path):
+    """What GradScaler does to every healthy fp16 run (grad x scale near the max) must not
+    probe every step: the gradients are judged unscaled, and they are 16 bits under."""
+    run_dir = tmp_path / "run"
+    run = train_run(write_script(SCALED_NEAR_THE_MAX), run_dir, steps=40, dtype="float16",
+                    init_scale=2.0 ** 14, control=False)
+    assert run.run() == 0
+    session = read_session(run_dir)
+    first = session.steps[0]
+    assert first["scale"] == 2.0 ** 14 and first["layers"]["grad"][1] == 1.0   # as the case says
+    assert not probes_events(session)
+    assert sum("layers" in r for r in session.steps) < 40
+
+
 def test_the_budget_holds_with_costly_probes(tmp_path, made_up_clock, mlp_script):
     run_dir = tmp_path / "run"
     run = train_run(mlp_script, run_dir, steps=200, dtype="float32", probe_budget=BUDGET, control=False)

@@ -116,7 +116,7 @@ def test_a_fixed_schedule_is_as_it_was():
     ({"nonfinite": "loss", "skipped": True}, "nonfinite"),
     ({"scale": 65536.0, "next_scale": 32768.0}, "scale_drop"),
     ({"act": [1.0, 60000.0 / 2 ** 2.4], "dtype": "float16"}, "headroom"),
-    ({"grad": [1e-3, 1.0], "scale": 2.0 ** 14, "dtype": "float16"}, "headroom"),
+    ({"grad": [1e-3, 60000.0 / 2 ** 2.4], "scale": 1.0, "dtype": "float16"}, "headroom"),
 ])
 def test_trouble_probes_every_step_until_a_clean_stretch(outcome, reason):
     schedule = ProbeSchedule("auto", budget=1.0, live_seconds=1e9, clean_steps=50, names=["stem", "blocks.3"])
@@ -134,6 +134,17 @@ def test_trouble_probes_every_step_until_a_clean_stretch(outcome, reason):
     (back,) = schedule.drain()
     assert (back.mode, back.reason) == ("auto", "clean")
     assert not any(run(schedule, 5, first_step=551))
+
+
+def test_gradients_the_scaler_keeps_near_the_max_are_no_sign_of_trouble():
+    """GradScaler raises the scale until grad × scale overflows: in a healthy fp16 run that
+    product sits within a bit or two of the max for good. Judged on it, the run would probe every
+    step from the scaler's first growth to its end; the gradients are judged unscaled."""
+    schedule = ProbeSchedule("auto", budget=1.0, live_seconds=1e9, names=["stem", "blocks.3"])
+    run(schedule, 500)
+    schedule.observe(planned=schedule.probing(500), duration=PLAIN, step=500, dtype="float16",
+                     act=[1.0, 2.0], grad=[1e-3, 0.5], scale=2.0 ** 16, next_scale=2.0 ** 16)
+    assert not schedule.drain() and schedule.mode == "auto"
 
 
 def test_more_trouble_while_escalated_starts_the_clean_stretch_again():
