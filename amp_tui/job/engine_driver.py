@@ -191,7 +191,7 @@ class EngineDriver:
         due, self._figures_due = self._figures_due, None
         if due is None:
             if self.run is not None:
-                self.run.publish()   # the steps recorded in a batch, before whatever comes next
+                self.run.publish(flush=flush)   # the steps recorded in a batch, before whatever comes next
             return
         figures, own = due
         run = self.run

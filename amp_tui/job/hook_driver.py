@@ -180,7 +180,7 @@ class HookDriver:
 
     def settle(self, *, failed: bool = False, flush: bool = False) -> None:
         if self.run is not None:
-            self.run.publish()
+            self.run.publish(flush=flush)
 
     def set_dtype(self, dtype: str) -> dict:
         if self.autocast_used_last is False and dtypes.canonical(dtype) != self.dtype:
