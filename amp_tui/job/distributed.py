@@ -337,6 +337,8 @@ class Ranks:
         """This rank's words of the step's tensor, before the all-reduce."""
         code, payload = encode_commands(commands) if self.is_main else (0, b"")
         vote = self._vote   # read once: a signal may replace it meanwhile, the next collective has it
+        if self.probes is not None and self.probes.nonfinite_here():
+            finite = False   # a loop of one's own: this rank's loss or figures, agreed on here
         nonfinite = None if finite else self.rank
         spacing, low_headroom = self.probes.words() if self.probes is not None else (0, False)
         words = {"nonfinite_rank": nonfinite, "command": code, "payload_bytes": len(payload),
@@ -384,7 +386,7 @@ class Ranks:
         self._synced_at, self._compute_s, self.nonfinite_rank = time.perf_counter(), None, None
         self._step_finite = True
         if self.probes is not None:
-            self.probes.agreed(words.probe_spacing, words.headroom_rank)
+            self.probes.agreed(words.probe_spacing, words.headroom_rank, words.nonfinite_rank)
         if not self.is_main:
             commands = decode_commands(words.command, payload)
         first = words.stop_rank

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from amp_tui.core import precision as dtypes
-from amp_tui.job.probe_events import probe_every_of
+from amp_tui.job.rank_probes import RankProbes
 from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.engine import StepResult, to_host
@@ -123,12 +123,13 @@ class HookDriver:
         # The loop's own script: what the recording names (python -c ...: "python").
         self.script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else Path("python")
 
-    def probe_like_every_rank(self) -> None:
-        """Several ranks probe the same steps, and gather the planned ones only: a fixed schedule
-        (each rank's own timing would choose differently; job/probe_events.py)."""
-        every = probe_every_of(self.probe_every, ranks=True)
-        self.probe_schedule = ProbeSchedule(every, budget=self.probe_schedule.budget,
-                                            alert_bits=self.probe_schedule.alert_bits, names=self.probe.names)
+    def probe_like_every_rank(self, ranks) -> None:
+        """Several ranks probe the same steps, and gather the planned ones only. The adaptive
+        schedule is rank 0's, agreed at each boundary with what each rank saw of its own (its
+        loss, its figures) that no collective agreed on (job/rank_probes.py)."""
+        if self.probe_schedule.auto:
+            self.probe_schedule.own_verdicts = True
+            ranks.probes = RankProbes(self.probe_schedule, ranks.rank)
         self.unplanned_figures = False
         self.replay_failing = False   # a rank alone can't run DDP's collectives in a replay
         # This rank's figures alone would make the step non-finite on this rank only.

@@ -92,7 +92,7 @@ class Monitor(RunController):
         ranks = Ranks.of_loop(model)
         run_dir = Path(run_dir or os.environ.get(RUN_DIR_VARIABLE) or default_run_dir(script))
         if ranks:
-            driver.probe_like_every_rank()
+            driver.probe_like_every_rank(ranks)
             run_dir = Path(ranks.share(str(run_dir)))
         main = not ranks or ranks.is_main
         super().__init__(driver, device=driver.device, run_dir=run_dir, script=script, ranks=ranks,
@@ -221,6 +221,8 @@ class Monitor(RunController):
         if self.ranks and not hold:
             return   # several ranks agree at the boundaries that hold, one after each update
         self.boundary(hold=hold)
+        if self.ranks:
+            announce_probe_changes(self)   # what the boundary's words changed, from the next step on
         if hold:
             self._released = True
 

@@ -26,9 +26,3 @@ def announce_probe_changes(run: RunController, *, step: int | None = None) -> No
     for change in schedule.drain():
         run.event("probes", change.message, step=step, mode=change.mode, reason=change.reason)
 
-
-def probe_every_of(asked: int | str, ranks) -> int | str:
-    """The schedule a loop of one's own can keep under `amp_tui.monitor`: several ranks probe the
-    same steps, so they keep a fixed one there (each rank's own timing would choose differently;
-    `amp-tui train` agrees on rank 0's instead: job/rank_probes.py)."""
-    return 1 if ranks and asked == "auto" else asked

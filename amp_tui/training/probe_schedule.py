@@ -22,7 +22,9 @@ in `drain()` for the run to record them as `probes` events. Deterministic: no cl
 Several ranks must probe the same steps, and each one's timing would space them differently: there
 (`follow`), rank 0's `spacing()` decides, agreed each step (job/rank_probes.py), and a layer's
 headroom, which each rank sees in its own outputs, is voted on instead of escalating one rank alone
-(`low_headroom`). The other signs of trouble are the same on every rank at the same step.
+(`low_headroom`). Under `amp-tui train` the other signs of trouble are the same on every rank at
+the same step; in a loop of one's own (`own_verdicts`), a non-finite loss or figure is one rank's
+own too, and goes in the words alike (`own_nonfinite`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ PLAIN_WINDOW = 31       # recent unprobed steps whose median duration is an unpr
 PLAIN_REFRESH = 4       # ... made again every this many counted steps once the window is full
 FIRST_INTERVAL = 10     # one step in this many while a cost is still unknown
 MAX_SPACING = (1 << 24) - 1   # the widest spacing the ranks agree on (exact in fp32 and int64 words)
+NONFINITE_WORDS = {"loss": "loss", "activations": "activation", "gradients": "gradient"}
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,12 @@ class ProbeSchedule:
         # figures, for its vote, instead of an escalation of its own.
         self.agreed_spacing: int | None = None
         self.low_headroom: tuple[str, float] | None = None
+        # A loop of one's own (`amp_tui.monitor`) with several ranks: no collective agrees on a
+        # rank's loss, nor on its figures where they are its own shard's, so a non-finite one is
+        # told in the words too (`own_nonfinite`: what this rank saw) instead of escalating here.
+        # A skip and a scale drop are GradScaler's, the same on every rank.
+        self.own_verdicts = False
+        self.own_nonfinite: str | None = None
 
     @property
     def budget(self) -> float:
@@ -327,8 +336,15 @@ class ProbeSchedule:
                 and (scale is None or next_scale is None or next_scale >= scale):
             return None   # an unprobed clean step: said without a word built
         at = f" at step {step}" if step is not None else ""
+        if nonfinite is not None and self.own_verdicts and self.agreed_spacing is not None:
+            if skipped:   # GradScaler's, on every rank: the sign they share
+                return "skip", f"an update skipped{at}"
+            # This rank's own loss or figures, which no collective agreed on: told in the step's
+            # words (job/rank_probes.py), every rank escalating at the boundary that agrees on them.
+            self.own_nonfinite = f"a non-finite {NONFINITE_WORDS.get(nonfinite, nonfinite)}{at}"
+            return None
         if nonfinite in ("loss", "activations"):
-            return "nonfinite", f"a non-finite {'loss' if nonfinite == 'loss' else 'activation'}{at}"
+            return "nonfinite", f"a non-finite {NONFINITE_WORDS[nonfinite]}{at}"
         if skipped:
             return "skip", f"an update skipped{at}"
         if nonfinite is not None:

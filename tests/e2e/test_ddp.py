@@ -276,11 +276,72 @@ def test_amp_tui_run_follows_a_torchrun_loop_with_a_monitor(write_script, tmp_pa
     assert job.returncode == 0, out
     session = read_session(run_dir)
     assert session.header["world_size"] == 2 and len(list(tmp_path.rglob("session.jsonl"))) == 1
-    assert all(len(r["rank_loss"]) == 2 for r in session.steps)
+    assert session.header["probe_every"] == "auto"   # rank 0's schedule, agreed at each boundary
+    probed = [r for r in session.steps if "layers" in r]
+    assert probed and all(len(r["rank_loss"]) == 2 for r in probed)   # both ranks probed them
     ends = dict(re.findall(r"rank (\d) stopped at (\d+; dtypes .*)", out))
     assert set(ends) == {"0", "1"} and ends["0"] == ends["1"], out   # the same step, the same switch
     switch = next(e for e in session.events if e.get("action") == "dtype")
     assert f"({switch['step']}, 'torch.bfloat16')" in ends["0"]
+
+
+OWN_LOOP_NAN_ON_RANK_1 = '''
+import sys
+import torch
+import torch.distributed as dist
+from torch import nn
+import amp_tui
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+xs = torch.randn(64, 8, generator=torch.Generator().manual_seed(rank))
+monitor = amp_tui.monitor(model, optimizer, dtype="bf16", run_dir=sys.argv[1], control=False, announce=False)
+for i in range(30):
+    x = xs[(i % 4) * 16:(i % 4 + 1) * 16]
+    optimizer.zero_grad()
+    with monitor.step() as step:
+        with monitor.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), x.sum(1, keepdim=True))
+        if rank == 1 and i == 20:
+            loss = loss * float("nan")   # rank 1's alone: no GradScaler to skip it on both
+        step.loss = loss
+        loss.backward()
+        optimizer.step()
+monitor.close()
+print(f"rank {rank} probed {monitor.driver.probe_schedule.probed_steps}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_a_monitored_loop_of_2_ranks_probes_rank_0s_steps_and_escalates_both_on_one_ranks_nan(
+        write_script, tmp_path):
+    """`amp_tui.monitor` under torchrun, with its default schedule: both ranks probe the same
+    steps (each probed step's record has both ranks' figures), fewer than all while healthy; a
+    NaN loss on rank 1 alone, which no collective agrees on in a loop of one's own, goes in the
+    boundary's words, and both ranks probe every step after it (a rank escalating alone would
+    gather where the other doesn't: the job would hang, and the timeout fail the test)."""
+    script = write_script(OWN_LOOP_NAN_ON_RANK_1, "loop.py")
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(run_dir)], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=RANK_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    session = read_session(run_dir)
+    assert session.header["probe_every"] == "auto" and [r["step"] for r in session.steps] == list(range(30))
+    probed = [r["step"] for r in session.steps if "layers" in r]
+    assert all(len(r["rank_loss"]) == 2 for r in session.steps if "layers" in r)
+    healthy = [s for s in probed if s <= 20]
+    assert healthy[:3] == [0, 1, 2] and len(healthy) < 10, probed
+    assert set(range(21, 30)) <= set(probed), probed
+    [escalation] = [e for e in session.events if e["kind"] == "probes"]
+    assert (escalation["mode"], escalation["reason"], escalation["step"]) == ("every", "nonfinite", 21)
+    assert escalation["message"] == "probing every step: a non-finite value on rank 1"
+    counts = dict(re.findall(r"rank (\d) probed (\d+)", out))
+    assert counts == {"0": str(len(probed)), "1": str(len(probed))}, out
 
 
 @pytest.mark.parametrize("words", ["gradients", "collectives"])
