@@ -549,19 +549,24 @@ def steer_to_its_end(job, steer) -> str:
     return out
 
 
+def torchrun(*arguments: str, cwd: Path):
+    """`python -m torch.distributed.run --standalone --nproc-per-node 2 ARGUMENTS...` to its end,
+    its output captured; bounded by RANK_TIMEOUT_S: a hang fails the test."""
+    import os
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *arguments], capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def run_rank_worker(tmp_path: Path, source: str, argument) -> list:
     """A worker script of 2 ranks under torch.distributed.run, given `tmp_path` and `argument`
     (JSON) on its command line; what each rank wrote to tmp_path/rank<N>.json, in rank order.
     Bounded by RANK_TIMEOUT_S: a hang fails the test."""
-    import os
-    import subprocess
-    import sys
     worker = tmp_path / "worker.py"
     worker.write_text(source, encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(worker), str(tmp_path), json.dumps(argument)],
-                          capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = torchrun(str(worker), str(tmp_path), json.dumps(argument), cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 

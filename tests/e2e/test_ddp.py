@@ -31,6 +31,7 @@ from support import (
     steer_to_its_end,
     step_count,
     toasts,
+    torchrun,
     train_ranks,
     until,
     wait_for,
@@ -244,11 +245,8 @@ def test_torchrun_runs_amp_tui_train_as_its_ranks(write_script, tmp_path):
     script = write_script(DDP_SCRIPT)
     run_dir, params = tmp_path / "run", tmp_path / "params"
     params.mkdir()
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "amp_tui", "train", str(script), "--headless", "--steps", "3",
-                           "--run-dir", str(run_dir), "--", "--wrap", "--params", str(params)],
-                          capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = torchrun("-m", "amp_tui", "train", str(script), "--headless", "--steps", "3",
+                    "--run-dir", str(run_dir), "--", "--wrap", "--params", str(params), cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     session = read_session(run_dir)
     assert session.header["world_size"] == 2 and len(session.steps) == 3
@@ -325,9 +323,7 @@ def test_a_monitored_loop_of_2_ranks_probes_rank_0s_steps_and_escalates_both_on_
     gather where the other doesn't: the job would hang, and the timeout fail the test)."""
     script = write_script(OWN_LOOP_NAN_ON_RANK_1, "loop.py")
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(run_dir)], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=RANK_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = torchrun(str(script), str(run_dir), cwd=tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     session = read_session(run_dir)

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from amp_tui.recording.reader import read_session
 
-from support import RANK_TIMEOUT_S
+from support import torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
@@ -93,9 +90,7 @@ if trainer.global_rank == 0:
 def test_lightning_model_parallel_strategy_is_watched_on_both_ranks(write_script, tmp_path):
     script = write_script(LIGHTNING_FSDP_SCRIPT, "train_lightning.py")
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(run_dir)], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=RANK_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = torchrun(str(script), str(run_dir), cwd=tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "not watching" not in out

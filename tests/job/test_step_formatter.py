@@ -24,6 +24,14 @@ def recorder(tmp_path):
     return rec, seen
 
 
+def sent(rec, make, steps: int = 3) -> None:
+    """Steps 0.. of a batch to `rec`, their records made by `make` on the formatter's thread."""
+    rec._formatter.make = make
+    for step in range(steps):
+        rec.add_step(step_result(step))
+    rec.send()
+
+
 def test_records_are_made_off_the_training_thread_and_written_in_order(tmp_path):
     made_on = []
 
@@ -31,10 +39,7 @@ def test_records_are_made_off_the_training_thread_and_written_in_order(tmp_path)
         made_on.append(threading.current_thread().name)
         return step_record(result)
     rec, seen = recorder(tmp_path)
-    rec._formatter.make = make
-    for step in range(3):
-        rec.add_step(step_result(step))
-    rec.send()
+    sent(rec, make)
     rec.drain(flush=True)
     assert made_on == ["amp-tui-step-records"] * 3   # not the thread that trains
     assert order(rec.path) == [("step", 0, None), ("step", 1, None), ("step", 2, None)]
@@ -67,10 +72,7 @@ def test_a_drain_that_does_not_wait_writes_what_is_made(tmp_path):
             gate.wait(10)
         return step_record(result)
     rec, _ = recorder(tmp_path)
-    rec._formatter.make = slow
-    for step in range(3):
-        rec.add_step(step_result(step))
-    rec.send()
+    sent(rec, slow)
     while not rec._outbox[0].ready:   # step 0, made by the thread (which then waits at step 1)
         threading.Event().wait(0.001)
     rec.drain(wait=False, flush=True)
@@ -87,10 +89,7 @@ def test_a_record_that_cannot_be_made_raises_on_the_training_thread(tmp_path):
             raise ValueError("a field that can't be written")
         return step_record(result)
     rec, _ = recorder(tmp_path)
-    rec._formatter.make = broken
-    for step in range(3):
-        rec.add_step(step_result(step))
-    rec.send()
+    sent(rec, broken)
     with pytest.raises(ValueError, match="can't be written"):
         rec.drain()
     rec.drain()
