@@ -98,9 +98,10 @@ class Recorder:
         self._unsent.append(pending)
 
     def send(self) -> None:
-        """Have the steps added since the last call made on the formatter's thread."""
+        """Have the steps added since the last call made on the formatter's thread (those a drain
+        made meanwhile, to write something after them, are made already)."""
         batch, self._unsent = self._unsent, []
-        self._formatter.send(batch)
+        self._formatter.send([pending for pending in batch if not pending.ready])
 
     def drain(self, *, wait: bool = True, flush: bool = False) -> None:
         """Write the steps whose records are made, in order with what came after them; with `wait`
@@ -124,8 +125,6 @@ class Recorder:
             else:
                 outbox.popleft()
                 self._write(head, flush=False)
-        if wait:
-            self._unsent = []
         if flush and not outbox:
             self._write(None, flush=True)
 

@@ -51,7 +51,13 @@ def test_records_are_made_off_the_training_thread_and_written_in_order(tmp_path)
 def test_an_event_raised_by_a_step_comes_right_after_that_step(tmp_path):
     """What a step raises (its non-finite event, a guard's alert) is recorded while the next
     steps of the batch are not made yet: it is written after its own step, before theirs."""
+    made = []
+
+    def make(result):
+        made.append(result.step)
+        return step_record(result)
     rec, _ = recorder(tmp_path)
+    rec._formatter.make = make
     rec.add_step(step_result(0))
     rec.emit(event_record(0, "alert", "skips"))   # written at once: its step first
     assert order(rec.path) == [("step", 0, None), ("event", 0, "alert")]
@@ -62,6 +68,7 @@ def test_an_event_raised_by_a_step_comes_right_after_that_step(tmp_path):
     rec.finish({"step": 3, "status": "finished"})
     assert order(rec.path) == [("step", 0, None), ("event", 0, "alert"), ("step", 1, None), ("step", 2, None),
                                ("event", 2, "error"), ("end", 3, None)]
+    assert made == [0, 1, 2]   # step 0, made for the event, was not sent to be made again
 
 
 def test_a_drain_that_does_not_wait_writes_what_is_made(tmp_path):
