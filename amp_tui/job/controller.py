@@ -272,30 +272,20 @@ class RunController:
             self._schedule.add_own_time(time.perf_counter() - since - (self.published_seconds - published))
 
     def publish(self, *, flush: bool = False) -> None:
-        """Record the steps measured since the last call, then what each one raises. In a single
-        process the records are made on the recorder's thread and written at the next call (at
-        once while paused, with `flush`, and before any event). `flush`: every step in the file now."""
+        """Record the steps measured since the last call, each followed by what it raises, on the
+        training thread: made in a batch, the records find the code that makes them warm. (Made on
+        a thread of their own instead, they cost the steps more than they saved: every GIL handover
+        at a torch op's boundary slowed the next step.) `flush`: in the file now."""
         results, self._unpublished = self._unpublished, []
         if not results:
-            if flush and not self.ranks and self.recorder.opened and not self.recorder.closed:
-                self.recorder.drain(flush=True)
             return
         self._published_at, started = time.monotonic(), time.perf_counter()
-        # A step while paused: no later record comes to push it to the file, where `ctl`,
-        # `attach` and `replay --follow` look for it.
-        paused = self.state == "paused"
-        if self.ranks:   # in step with the other ranks' records (hold/release): made here
-            for result in results:
-                self.recorder.emit(step_record(result), flush=paused)
-                self.after_step(result)
-        else:
-            self.recorder.drain(wait=False)   # the last batch's, made meanwhile
-            for result in results:
-                self.recorder.add_step(result)
-                self.after_step(result)   # what it raises is written after it
-            self.recorder.send()
-            if flush or paused or self.state == "paused":
-                self.recorder.drain(flush=True)
+        last = len(results) - 1
+        for i, result in enumerate(results):
+            # A step while paused: no later record comes to push it to the file, where `ctl`,
+            # `attach` and `replay --follow` look for it.
+            self.recorder.emit(step_record(result), flush=self.state == "paused" or (flush and i == last))
+            self.after_step(result)
         spent = time.perf_counter() - started
         self.published_seconds += spent
         if self._schedule is not None:   # what every step costs, taken from the probes' budget

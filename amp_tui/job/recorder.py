@@ -10,22 +10,15 @@ written after the header.
 A run of several ranks records a probed step once its figures have come from every rank, which
 is a step later: meanwhile `hold()` keeps every later record back, and `release(step)` writes the
 step's record, then those, in the order they were made.
-
-A single process's steps are recorded through `add_step`: their records are made on a thread of
-their own (job/step_formatter.py) and written at the next `drain`, in order with every record made
-meanwhile. Any other record (an event) is written at once, after the steps before it.
 """
 
 from __future__ import annotations
 
 import sys
 import traceback
-from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from amp_tui.job.step_formatter import PendingStep, StepFormatter
-from amp_tui.recording.format import step_record
 from amp_tui.recording.writer import SessionWriter
 
 Observer = Callable[[dict], None]
@@ -52,11 +45,6 @@ class Recorder:
         self._refusing = False         # the last write failed
         # Records made while a step's record waits to be made (hold/release): (record, flush, kept).
         self._held: list[tuple[dict, bool, bool]] | None = None
-        # Steps whose records are being made, and whatever was recorded after them, in order;
-        # `_unsent`: the steps added since the last `send`.
-        self._formatter = StepFormatter(step_record)
-        self._outbox: deque[PendingStep | dict] = deque()
-        self._unsent: list[PendingStep] = []
 
     @property
     def opened(self) -> bool:
@@ -82,57 +70,13 @@ class Recorder:
     def hold(self) -> None:
         """Keep every record from now on back, in order, until `release`: they come after a step
         whose record is not made yet (its figures are still on their way from the other ranks)."""
-        self.drain()
         if self._held is None:
             self._held = []
-
-    # ---- steps recorded in batches ---------------------------------------------------------------
-    def add_step(self, result) -> None:
-        """A step (a StepResult no one changes any more) to record: its record is made by `send`'s
-        thread, or at once when something must be written after it first."""
-        if self._writer is None:   # before the file exists (never in a run as it is driven)
-            self._early.append(step_record(result))
-            return
-        pending = PendingStep(result)
-        self._outbox.append(pending)
-        self._unsent.append(pending)
-
-    def send(self) -> None:
-        """Have the steps added since the last call made on the formatter's thread (those a drain
-        made meanwhile, to write something after them, are made already)."""
-        batch, self._unsent = self._unsent, []
-        self._formatter.send([pending for pending in batch if not pending.ready])
-
-    def drain(self, *, wait: bool = True, flush: bool = False) -> None:
-        """Write the steps whose records are made, in order with what came after them; with `wait`
-        every one (waiting for the thread, or making a step not sent yet), without it up to the
-        first not made yet. `flush`: in the file now."""
-        outbox = self._outbox
-        while outbox:
-            head = outbox[0]
-            if type(head) is PendingStep:
-                if not head.ready:
-                    if not wait:
-                        break
-                    if head.sent:
-                        self._formatter.wait(head)
-                    else:
-                        self._formatter.make_now(head)
-                outbox.popleft()
-                if head.error is not None:
-                    raise head.error
-                self._write(head.record, flush=False)
-            else:
-                outbox.popleft()
-                self._write(head, flush=False)
-        if flush and not outbox:
-            self._write(None, flush=True)
 
     def release(self, step: dict | None, *, flush: bool = False) -> None:
         """Write `step` (the record held for; None: it could not be made), then every record
         kept back behind it, in order."""
         held, self._held = self._held or [], None
-        self.drain()
         if step is not None:
             self.emit(step, flush=flush)
         for record, flush_it, kept in held:
@@ -149,24 +93,16 @@ class Recorder:
         if self._writer is None:
             self._early.append(record)
             return
-        if self._outbox:   # after the steps before it
-            self.drain()
-        self._write(record, flush=flush)
-
-    def _write(self, record: dict | None, *, flush: bool) -> None:
-        """`record` to the file (None: only flush), then to every observer."""
         if not self._writer.closed:
             try:
-                if record is not None:
-                    self._writer.write(record)
+                self._writer.write(record)
                 if flush:
                     self._writer.flush()
                 self._refusing = False
             except OSError as exc:
                 first, self._refusing = not self._refusing, True
                 self._on_refused(f"could not append to {self.path}: {exc.strerror or exc}", first)
-        if record is not None:
-            self.observers.notify(record)
+        self.observers.notify(record)
 
     def keep(self, record: dict) -> None:
         """Hold `record` for the file even while the disk refuses it (the file will say why it
@@ -175,8 +111,6 @@ class Recorder:
         if self._held is not None:
             self._held.append((record, False, True))
             return
-        if self._outbox and self._writer is not None:
-            self.drain()
         if self._writer is not None and not self._writer.closed:
             try:
                 self._writer.write(record)
@@ -192,14 +126,12 @@ class Recorder:
         """Write the end record and everything kept, and close the file. Raises OSError with
         nothing given up when the disk still refuses them (try again, or `give_up`)."""
         self.release(None)   # what a step still held for had behind it, if the run could not wait
-        self._formatter.close()
         self._writer.finish(end)
         self.observers.notify({"type": "end", **end})
 
     def give_up(self, end: dict) -> dict[str, int]:
         """Close without what the disk refused; returns the records lost, by type."""
         self.release(None)
-        self._formatter.close()
         lost = self._writer.abandon()
         self.observers.notify({"type": "end", **end, "unwritten": dict(lost)})
         return lost
