@@ -1,9 +1,9 @@
 """What AmpTuiCallback costs a Hugging Face Trainer: the same Trainer, with and without the
-callback, one optimizer step at a time alternating in one process (the order shuffled each round).
+callback, alternating in blocks of 10 optimizer steps in one process (the order shuffled each round).
 
 Two Trainers train copies of the same GPT-2 (built from a config, no download) on the same
 batches, each in a thread of its own that a pacing callback holds at the end of every optimizer
-step: the main thread lets one Trainer run one step, then the other. A step's time runs from the
+step: the main thread lets one Trainer run one block of steps, then the other. A step's time runs from the
 moment its Trainer is let go to the end of its on_step_end, after every other callback's, so it
 holds the whole of the Trainer's loop for that step (the batch, the hooks, the logging check) and
 all of amp-tui's work, including the boundary at on_step_begin. Only one Trainer has the callback
@@ -153,11 +153,12 @@ class Side:
         self.thread.join(120)
 
 
-def measure(spec: Gpt2Spec, dtype: str, every: int, *, rounds: int, warmup: int = 5, seed: int = 0) -> dict:
+def measure(spec: Gpt2Spec, dtype: str, every: int, *, rounds: int, warmup: int = 5, block: int = 10,
+            seed: int = 0) -> dict:
     model = build_model(spec)
     tmp = Path(tempfile.mkdtemp(prefix="amp-tui-bench-integration-"))
     clock = common.Clock("cpu")
-    steps = warmup + rounds + 1
+    steps = warmup + rounds * block + 1
     bare = Side(copy.deepcopy(model), spec, dtype, steps, clock, probe_every=None, run_dir=tmp / "bare")
     watched = Side(copy.deepcopy(model), spec, dtype, steps, clock, probe_every=every, run_dir=tmp / "watched")
     rng = random.Random(seed)
@@ -172,11 +173,12 @@ def measure(spec: Gpt2Spec, dtype: str, every: int, *, rounds: int, warmup: int 
         for _ in range(rounds):
             rng.shuffle(order)
             for side in order:
-                side.step()
+                for _ in range(block):
+                    side.step()
     finally:
         for side in order:
             side.finish()
-    n = warmup + rounds
+    n = warmup + rounds * block
     bare_times, watched_times = bare.paced.times[warmup:n], watched.paced.times[warmup:n]
     probed = watched.probed[warmup:n]
 
@@ -189,12 +191,12 @@ def measure(spec: Gpt2Spec, dtype: str, every: int, *, rounds: int, warmup: int 
         base = own(bare_times, idx)
         return base / (base + over)
 
-    everything = list(range(rounds))
-    lo, hi = common.bootstrap_interval(ratio, rounds)
+    everything = list(range(rounds * block))
+    lo, hi = common.bootstrap_interval(ratio, rounds * block)
     params = sum(p.numel() for p in model.parameters())
     return {"model": spec.name, "description": f"GPT-2 {spec.layers} blocks, d_model {spec.d_model}, vocab "
             f"{spec.vocab}, seq {spec.seq}, batch {spec.batch}, {params / 1e6:.2f} M parameters",
-            "dtype": dtype, "probe_every": every, "rounds": rounds,
+            "dtype": dtype, "probe_every": every, "rounds": rounds, "block": block,
             "bare_step_ms": common.rnd(own(bare_times, everything) * 1e3),
             "watched_step_ms": common.rnd(own(watched_times, everything) * 1e3),
             "steps_per_s_ratio": common.rnd(ratio(everything), 4),
@@ -209,13 +211,13 @@ def probes_label(every) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=None, help="rounds of 10-step blocks per case")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cases = QUICK if args.quick else FULL
-    rounds = args.rounds or (60 if args.quick else 120)
+    rounds = args.rounds or (6 if args.quick else 12)
     results, rows = [], []
     load_at_start = common.load_average()
     for spec, dtype in cases:

@@ -2,6 +2,9 @@
 monitor, one step at a time alternating in one process (the order shuffled each round), on the
 benchmark models.
 
+Each loop runs a block of 10 consecutive steps in turn (`block`): a loop alone runs its own code,
+and the monitor's, on every step, where one step of each in turn left it cold for the next.
+
 The loop is the snippet of the user guide (autocast forward, scaled backward, unscale_, clip,
 scaler.step, update). Two copies of the model and optimizer train side by side; only one has a
 monitor (one per process), with probes every step, then (a second pass) every 10 steps, then (a
@@ -10,7 +13,7 @@ steps/s ratio monitored / bare from the paired step times, with a 90% bootstrap 
 share of the steps probed. Targets: >= 0.95 with probes every step, >= 0.99 every 10 and with the
 default.
 
-    python bench/monitor_overhead.py            # the bench models, 120 rounds each
+    python bench/monitor_overhead.py            # the bench models, 12 rounds of 10-step blocks each
     python bench/monitor_overhead.py --quick    # smaller models, fewer rounds
 """
 
@@ -93,7 +96,8 @@ class Loop:
             self.monitor.close()
 
 
-def measure(spec, dtype: str, every: int, *, rounds: int, warmup: int = 5, seed: int = 0) -> dict:
+def measure(spec, dtype: str, every: int, *, rounds: int, warmup: int = 5, block: int = 10,
+            seed: int = 0) -> dict:
     model, batches, loss_fn, description = build(spec, "cpu")
     tmp = Path(tempfile.mkdtemp(prefix="amp-tui-bench-monitor-"))
     bare = Loop(copy.deepcopy(model), batches, loss_fn, dtype, monitor_every=None, run_dir=tmp / "bare")
@@ -109,11 +113,12 @@ def measure(spec, dtype: str, every: int, *, rounds: int, warmup: int = 5, seed:
         for _ in range(rounds):
             rng.shuffle(order)
             for loop in order:
-                probed = loop.probing()
-                t0 = clock()
-                loop.step()
-                loop.times.append(clock() - t0)
-                loop.probed.append(probed)
+                for _ in range(block):
+                    probed = loop.probing()
+                    t0 = clock()
+                    loop.step()
+                    loop.times.append(clock() - t0)
+                    loop.probed.append(probed)
     finally:
         watched.close()
 
@@ -126,10 +131,11 @@ def measure(spec, dtype: str, every: int, *, rounds: int, warmup: int = 5, seed:
         base = own(bare, idx)
         return base / (base + over)
 
-    everything = list(range(rounds))
-    lo, hi = common.bootstrap_interval(ratio, rounds)
+    steps = rounds * block
+    everything = list(range(steps))
+    lo, hi = common.bootstrap_interval(ratio, steps)
     return {"model": spec.name, "description": description, "dtype": dtype, "probe_every": every,
-            "rounds": rounds, "bare_step_ms": common.rnd(own(bare, everything) * 1e3),
+            "rounds": rounds, "block": block, "bare_step_ms": common.rnd(own(bare, everything) * 1e3),
             "monitored_step_ms": common.rnd(own(watched, everything) * 1e3),
             "steps_per_s_ratio": common.rnd(ratio(everything), 4),
             "ratio_90ci": [common.rnd(lo, 4), common.rnd(hi, 4)], "target": TARGETS[every],
@@ -150,13 +156,13 @@ def probes_label(every) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=None, help="rounds of 10-step blocks per case")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cases = QUICK if args.quick else FULL
-    rounds = args.rounds or (60 if args.quick else 120)
+    rounds = args.rounds or (6 if args.quick else 12)
     results = []
     rows = []
     load_at_start = common.load_average()

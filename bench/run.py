@@ -103,7 +103,7 @@ def presets(kind: str, device: str) -> Preset:
                       (GptSpec(layers=4, d_model=64, heads=4, vocab=1024, seq=32, batch=4), "float32"),
                       (MlpSpec(depth=20, width=64, batch=32), "float16"),
                       (BlocksSpec(), "bfloat16")],
-            rounds=20, budget_s=3.0, min_rounds=10,
+            rounds=2, budget_s=3.0, min_rounds=1,
             # The process section is most of a quick run (each process starts torch): 4 pairs, and
             # a warm-up pair of 2 steps, which loads all that the measured processes load.
             process=[("blocks", "bfloat16")], process_steps=100, process_pairs=4, process_warmup_steps=2,
@@ -119,7 +119,7 @@ def presets(kind: str, device: str) -> Preset:
                       (MlpSpec(depth=24, width=128, batch=64), "float16"),
                       (GptSpec(layers=4, d_model=64, heads=4, vocab=1024, seq=32, batch=4), "float16"),
                       (BlocksSpec(), "bfloat16")],
-            rounds=200, budget_s=75.0, min_rounds=30,
+            rounds=20, budget_s=75.0, min_rounds=4,
             process=[("blocks", "bfloat16")], process_steps=400, process_pairs=7,
             dashboard=(MlpSpec(depth=24, width=128, batch=64), "float16"), windows=20, window_s=2.0,
             presses=20, checkpoint=MlpSpec(depth=12, width=512, batch=8), checkpoint_rounds=5,
@@ -128,7 +128,7 @@ def presets(kind: str, device: str) -> Preset:
         return Preset(
             "gpu", device,
             overhead=[(GPT2_SMALL, "float16"), (GPT2_SMALL, "bfloat16")],
-            rounds=40, budget_s=40.0, min_rounds=20, dashboard=None,
+            rounds=6, budget_s=40.0, min_rounds=2, dashboard=None,
             process=[("gpt2-small", "float16"), ("gpt2-small", "bfloat16")], process_steps=50,
             process_pairs=5, sections=("overhead", "process"))
     raise ValueError(kind)
@@ -147,7 +147,8 @@ def run_overhead(p: Preset) -> list[dict]:
         log(f"overhead: {spec.name} {dtype} ...")
         r = overhead.measure(spec, dtype, device=p.device, rounds=p.rounds, min_rounds=p.min_rounds,
                              budget_s=p.budget_s, log=log)
-        log(f"  {r['rounds']} rounds in {r['seconds']:.1f} s; bare {r['contenders']['bare']['step_ms']:.1f} ms/step")
+        log(f"  {r['rounds']} rounds of {r.get('block', 1)}-step blocks in {r['seconds']:.1f} s; "
+            f"bare {r['contenders']['bare']['step_ms']:.1f} ms/step")
         if r["missing"]:
             log(f"  left out (not installed): {', '.join(r['missing'])}")
         out.append(r)
@@ -313,7 +314,7 @@ def render(results: dict) -> str:
     for r in results.get("overhead", []):
         lines.append("")
         lines.append(f"Per-step cost: {r['description']}, {r['dtype']} on {r['device']}, "
-                     f"{r['rounds']} rounds alternating ({r['seconds']:.0f} s)")
+                     f"{r['rounds']} rounds alternating blocks of {r.get('block', 1)} steps ({r['seconds']:.0f} s)")
         rows = []
         for name, c in r["contenders"].items():
             ci = c.get("overhead_pct_90ci")
@@ -441,7 +442,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help=f"comma-separated sections: {', '.join(SECTIONS)}")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default 1 on the CPU, for stable figures; untouched on a GPU)")
-    ap.add_argument("--rounds", type=int, default=None, help="overhead rounds (upper bound)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="overhead rounds (upper bound; each contender runs a block of 10 steps a round)")
     ap.add_argument("--budget", type=float, default=None, help="seconds per overhead configuration")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON (default bench/results)")
     ap.add_argument("--baseline", type=Path, default=None, metavar="CHECKOUT",

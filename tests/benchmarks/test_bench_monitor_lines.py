@@ -29,8 +29,9 @@ def test_both_scripts_measure_the_default_schedule_beside_the_fixed_ones():
 
 @pytest.mark.parametrize("every", [1, "auto"])
 def test_the_monitor_line_gives_every_figure(every):
-    r = monitor_overhead.measure(MlpSpec(depth=2, width=16, batch=4), "float32", every, rounds=8, warmup=4)
-    assert r["probe_every"] == every and r["rounds"] == 8
+    r = monitor_overhead.measure(MlpSpec(depth=2, width=16, batch=4), "float32", every, rounds=4, warmup=4,
+                                 block=3)
+    assert r["probe_every"] == every and r["rounds"] == 4 and r["block"] == 3
     assert r["bare_step_ms"] > 0 and r["monitored_step_ms"] > 0 and r["steps_per_s_ratio"] > 0
     lo, hi = r["ratio_90ci"]
     assert lo <= r["steps_per_s_ratio"] <= hi
@@ -44,7 +45,7 @@ def test_the_callback_line_runs_the_default_schedule():
     from bench import integration_overhead
 
     spec = integration_overhead.Gpt2Spec(layers=1, d_model=16, heads=2, vocab=64, seq=8, batch=2)
-    r = integration_overhead.measure(spec, "fp32", "auto", rounds=6, warmup=3)
-    assert r["probe_every"] == "auto" and r["target"] == 0.99
+    r = integration_overhead.measure(spec, "fp32", "auto", rounds=3, warmup=3, block=2)
+    assert r["probe_every"] == "auto" and r["target"] == 0.99 and (r["rounds"], r["block"]) == (3, 2)
     assert r["bare_step_ms"] > 0 and r["watched_step_ms"] > 0 and r["steps_per_s_ratio"] > 0
     assert 0 <= r["probed_share"] <= 1 and r["schedule_interval"] >= 1
