@@ -141,8 +141,12 @@ class EngineDriver:
             announce_probe_changes(run)   # what the boundary's words changed, from this step on
         try:
             micro = self.feed.take(self.setup.accumulate)  # the user's DataLoader or dataset may raise too
+            begun = time.perf_counter()
             result = self.trainer.step(micro)
-            after, published = time.perf_counter(), run.published_seconds
+            # amp-tui's own work on the step starts where its measured duration ends: what the
+            # trainer does around the forward, backward and update (asking the schedule, telling
+            # it the step) counts with the run's, not in the step's duration.
+            after, published = begun + result.duration, run.published_seconds
             if self.ranks:
                 # The last probed step's gather: every rank issued it before this step's loss
                 # check, which has been answered, so it is in (or as good as).

@@ -117,6 +117,7 @@ class HookDriver:
         self._losses: list[torch.Tensor] = []   # the losses set in this update's blocks
         self._forwards = 0                      # the model's forward passes in this update
         self._started: float | None = None
+        self.update_ended = 0.0   # when the last update's measured duration ended (perf_counter)
         self._handles: list = []
         self._patched: list[str] = []
         self.run = None
@@ -392,7 +393,8 @@ class HookDriver:
             skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
             micro_batches=max(self._forwards, n), nonfinite=nonfinite, first_nonfinite_layer=first,
             lr=attempt.lr, figures=figures, next_scale=self.precision.scale,
-            duration=time.perf_counter() - self._started)
+            duration=(ended := time.perf_counter()) - self._started)
+        self.update_ended = ended
         observe_step(self.probe_schedule, result, planned=self._planned)
         if nonfinite is not None and self.replay_failing:
             result.op_trace = self._replayed(used_scale, applied=attempt.stepped and not skipped)

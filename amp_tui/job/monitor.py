@@ -106,6 +106,7 @@ class Monitor(RunController):
         self._open_block: AbstractContextManager | None = None   # begin_step()'s, until end_step()
         self._forward_autocast: ForwardAutocast | None = None
         self._released = False   # the last boundary let the loop go on (resumed, or not paused)
+        self._entry_seconds = 0.0   # amp-tui's work entering the open step's block (own time)
         self._closed = False
         self._previous_signals: dict = {}
         if tensorboard_dir is not None and main:   # before anything is made: a missing package
@@ -161,6 +162,7 @@ class Monitor(RunController):
         if self._open_step is not None:
             raise MonitorError("monitor.step() inside another monitor.step(): close the first one "
                                "(one `with monitor.step() as step:` block per step, not nested)")
+        entered = time.perf_counter()
         if not self.driver.accumulating:      # between updates: the boundary where commands apply
             # The update before ended at a boundary already (which held the loop while paused):
             # hold here only before the first update, or for a pause asked for since.
@@ -171,6 +173,7 @@ class Monitor(RunController):
             self._released = False
         step = self._open_step = MonitoredStep()
         self.driver.block_starts()
+        self._entry_seconds = time.perf_counter() - entered
         try:
             yield step
         except BaseException as exc:
@@ -203,7 +206,9 @@ class Monitor(RunController):
         if not self.driver.block_ends(loss):
             return   # no update in this block (accumulating): it belongs to the next one
         result = self.driver.finish_update()
-        after, published = time.perf_counter(), self.published_seconds
+        # amp-tui's own work on the update: from where its measured duration ends (the transfer
+        # of its figures is the update's) to the boundary after it, and the entry of its block.
+        after, published = self.driver.update_ended - self._entry_seconds, self.published_seconds
         if self.ranks:
             result = self.ranks.gather_step(result, self.driver.probe.names, details=False)
         self.record_step(result, batched=True)
@@ -212,10 +217,11 @@ class Monitor(RunController):
         announce_probe_changes(self, step=result.step + 1)   # (the step counter moves on below)
         self.driver.update_done()
         self.after_update()
-        self.own_work_done(after, published)   # the run's own work after the update
         # The boundary after the update: a stop asked for during the step is seen by the loop
-        # at its very next `if monitor.should_stop`, and a pause holds the loop here.
+        # at its very next `if monitor.should_stop`, and a pause holds the loop here (the
+        # schedule keeps a median of this time: a pause is one slow sample).
         self._boundary()
+        self.own_work_done(after, published)
 
     def _boundary(self, *, hold: bool = True) -> None:
         if self.ranks and not hold:

@@ -6,6 +6,7 @@ busy the machine is.
 """
 
 import math
+import time
 import types
 
 import pytest
@@ -311,3 +312,47 @@ def test_the_monitor_takes_the_headroom_that_escalates(tmp_path):
     wary = probes_events(monitored_loop(tmp_path / "wary", 12, init_scale=1.0, probe_alert_bits=30))
     assert wary and (wary[0]["mode"], wary[0]["reason"]) == ("every", "headroom")
     assert not probes_events(monitored_loop(tmp_path / "default", 12, init_scale=1.0))
+
+
+SLOW = 0.003   # seconds a piece of amp-tui's own work is made to take
+
+
+def test_the_trainers_work_around_the_step_counts_as_the_runs_own(tmp_path, mlp_script, monkeypatch):
+    # Telling the schedule about the step happens inside GuardedTrainer.step, after the step's
+    # duration is measured: it is what every step pays, so it comes out of the budget.
+    tell = engine_module.observe_step
+
+    def slow_tell(*args, **kwargs):
+        time.sleep(SLOW)
+        return tell(*args, **kwargs)
+    monkeypatch.setattr(engine_module, "observe_step", slow_tell)
+    run = train_run(mlp_script, tmp_path / "run", steps=60, dtype="float32", control=False)
+    assert run.run() == 0
+    schedule = run.trainer.probe_schedule
+    assert schedule.own_time >= SLOW
+    assert schedule.plain_time is not None and schedule.fixed_share() >= SLOW / schedule.plain_time
+
+
+def test_the_monitors_boundary_and_block_entry_count_as_its_own(tmp_path, monkeypatch):
+    boundary = controller_module.RunController.boundary
+
+    def slow_boundary(self, *args, **kwargs):
+        time.sleep(SLOW)
+        return boundary(self, *args, **kwargs)
+    monkeypatch.setattr(controller_module.RunController, "boundary", slow_boundary)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False, control=False)
+    x = torch.randn(16, 4)
+    for _ in range(60):
+        opt.zero_grad()
+        with monitor.step() as step:
+            loss = model(x).pow(2).mean()
+            step.loss = loss
+            loss.backward()
+            opt.step()
+    schedule = monitor.driver.probe_schedule
+    # two boundaries an update: the one after it and the one entering the next block
+    assert schedule.own_time >= 2 * SLOW
+    monitor.close()
