@@ -49,3 +49,34 @@ def test_the_callback_line_runs_the_default_schedule():
     assert r["probe_every"] == "auto" and r["target"] == 0.99 and (r["rounds"], r["block"]) == (3, 2)
     assert r["bare_step_ms"] > 0 and r["watched_step_ms"] > 0 and r["steps_per_s_ratio"] > 0
     assert 0 <= r["probed_share"] <= 1 and r["schedule_interval"] >= 1
+
+
+def test_the_bare_loop_runs_none_of_the_monitors_hooks_on_the_shared_model(tmp_path):
+    import copy
+
+    import torch
+
+    from bench.models import build
+
+    model, batches, loss_fn, _ = build(MlpSpec(depth=2, width=16, batch=4), "cpu")
+    shared = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(shared.parameters(), lr=1e-4)
+    watched = monitor_overhead.Loop(shared, batches, loss_fn, "float16", monitor_every="auto",
+                                    run_dir=tmp_path / "run", optimizer=optimizer)
+
+    def hooks():
+        return (len(shared._forward_pre_hooks) + len(shared._forward_hooks),
+                len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks),
+                sorted(k for k in ("step", "unscale_") if k in watched.scaler.__dict__))
+
+    on = hooks()
+    assert on[0] > 0 and on[1] > 0 and on[2] == ["step", "unscale_"]
+    for _ in range(2):
+        watched.set_aside()
+        watched.set_aside()
+        assert hooks() == (0, 0, [])
+        watched.put_back()
+        watched.put_back()
+        assert hooks() == on   # back once, not twice
+        watched.step()
+    watched.close()
