@@ -1,6 +1,5 @@
 """What `amp_tui.monitor` costs a loop of the user's own: the same loop, with and without the
-monitor, one step at a time alternating in one process (the order shuffled each round), on the
-benchmark models.
+monitor, alternating in one process (the order shuffled each round), on the benchmark models.
 
 Each loop runs a block of 10 consecutive steps in turn (`block`): a loop alone runs its own code,
 and the monitor's, on every step, where one step of each in turn left it cold for the next. Both
