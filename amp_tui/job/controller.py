@@ -108,6 +108,7 @@ class RunController:
         self._unpublished: list[StepResult] = []   # measured, not yet recorded (record_step)
         self._published_at = time.monotonic()
         self.published_seconds = 0.0   # spent formatting records so far (publish), told apart from the rest
+        self.held_seconds = 0.0        # spent at boundaries that had something to do (a pause, a command)
         self.should_stop = False                    # the run stops at this boundary (stopping ran)
         self.stop_requested = threading.Event()
         self._checkpoint_on_stop = False
@@ -267,12 +268,18 @@ class RunController:
                 or time.monotonic() - self._published_at >= PUBLISH_INTERVAL:
             self.publish()
 
-    def own_work_done(self, since: float, published: float) -> None:
+    @property
+    def apart_seconds(self) -> float:
+        """What own_work_done leaves out of a step's own work, so far: formatting the records
+        (counted by publish) and the boundaries that held or applied a command."""
+        return self.published_seconds + self.held_seconds
+
+    def own_work_done(self, since: float, apart: float) -> None:
         """The run's own work on a step, from `since` (perf_counter) to now, told to the probe
-        schedule as what every step costs; the records formatted meanwhile (`published_seconds`
-        was `published`) are told apart, by publish()."""
+        schedule as what every step costs; what `apart_seconds` counted meanwhile (it was `apart`)
+        is told apart."""
         if self._schedule is not None and not self.ranks:
-            self._schedule.add_own_time(time.perf_counter() - since - (self.published_seconds - published))
+            self._schedule.add_own_time(time.perf_counter() - since - (self.apart_seconds - apart))
 
     def publish(self, *, flush: bool = False) -> None:
         """Record the steps measured since the last call, each followed by what it raises, on the
@@ -345,6 +352,14 @@ class RunController:
                 and not self.single_steps and not (hold and self.state == "paused")
                 and not self.stop_requested.is_set() and self.step_index not in self._scheduled):
             return True   # nothing asked, nothing to hold for: every step passes here, and at once
+        entered, published = time.perf_counter(), self.published_seconds
+        try:
+            return self._boundary_at_work(hold, finished)
+        finally:   # a pause, a command: not what every step costs (the records made here are publish's)
+            self.held_seconds += time.perf_counter() - entered - (self.published_seconds - published)
+
+    def _boundary_at_work(self, hold: bool, finished: Callable[[], bool] | None) -> bool:
+        """`boundary` with something to do: the commands, a pause held, a stop."""
         while True:
             for command in self._boundary_commands():
                 self.apply(command)

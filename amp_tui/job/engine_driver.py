@@ -146,7 +146,7 @@ class EngineDriver:
             # amp-tui's own work on the step starts where its measured duration ends: what the
             # trainer does around the forward, backward and update (asking the schedule, telling
             # it the step) counts with the run's, not in the step's duration.
-            after, published = begun + result.duration, run.published_seconds
+            after, apart = begun + result.duration, run.apart_seconds
             if self.ranks:
                 # The last probed step's gather: every rank issued it before this step's loss
                 # check, which has been answered, so it is in (or as good as).
@@ -179,7 +179,7 @@ class EngineDriver:
         if result.xray is not None:
             record_xray(run, result.step, result.xray, self._xray_by)
         announce_probe_changes(run)
-        run.own_work_done(after, published)
+        run.own_work_done(after, apart)
         if self.trainer.act_unmeasured and not self._act_unmeasured_said:
             self._act_unmeasured_said = True
             run.alert("act_not_measured", self.trainer.act_unmeasured, step=result.step,

@@ -162,7 +162,7 @@ class Monitor(RunController):
         if self._open_step is not None:
             raise MonitorError("monitor.step() inside another monitor.step(): close the first one "
                                "(one `with monitor.step() as step:` block per step, not nested)")
-        entered = time.perf_counter()
+        entered, apart = time.perf_counter(), self.apart_seconds
         if not self.driver.accumulating:      # between updates: the boundary where commands apply
             # The update before ended at a boundary already (which held the loop while paused):
             # hold here only before the first update, or for a pause asked for since.
@@ -173,7 +173,7 @@ class Monitor(RunController):
             self._released = False
         step = self._open_step = MonitoredStep()
         self.driver.block_starts()
-        self._entry_seconds = time.perf_counter() - entered
+        self._entry_seconds = time.perf_counter() - entered - (self.apart_seconds - apart)
         try:
             yield step
         except BaseException as exc:
@@ -208,7 +208,7 @@ class Monitor(RunController):
         result = self.driver.finish_update()
         # amp-tui's own work on the update: from where its measured duration ends (the transfer
         # of its figures is the update's) to the boundary after it, and the entry of its block.
-        after, published = self.driver.update_ended - self._entry_seconds, self.published_seconds
+        after, apart = self.driver.update_ended - self._entry_seconds, self.apart_seconds
         if self.ranks:
             result = self.ranks.gather_step(result, self.driver.probe.names, details=False)
         self.record_step(result, batched=True)
@@ -218,10 +218,10 @@ class Monitor(RunController):
         self.driver.update_done()
         self.after_update()
         # The boundary after the update: a stop asked for during the step is seen by the loop
-        # at its very next `if monitor.should_stop`, and a pause holds the loop here (the
-        # schedule keeps a median of this time: a pause is one slow sample).
+        # at its very next `if monitor.should_stop`, and a pause holds the loop here (the time
+        # held is told apart from the update's own work).
         self._boundary()
-        self.own_work_done(after, published)
+        self.own_work_done(after, apart)
 
     def _boundary(self, *, hold: bool = True) -> None:
         if self.ranks and not hold:

@@ -356,3 +356,35 @@ def test_the_monitors_boundary_and_block_entry_count_as_its_own(tmp_path, monkey
     # two boundaries an update: the one after it and the one entering the next block
     assert schedule.own_time >= 2 * SLOW
     monitor.close()
+
+
+def test_a_boundary_that_holds_the_loop_is_not_counted_as_the_monitors_own_work(tmp_path, monkeypatch):
+    # A pause, or a command applied at the boundary, is not what every step costs: it must not
+    # grow the training time the budget is a share of, nor the own work taken from it.
+    held = 2.0
+    at_work = controller_module.RunController._boundary_at_work
+
+    def slow_at_work(self, *args, **kwargs):
+        time.sleep(held)
+        return at_work(self, *args, **kwargs)
+    monkeypatch.setattr(controller_module.RunController, "_boundary_at_work", slow_at_work)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False, control=False)
+    x = torch.randn(16, 4)
+    for i in range(20):
+        if i == 10:
+            monitor.submit(parse_action("note=a note", source="api"))
+        opt.zero_grad()
+        with monitor.step() as step:
+            loss = model(x).pow(2).mean()
+            step.loss = loss
+            loss.backward()
+            opt.step()
+    schedule = monitor.driver.probe_schedule
+    monitor.close()
+    assert monitor.held_seconds >= held
+    assert schedule.total_seconds < held
+    notes = [e for e in read_session(tmp_path / "run").events if e["kind"] == "note"]
+    assert len(notes) == 1
