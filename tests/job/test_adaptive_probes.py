@@ -333,6 +333,26 @@ def test_the_trainers_work_around_the_step_counts_as_the_runs_own(tmp_path, mlp_
     assert schedule.plain_time is not None and schedule.fixed_share() >= SLOW / schedule.plain_time
 
 
+def fp32_monitored_loop(run_dir, steps, *, note_at=None):
+    """A plain fp32 loop under the monitor (`note_at`: a note submitted before that step), left
+    open for its schedule and counters to be read."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = amp_tui.monitor(model, opt, run_dir=run_dir, announce=False, control=False)
+    x = torch.randn(16, 4)
+    for i in range(steps):
+        if i == note_at:
+            monitor.submit(parse_action("note=a note", source="api"))
+        opt.zero_grad()
+        with monitor.step() as step:
+            loss = model(x).pow(2).mean()
+            step.loss = loss
+            loss.backward()
+            opt.step()
+    return monitor
+
+
 def test_the_monitors_boundary_and_block_entry_count_as_its_own(tmp_path, monkeypatch):
     boundary = controller_module.RunController.boundary
 
@@ -340,18 +360,7 @@ def test_the_monitors_boundary_and_block_entry_count_as_its_own(tmp_path, monkey
         time.sleep(SLOW)
         return boundary(self, *args, **kwargs)
     monkeypatch.setattr(controller_module.RunController, "boundary", slow_boundary)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False, control=False)
-    x = torch.randn(16, 4)
-    for _ in range(60):
-        opt.zero_grad()
-        with monitor.step() as step:
-            loss = model(x).pow(2).mean()
-            step.loss = loss
-            loss.backward()
-            opt.step()
+    monitor = fp32_monitored_loop(tmp_path / "run", 60)
     schedule = monitor.driver.probe_schedule
     # two boundaries an update: the one after it and the one entering the next block
     assert schedule.own_time >= 2 * SLOW
@@ -368,20 +377,7 @@ def test_a_boundary_that_holds_the_loop_is_not_counted_as_the_monitors_own_work(
         time.sleep(held)
         return at_work(self, *args, **kwargs)
     monkeypatch.setattr(controller_module.RunController, "_boundary_at_work", slow_at_work)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False, control=False)
-    x = torch.randn(16, 4)
-    for i in range(20):
-        if i == 10:
-            monitor.submit(parse_action("note=a note", source="api"))
-        opt.zero_grad()
-        with monitor.step() as step:
-            loss = model(x).pow(2).mean()
-            step.loss = loss
-            loss.backward()
-            opt.step()
+    monitor = fp32_monitored_loop(tmp_path / "run", 20, note_at=10)
     schedule = monitor.driver.probe_schedule
     monitor.close()
     assert monitor.held_seconds >= held
