@@ -6,6 +6,7 @@ import argparse
 import math
 from collections.abc import Callable
 
+from amp_tui.core.commands import CommandError, parse_at
 from amp_tui.core.precision import canonical
 
 
@@ -15,7 +16,7 @@ def _number(text: str, *, percent: bool = False) -> float:
             return float(text[:-1]) / 100
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
 
 
 def bounded(check: Callable[[float], bool], requirement: str, *, percent: bool = False):
@@ -23,7 +24,7 @@ def bounded(check: Callable[[float], bool], requirement: str, *, percent: bool =
     def parse(text: str) -> float:
         value = _number(text, percent=percent)
         if not (math.isfinite(value) and check(value)):
-            raise argparse.ArgumentTypeError(f"{text!r} must be {requirement}")
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
         return value
     return parse
 
@@ -36,13 +37,15 @@ unit_share = bounded(lambda v: 0 <= v <= 1, "between 0 and 1 (or a percentage)",
 
 def whole(minimum: int):
     """An argparse type accepting whole numbers of at least `minimum`."""
+    requirement = "a positive integer" if minimum == 1 else f"a whole number, {minimum} or more"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} must be {minimum} or more")
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
         return value
     return parse
 
@@ -59,7 +62,7 @@ def probe_every(text: str) -> int | str:
     try:
         return positive_int(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use auto or a whole number of steps, 1 or more") from None
+        raise argparse.ArgumentTypeError(f"use auto or a whole number of steps, 1 or more, got {text!r}") from None
 
 
 def dtype(text: str) -> str:
@@ -68,3 +71,12 @@ def dtype(text: str) -> str:
         return canonical(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def at(text: str) -> str:
+    """`STEP:ACTION` as `--at` takes it (checked here, kept as typed: the run parses it again)."""
+    try:
+        parse_at(text)
+    except CommandError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

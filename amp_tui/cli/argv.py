@@ -12,6 +12,22 @@ def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+STEP_OPTIONS = ("--at",)   # options whose value starts with a step number (STEP:ACTION)
+
+
+def joined_step_values(argv: list[str], options: tuple[str, ...] = STEP_OPTIONS) -> list[str]:
+    """`argv` with `--at -3:save` written `--at=-3:save`: argparse takes a value that starts with
+    `-` for an option of its own (and says only `expected one argument`), where the step's own
+    check says what is wrong with it."""
+    out = []
+    for arg in argv:
+        if out and out[-1] in options and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+            continue
+        out.append(arg)
+    return out
+
+
 def without_options(argv: list[str], options: tuple[str, ...], flags: tuple[str, ...] = ()) -> list[str]:
     """`argv` without `options` (each with its value, as `--opt V` or `--opt=V`) and `flags`."""
     out, skip = [], False

@@ -7,24 +7,26 @@ read-side commands (report, replay --headless, ls) start without them.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from amp_tui import __version__
 from amp_tui.cli import attach, compare, ctl, export, ls, plot, replay, report, run, train
-from amp_tui.cli.argv import split_script_args
+from amp_tui.cli.argv import joined_step_values, split_script_args
+from amp_tui.cli.terminal import CommandParser
 
 # In the order `amp-tui --help` lists them.
 COMMANDS = (train, run, report, replay, export, plot, compare, ctl, attach, ls)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    # The subcommands' parsers are of the same class: every usage error is one line.
+    parser = CommandParser(
         prog="amp-tui", description="See and steer mixed-precision training live in the terminal.")
     parser.add_argument("--version", action="version", version=f"amp-tui {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -34,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     own_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, script_argv = split_script_args(argv)
-    args = build_parser().parse_args(ours)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(joined_step_values(ours))
+    if unknown:
+        # Named by the command they were given to, whose --help lists what it takes.
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     # What train and compare hand on: the script's arguments, and the command line as typed
     # (recorded in the session's header; --detach starts the job with it).
     args.script_argv = script_argv

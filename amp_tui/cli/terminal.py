@@ -1,7 +1,9 @@
-"""What every command shares about the terminal: the one-line error, and whether a person is there."""
+"""What every command shares about the terminal: the one-line error (its own and argparse's), and
+whether a person is there."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 EXIT_USAGE = 2
@@ -17,3 +19,13 @@ def interactive() -> bool:
     """Both ends are a terminal: a dashboard can read keys and draw. Pipes, CI and a job started
     in the background get the printed (headless) output instead."""
     return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse, whose usage errors are one line that names the command's --help, instead of the
+    whole usage before it (17 lines for train)."""
+
+    commands: dict[str, argparse.ArgumentParser] = {}   # the top level's: each command's parser
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

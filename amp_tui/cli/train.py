@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
                             "isolate puts the overflowing op's module in fp32 (u undoes it)")
     train.add_argument("--repeat-interventions", type=Path, default=None, metavar="RUN",
                        help="apply a recording's interventions again at the same steps")
-    train.add_argument("--at", action="append", default=[], metavar="STEP:ACTION",
+    train.add_argument("--at", type=argtypes.at, action="append", default=[], metavar="STEP:ACTION",
                        help="schedule an intervention before STEP: dtype=bf16|fp16|fp32, scale=4096, "
                             "scale=half, save, restore=latest|PATH, pause (repeatable)")
     train.add_argument("--refresh-rate", type=argtypes.positive, default=20.0, metavar="HZ",

@@ -118,11 +118,11 @@ def parse_at(text: str) -> tuple[int, Command]:
     """`STEP:ACTION`, e.g. `10:dtype=bf16`: apply ACTION before step STEP runs."""
     step_text, sep, action = text.partition(":")
     if not sep:
-        raise CommandError(f"--at {text!r}: expected STEP:ACTION, e.g. 10:dtype=bf16")
+        raise CommandError(f"expected STEP:ACTION, e.g. 10:dtype=bf16, got {text!r}")
     try:
         step = int(step_text)
     except ValueError:
-        raise CommandError(f"--at {text!r}: {step_text!r} is not a step number") from None
+        raise CommandError(f"{step_text!r} is not a step number, in {text!r}") from None
     if step < 0:
-        raise CommandError(f"--at {text!r}: the step must be 0 or more")
+        raise CommandError(f"the step must be 0 or more, got {step} in {text!r}")
     return step, parse_action(action, source="at")
