@@ -37,7 +37,7 @@ class FixedSource:
         return self.buffer.snapshot()
 
     def send(self, command: Command) -> tuple[bool, str]:
-        if self.mode != "live":
+        if not self.can_steer:
             return False, "a recording can't be steered"
         self.sent.append(command)
         if self.answer is not None and command.on_done is not None:

@@ -253,16 +253,18 @@ class AmpTuiApp(App[int]):
             return False
         return None if self._last_state in ENDED else True
 
-    def send(self, action: Action, value=None) -> None:
+    def send(self, action: Action, value=None) -> bool:
+        """Queue a command for the run; False (and said so) when the source refused it."""
         command = Command(action, value, COMMAND_SOURCE)
         command.on_done = partial(self._command_done, command)
         ok, message = self.source.send(command)
         if not ok:
             self.notify(visible(message), title=COMMAND_TITLES.get(action, ""), severity="warning",
                         markup=False)
-            return
+            return False
         self._pending.append(command)
         self.refresh_view_soon()
+        return True
 
     def _command_done(self, command: Command, outcome: Outcome) -> None:
         # Called on the training thread: hand over to the UI thread.
@@ -319,10 +321,17 @@ class AmpTuiApp(App[int]):
             self.notify(visible(exc), title="checkpoints", severity="error", markup=False)
             found = []
         run_dir = self.source.run_dir
+        # Training on while the user picks would make the restore roll back every update made
+        # meanwhile: the run is paused while the picker is open, and goes on once it closes
+        # (from the checkpoint, when one was picked) only if this paused it.
+        paused_here = self.source.snapshot().state == "running" and not self._paused_or_pausing() \
+            and self.send("pause")
 
         def chosen(path: str | None) -> None:
             if path is not None:
                 self.send("restore", path)
+            if paused_here:
+                self.send("resume")
 
         self.push_screen(RestoreDialog(found, Path(run_dir) if run_dir else None), chosen)
 
@@ -332,10 +341,14 @@ class AmpTuiApp(App[int]):
                 self.playback.toggle()
                 self.refresh_view_soon()
             return
+        self.send("resume" if self._paused_or_pausing() else "pause")
+
+    def _paused_or_pausing(self) -> bool:
+        """The run is paused, or will be: the last pause or resume queued decides, else its state."""
         pending = [c.action for c in self._pending if c.action in ("pause", "resume")]
-        state = ("paused" if pending[-1] == "pause" else "running") if pending \
-            else self.source.snapshot().state
-        self.send("resume" if state == "paused" else "pause")
+        if pending:
+            return pending[-1] == "pause"
+        return self.source.snapshot().state == "paused"
 
     def action_single_step(self) -> None:
         self.send("step")
