@@ -36,10 +36,15 @@ class KeyAction:
     shown: bool = True         # in the footer and the palette (False: listed in the help only: a
                                # second key for an action that has its own entry, or a key that
                                # only does something after a rare event, like f)
-    hidden_in: frozenset = frozenset()   # modes where it works but is listed in the help only
+    # Modes where the key can't work, bound only to say why (x in a replay): listed nowhere, so
+    # the footer, the palette and the help name only keys that work in the mode at hand.
+    refused_in: frozenset = frozenset()
 
     def shown_in(self, mode: str) -> bool:
-        return self.shown and mode not in self.hidden_in
+        return self.shown and mode in self.modes
+
+    def bound_in(self, mode: str) -> bool:
+        return mode in self.modes or mode in self.refused_in
 
     def text(self, mode: str) -> tuple[str, str, str]:
         return dict(self.texts).get(mode, (self.footer, self.title, self.help))
@@ -78,7 +83,8 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
                                  "can't be steered: run again with it)")),)),
     KeyAction("amp.undo_autopilot", "u", "undo_autopilot", "undo", "Undo autopilot",
               "Take back the autopilot's last decision (--on-nonfinite isolate): a module out of fp32, "
-              "the scale or the dtype as before it, at the next step boundary", modes=ALL, shown=False,
+              "the scale or the dtype as before it, at the next step boundary", shown=False,
+              refused_in=REPLAY,
               texts=(("replay", ("undo", "Undo autopilot", "Say why a recording can't be steered "
                                  "(u in a live run)")),)),
     KeyAction("amp.replay.faster", "plus", "replay_faster", "faster", "Replay faster",
@@ -123,7 +129,7 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
     # Last: where the footer can't hold every key (120 columns) it cuts this one, not quit.
     KeyAction("amp.xray", "x", "xray", "X-ray", "X-ray the next step",
               "Trace the next step op by op (amp-tui train): the dtype autocast ran each op in and its "
-              "headroom to that dtype's max, shown once the step ran", modes=ALL, hidden_in=REPLAY,
+              "headroom to that dtype's max, shown once the step ran", refused_in=REPLAY,
               texts=(("replay", ("X-ray", "X-ray", "Say why a recording can't be X-rayed (the X-ray runs a "
                                  "step again: x in a live run)")),)),
 )
@@ -135,7 +141,7 @@ def bindings(mode: str = "live") -> list[Binding]:
     """The bindings of the keys that exist in `mode`, with that mode's texts."""
     out = []
     for a in KEY_ACTIONS:
-        if mode not in a.modes:
+        if not a.bound_in(mode):
             continue
         footer, _, help_line = a.text(mode)
         out.append(Binding(a.key, a.action, footer, key_display=a.key_display, id=a.id,

@@ -236,7 +236,7 @@ class AmpTuiApp(App[int]):
     def available(self, key_action) -> bool | None:
         """True: the key works now; None: shown dimmed (the run ended); False: hidden."""
         mode = self.keys_mode
-        if mode not in key_action.modes:
+        if not key_action.bound_in(mode):
             return False
         if key_action.action == "show_output":
             return self.source.output_path is not None

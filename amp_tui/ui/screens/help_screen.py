@@ -10,8 +10,9 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from amp_tui.ui.actions import JOB, KEY_ACTIONS, key_label
+from amp_tui.ui.actions import KEY_ACTIONS, key_label
 from amp_tui.ui.view import DANGER_BITS, WARN_BITS
+from amp_tui.ui.widgets.layer_table import COLUMNS
 
 READING = (
     ("headroom bits", "log2(largest finite value of the dtype / max |figure|): doublings left before "
@@ -56,29 +57,26 @@ class HelpScreen(ModalScreen[None]):
         self.dismiss(None)
 
 
-NOT_HERE = {"replay": "  (live or attached runs only)", "live": "  (replays only)",
-            "attached": "  (replays only)", "launched": "  (replays only)"}
-
-
 def help_text(live: bool = True, mode: str | None = None) -> Table:
-    """The keys for `mode` (default: "live" if `live` else "replay"), then how to read the screen."""
+    """The keys that work in `mode` (default: "live" if `live` else "replay"), then how to read the
+    screen, every column of the layer table included."""
     mode = mode or ("live" if live else "replay")
     keys = Table(box=None, show_header=False, pad_edge=False, expand=True)
     keys.add_column(style="bold", width=14)
     keys.add_column(ratio=1)
     keys.add_row(Text("amp-tui keys", style="bold underline"), "")
-    here = [a for a in KEY_ACTIONS if mode in a.modes]
-    elsewhere = [a for a in KEY_ACTIONS if mode not in a.modes and a.modes != JOB]
-    for action in here:
-        keys.add_row(Text(key_label(action)), Text(action.text(mode)[2]))
-    for action in elsewhere:
-        keys.add_row(Text(key_label(action), style="dim"),
-                     Text(action.text(mode)[2] + NOT_HERE.get(mode, ""), style="dim"))
+    for action in KEY_ACTIONS:
+        if mode in action.modes:
+            keys.add_row(Text(key_label(action)), Text(action.text(mode)[2]))
     keys.add_row("ctrl+p", Text("command palette: every action above, plus sorting the layers"))
     keys.add_row("", "")
     keys.add_row(Text("reading it", style="bold underline"), "")
     for what, meaning in READING:
         keys.add_row(Text(what), Text(meaning))
+    keys.add_row("", "")
+    keys.add_row(Text("layer table", style="bold underline"), "")
+    for column in COLUMNS:
+        keys.add_row(Text(column.label), Text(column.help))
     keys.add_row("", "")
     keys.add_row("", Text("Esc, ? or q closes this help", style="dim"))
     return keys

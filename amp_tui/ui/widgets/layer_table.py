@@ -37,19 +37,27 @@ class Column:
     key: str            # also the sort key (view.SORTS)
     label: str
     width: int          # 0: sized to the content
+    help: str           # what it shows, for the help screen (`?`)
     right: bool = True
 
 
 # Headroom comes right after the name: on a narrow terminal it is the column that must show. The
 # ETA next to it: the steps the headroom forecast gives it (blank while its figures show no trend).
 COLUMNS = (
-    Column("index", "#", 0),
-    Column("name", "layer", 0, right=False),
-    Column("headroom", "headroom", 12, right=False),
-    Column("eta", "ETA", 6),
-    Column("act", "max|act|", 8),
-    Column("grad", "max|grad|", 9),
-    Column("weight", "max|weight|", 11),
+    Column("index", "#", 0, "the layer's place in the model (the order its modules were registered)"),
+    Column("name", "layer", 0, "the module's name, cut in the middle when long; reverse red: the module "
+           "the newest non-finite step names as the origin", right=False),
+    Column("headroom", "headroom", 12, "bits left before the dtype's max (see headroom bits), then the "
+           "figure that sets them: act, grad or weight; a non-finite figure shows as inf act, NaN grad",
+           right=False),
+    Column("eta", "ETA", 6, "the forecast: steps left, at the layer's recent trend, before its activation "
+           "(or its gradient times the scale) reaches the dtype's max (340, 12k); blank while its figures "
+           "show no real trend"),
+    Column("act", "max|act|", 8, "the largest |output| of the module at the last probed step"),
+    Column("grad", "max|grad|", 9, "the largest |gradient| of its parameters, unscaled (the headroom counts "
+           "it times the loss scale)"),
+    Column("weight", "max|weight|", 11, "the largest |weight| of its parameters (the title says when they "
+           "were read at an earlier step)"),
 )
 
 
