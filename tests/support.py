@@ -581,7 +581,7 @@ def rank_lines(run_dir, rank: int = 1) -> list[str]:
 def rank_end(run_dir, rank: int = 1) -> dict | None:
     """The last line a rank other than 0 prints: where it ended, with its counts."""
     import re
-    pattern = re.compile(r"rank \d+/\d+: (\w+) before step (\d+): (\d+) updates, (\d+) skipped, (\w+), scale (\S+)")
+    pattern = re.compile(r"rank \d+/\d+: (\w+) before step (\d+): (\d+) updates?, (\d+) skipped, (\w+), scale (\S+)")
     for line in reversed(rank_lines(run_dir, rank)):
         m = pattern.search(line)
         if m:

@@ -160,6 +160,7 @@ def _follow(run, ranks) -> int:
     """A rank other than 0: the same loop, no recording; a stop signal is a vote for the next
     step boundary, and the last line says where this rank ended (it must be where rank 0 did)."""
     from amp_tui.core.precision import short_name
+    from amp_tui.core.text import plural
 
     print(f"amp-tui {ranks.describe()} (pid {os.getpid()}, {run.device}): rank 0 records "
           f"{run.run_dir / 'session.jsonl'}", flush=True)
@@ -171,6 +172,6 @@ def _follow(run, ranks) -> int:
         status = run.run()
     t = run.trainer
     scale = "none" if t.scale is None else f"{t.scale:g}"
-    print(f"amp-tui {ranks.describe()}: {run.state} before step {run.step}: {t.updates_applied} updates, "
+    print(f"amp-tui {ranks.describe()}: {run.state} before step {run.step}: {plural(t.updates_applied, 'update')}, "
           f"{t.skipped_total} skipped, {short_name(t.dtype)}, scale {scale}", flush=True)
     return status

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from amp_tui.core.commands import CommandError, Outcome, parse_action
 from amp_tui.core.precision import short_name
+from amp_tui.core.text import plural
 
 SOCKET_NAME = "control.sock"
 POINTER_NAME = "control.path"   # holds the socket's path when it had to live elsewhere
@@ -255,7 +256,7 @@ def status_text(status: dict) -> str:
     scale = "-" if status["scale"] is None else f"{status['scale']:g}"
     total = f"/{status['steps']}" if status["steps"] else ""
     return (f"{status['state']} at step {status['step']}{total}: {short_name(status['dtype'])}, "
-            f"scale {scale}, {status['updates']} updates applied, {status['skipped']} skipped, "
+            f"scale {scale}, {plural(status['updates'], 'update')} applied, {status['skipped']} skipped, "
             f"loss {status['loss']}{probes_text(status.get('probes'))}")
 
 

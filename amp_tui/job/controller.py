@@ -203,8 +203,10 @@ class RunController:
     def status(self) -> dict:
         """A snapshot for `amp-tui ctl RUN status` (read from another thread: plain values only)."""
         t, r = self.training, self.last_result
+        # The counts before the step: the training thread moves the step on before it counts it.
+        updates, skipped = t.updates_applied, t.skipped_total
         return {"state": self.state, "step": self.step_index, "steps": self.steps, "dtype": t.dtype,
-                "scale": self.precision.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
+                "scale": self.precision.scale, "updates": updates, "skipped": skipped,
                 "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
                 "run_dir": str(self.run_dir), "script": str(self.script),
                 **({"probes": schedule.status_field()} if (schedule := getattr(t, "probe_schedule", None)) else {}),

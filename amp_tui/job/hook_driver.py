@@ -378,6 +378,10 @@ class HookDriver:
         elif skipped or (figures is not None and figures.grads_nonfinite):
             nonfinite = "gradients"
         self.last_skipped = skipped
+        # The step counter moves on here, first, then the counts take the step in: `ctl status`,
+        # read from another thread (the counts, then the step) while the step is recorded or
+        # replayed under the op tracer, never counts a step the counter has not passed.
+        step, self.step_index = self.step_index, self.step_index + 1
         if skipped:
             self.skipped_total += 1
         elif attempt.stepped:
@@ -389,7 +393,7 @@ class HookDriver:
         elif nonfinite is None and (first := self._hidden_activation(figures)) is not None:
             nonfinite = "activations"
         result = StepResult(
-            step=self.step_index, loss=mean_loss, scale=used_scale, skipped=skipped,
+            step=step, loss=mean_loss, scale=used_scale, skipped=skipped,
             skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
             micro_batches=max(self._forwards, n), nonfinite=nonfinite, first_nonfinite_layer=first,
             lr=attempt.lr, figures=figures, next_scale=self.precision.scale,
@@ -439,7 +443,6 @@ class HookDriver:
     def update_done(self) -> None:
         self.autocast_used_last = self.autocast_used
         self._forget_update()
-        self.step_index += 1
         if not self.probing():
             self.probe.end()
 

@@ -214,7 +214,7 @@ class Monitor(RunController):
         self.record_step(result, batched=True)
         if result.xray is not None:
             record_xray(self, result.step, result.xray, self.driver.xray_by)
-        announce_probe_changes(self, step=result.step + 1)   # (the step counter moves on below)
+        announce_probe_changes(self, step=result.step + 1)
         self.driver.update_done()
         self.after_update()
         # The boundary after the update: a stop asked for during the step is seen by the loop

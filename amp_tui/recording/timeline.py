@@ -237,7 +237,7 @@ def _summary_line(idx: SessionIndex, storms: int) -> str:
     frames = idx.frames
     skipped = len(idx.skipped_frames)
     kinds = [idx.event_kind(k) for k in range(idx.event_count)]
-    parts = [f"{plural(frames, 'step')}", f"{frames - skipped} updates applied",
+    parts = [f"{plural(frames, 'step')}", f"{plural(frames - skipped, 'update')} applied",
              f"{skipped} skipped" + (f" in {plural(storms, 'run')}" if skipped else "")]
     parts.append(plural(kinds.count("intervention"), "intervention"))
     parts.append(plural(kinds.count("checkpoint_saved"), "checkpoint"))

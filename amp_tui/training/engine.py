@@ -293,7 +293,6 @@ class GuardedTrainer:
             self.act_unmeasured = self.act_unmeasured or ACT_UNMEASURED_UNDER_COMPILE
         if self.probe_schedule is not None:
             observe_step(self.probe_schedule, result, planned=probe is not None)
-        self.step_index += 1
         if probe and not self.probing_next():
             probe.end()  # the hooks stay on only while the next step is probed too
         return result
@@ -502,12 +501,16 @@ class GuardedTrainer:
 
     def _finish(self, loss, scale, lr, *, skipped, nonfinite, first_layer, figures, micro,
                 grad_norm=None, diagnosis=None, op_trace=None):
+        # The step counter moves on first, then the counts take the step in: `ctl status`, read
+        # from another thread (the counts, then the step), never counts a step the counter has
+        # not passed.
+        step, self.step_index = self.step_index, self.step_index + 1
         if skipped:
             self.skipped_total += 1
         else:
             self.updates_applied += 1
         return StepResult(
-            step=self.step_index, loss=loss, scale=scale, skipped=skipped,
+            step=step, loss=loss, scale=scale, skipped=skipped,
             skipped_total=self.skipped_total, updates_applied=self.updates_applied,
             dtype=self.dtype, micro_batches=micro, nonfinite=nonfinite,
             first_nonfinite_layer=first_layer, grad_norm=grad_norm,

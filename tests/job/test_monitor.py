@@ -148,6 +148,24 @@ def test_a_skipped_step_is_measured_and_names_the_first_non_finite_gradient(tmp_
     assert event["step"] == 0 and event["backward_origin"] in session.header["layers"]
 
 
+def test_ctl_status_never_counts_a_step_the_counter_has_not_passed(tmp_path):
+    # `ctl status` is read from another thread at any time; here, while each step is recorded
+    # (a skipped step at once, after its replay under the op tracer): the step counter has passed
+    # every step the counts hold, so that applied + skipped is the step (no restore in this run).
+    _, twin = load_twin(tmp_path)
+    seen = []
+
+    def watch(i, monitor):
+        if i == 0:
+            monitor.observers.append(lambda record: seen.append((record, monitor.status()))
+                                     if record.get("type") == "step" else None)
+    twin.loop(tmp_path / "run", "fp16", steps=6, before_step=watch)
+    assert len(seen) == 6 and seen[0][0]["skipped"]   # the overflow was there to count
+    for record, status in seen:
+        assert status["step"] > record["step"]
+        assert status["updates"] + status["skipped"] == status["step"], (record["step"], status)
+
+
 def test_gradient_accumulation_folds_micro_batches_into_one_step(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
