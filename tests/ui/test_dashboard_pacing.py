@@ -8,6 +8,7 @@ figures are redrawn at most a few times a second however fast steps land; a stat
 stop, error) or a queued command is drawn at the next tick. A replay is not paced.
 """
 
+import re
 
 from amp_tui.ui.app import create_app
 from amp_tui.ui.screens.dashboard import TRAINING_PACE
@@ -142,8 +143,18 @@ async def test_a_replay_is_not_paced():
         assert len(draws) == 40, draws                 # every refresh that saw a new step drew it
 
 
+def chart_step(app) -> int | None:
+    history = app.dashboard.loss_chart._history
+    return history.steps[-1] if history is not None and history.steps else None
+
+
+def status_step(app) -> int:
+    """The step the status bar shows (it counts steps done: step N+1 for the record of step N)."""
+    return int(re.search(r"\bstep (\d+)", status(app)).group(1)) - 1
+
+
 @run_async
-async def test_the_first_steps_reach_the_charts_at_once_however_costly_their_last_draw():
+async def test_the_first_steps_reach_the_charts_with_the_status_bar():
     """Beside training the charts redraw every few seconds; "waiting for the first step" must not
     stay up meanwhile."""
     records = synthetic_records(50)
@@ -152,10 +163,57 @@ async def test_the_first_steps_reach_the_charts_at_once_however_costly_their_las
     app = create_app(source, refresh_rate=20, pace_clock=clock)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
-        charts = (app.dashboard.loss_chart, app.dashboard.scale_chart)
-        for chart in charts:
-            chart.cost_s = 1.0                 # as if the empty chart had been slow to draw
+        drawn_now(app, clock)
         source.buffer.feed(records[1])
         clock.advance(STEP_S)
         app.refresh_view()
-        assert all(chart._history is not None and chart._history.steps for chart in charts)
+        charts = (app.dashboard.loss_chart, app.dashboard.scale_chart)
+        assert all(chart._history is not None and chart._history.steps == [0] for chart in charts)
+        assert status_step(app) == 0
+
+
+@run_async
+async def test_the_charts_move_only_with_the_status_bar_and_never_trail_it_by_more_than_their_pace():
+    records = synthetic_records(50)
+    source = FixedSource(records)
+    clock = PaceClock()
+    app = create_app(source, refresh_rate=20, pace_clock=clock)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        drawn_now(app, clock)
+        shown_since: dict[int, float] = {}     # the charts' step -> when it first showed
+        for step in range(50, 50 + round(12.0 / STEP_S)):    # 12 s of steps, 64 a second
+            before = chart_step(app)
+            clock.advance(STEP_S)
+            source.buffer.feed(next_step(records, step))
+            app.refresh_view()
+            if chart_step(app) != before:
+                assert chart_step(app) == status_step(app), "the charts drew a step the status bar doesn't show"
+                shown_since[chart_step(app)] = clock()
+            # the status bar trails the newest step by its pace at most, the charts by theirs
+            assert step - chart_step(app) <= (TRAINING_PACE.charts_s + TRAINING_PACE.status_s) / STEP_S + 1
+        assert len(shown_since) >= 2, "the charts moved while the run trained"
+
+
+@run_async
+async def test_a_paused_run_has_charts_at_the_status_bars_step():
+    """The run pauses while the charts are paced: the pause is drawn at once, the charts with it,
+    and while the run stays paused (a single step, records that arrive late) they keep up."""
+    records = synthetic_records(50)
+    source = FixedSource(records)
+    clock = PaceClock()
+    app = create_app(source, refresh_rate=20, pace_clock=clock)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        drawn_now(app, clock)
+        last = feed_and_refresh(app, source, records, 50, 40, clock)    # under a second of steps
+        assert chart_step(app) < last, "the steady state is paced: the charts trail"
+        source.buffer.set_state("paused")
+        app.refresh_view()                             # the pace clock has not moved
+        assert "PAUSED" in status(app)
+        assert chart_step(app) == status_step(app) == last
+        for step in (last + 1, last + 2):              # steps recorded after the pause showed
+            clock.advance(TRAINING_PACE.status_s)
+            source.buffer.feed(next_step(records, step))
+            app.refresh_view()
+            assert chart_step(app) == status_step(app) == step

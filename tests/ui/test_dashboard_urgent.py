@@ -1,5 +1,5 @@
-"""After a change the user must see, the layer table shows the same step as the status bar at the
-next refresh; only the steady ticking of steps is paced.
+"""After a change the user must see, the layer table and the charts show the same step as the
+status bar at the next refresh; only the steady ticking of steps is paced.
 
 The pace is made endless here, so nothing but the urgency of a change can draw the figures: the
 tests gate on the records fed and on the dashboard's own refreshes, never on how fast they come.
@@ -13,20 +13,28 @@ from amp_tui.ui.screens import dashboard
 from fixed_source import FixedSource, synthetic_records
 from support import SIZE, next_step, run_async, until
 
-ENDLESS = dashboard.Pacing(status_s=1e9, table_s=1e9, charts_s=1e9, chart_budget=1.0)
+ENDLESS = dashboard.Pacing(status_s=1e9, table_s=1e9, charts_s=1e9)
 FIRST = 50          # steps 0..49 are on screen before the test feeds more
 LAST = FIRST + 9    # the newest step fed before the change
 
 
 class Drawn:
-    """What the status bar and the layer table last drew, as of each refresh of the dashboard."""
+    """What the status bar, the layer table and the charts last drew, as of each refresh of the
+    dashboard."""
 
     def __init__(self, app):
         self.status: int | None = None
         self.table: int | None = None
+        self.charts: int | None = None
         self.refreshes: list[tuple] = []   # (snapshot, pending, status step, table step)
+        self.chart_steps: list[int | None] = []   # the charts' step as of each refresh
         screen = app.dashboard
         bar_show, table_show, screen_show = screen.status_bar.show, screen.layer_table.show, screen.show
+        chart_show = screen.loss_chart.show
+
+        def chart(history):
+            self.charts = history.steps[-1] if history.steps else None
+            return chart_show(history)
 
         def bar(snap, *args, **kwargs):
             self.status = (snap.last or {}).get("step")
@@ -39,9 +47,15 @@ class Drawn:
         def show(snap, **kwargs):
             result = screen_show(snap, **kwargs)
             self.refreshes.append((snap, kwargs["pending"], self.status, self.table))
+            self.chart_steps.append(self.charts)
             return result
 
         screen.status_bar.show, screen.layer_table.show, screen.show = bar, table, show
+        screen.loss_chart.show = chart
+
+    def charts_at_first_refresh_with(self, predicate):
+        return next((c for (snap, pending, _, _), c in zip(self.refreshes, self.chart_steps)
+                     if predicate(snap, pending)), None)
 
     def first_refresh_with(self, predicate):
         return next(((s, t) for snap, pending, s, t in self.refreshes if predicate(snap, pending)), None)
@@ -90,9 +104,11 @@ async def test_a_change_brings_the_table_to_the_status_bars_step_at_the_next_ref
         await until(pilot, lambda: drawn.first_refresh_with(
             lambda snap, pending: snap.last["step"] == LAST) is not None, "a refresh of the new steps")
         assert drawn.table != LAST, "the steady state is paced: the table has not caught up yet"
+        assert drawn.charts != LAST, "the steady state is paced: the charts have not caught up yet"
         change(source, records)
         await until(pilot, lambda: drawn.first_refresh_with(shows_change) is not None, "a refresh")
         assert drawn.first_refresh_with(shows_change) == (expected, expected)
+        assert drawn.charts_at_first_refresh_with(shows_change) == expected
 
 
 @run_async
@@ -124,7 +140,7 @@ async def test_a_key_that_moves_a_paused_replay_brings_the_table_to_the_same_ste
     run_dir = tmp_path / "run"
     assert main(["train", str(mlp_script), "--headless", "--steps", "12", "--run-dir", str(run_dir)]) == 0
     monkeypatch.setattr(dashboard, "REPLAY_PACE", dashboard.Pacing(
-        status_s=0.0, table_s=1e9, charts_s=1e9, chart_budget=1.0))
+        status_s=0.0, table_s=1e9, charts_s=1e9))
     source = ReplaySource(run_dir, autoplay=False)
     app = create_app(source, refresh_rate=20)
     async with app.run_test(size=SIZE) as pilot:

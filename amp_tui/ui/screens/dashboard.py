@@ -3,12 +3,13 @@
 The app decides *when* to look (its timer, skipping unchanged versions); this screen decides
 *what* each widget shows, and how often. Every repaint costs the UI thread, which shares the GIL
 and the cores with training, so figures that only tick with the steps are paced (`Pacing`): the
-status bar, the layer table, and the charts (less often still if their last redraw was costly).
-What the user caused or must see at once (a state change such as a pause or a stop, a queued
-command, a dtype or scale change, a new non-finite origin, an intervention, restore, alert or
-error event, a key that moves a paused replay) is drawn at the next tick, by the status bar and
-the layer table together, so they show the same step. Every widget skips its update when
-its content didn't change.
+status bar, the layer table, and the charts. What the user caused or must see at once (the first
+steps, a state change such as a pause or a stop, a queued command, a dtype or scale change, a new
+non-finite origin, an intervention, restore, alert or error event, a key that moves a paused
+replay) is drawn at the next tick, by the status bar, the layer table and the charts together, so
+they show the same step. The charts move only with the status bar: at every one of its draws
+while the run isn't training (paused, ended: nothing competes), else every `charts_s` at most.
+Every widget skips its update when its content didn't change.
 """
 
 from __future__ import annotations
@@ -51,16 +52,15 @@ from amp_tui.ui.widgets.too_small import TooSmall, too_small
 class Pacing:
     status_s: float   # step, loss, scale
     table_s: float    # a full table repaint costs ~10 ms at 120x40
-    charts_s: float   # a run's history needn't move faster
-    chart_budget: float  # the charts' share of the UI thread at most (a plotext build costs
-                         # 10-50 ms, more on a big terminal or a busy CPU)
+    charts_s: float   # a training run's history needn't move faster (a plotext build of both
+                      # charts costs 20-50 ms, more on a big terminal or a busy CPU)
 
 
 # Beside a training run (in this process or another on the same machine) every repaint spared is
 # time the training gets back: the step counter twice a second is still a live number.
-TRAINING_PACE = Pacing(status_s=0.5, table_s=2.0, charts_s=5.0, chart_budget=0.01)
+TRAINING_PACE = Pacing(status_s=0.5, table_s=2.0, charts_s=5.0)
 # A replay has nothing to compete with: keys that step or seek show their frame at once.
-REPLAY_PACE = Pacing(status_s=0.0, table_s=0.5, charts_s=1.0, chart_budget=0.04)
+REPLAY_PACE = Pacing(status_s=0.0, table_s=0.5, charts_s=1.0)
 
 
 class DashboardScreen(Screen):
@@ -122,6 +122,7 @@ class DashboardScreen(Screen):
         self._status_urgent: tuple | None = None
         self._table_urgent: tuple | None = None
         self._charts_urgent: tuple | None = None
+        self._status_step: int | None = None   # the step the status bar shows
 
     def compose(self) -> ComposeResult:
         yield self.status_bar
@@ -156,13 +157,16 @@ class DashboardScreen(Screen):
         tick = self.pace_clock()
         done = True
         origin = nonfinite_origin(snap)
-        # What the user caused or must see: the status bar and the layer table draw it at the
-        # same tick, so both show the same step; only the steady ticking of steps is paced.
+        h = snap.history
+        # What the user caused or must see: the status bar, the layer table and the charts draw
+        # it at the same tick, so all show the same step; only the steady ticking of steps is paced.
         urgent = (snap.state, snap.playback_state, snap.mode, tuple(pending), stopping, playback, prec,
                   snap.error is not None, origin, len(snap.layers.names), newest_notable_event(snap),
+                  bool(h.steps),   # "waiting for the first step" goes everywhere at once
                   snap.position if snap.playback_state == "paused" else None)  # a key moved the replay
         if urgent != self._status_urgent or tick - self._status_at >= pace.status_s:
             self._status_urgent, self._status_at = urgent, tick
+            self._status_step = h.steps[-1] if h.steps else None
             self.status_bar.show(snap, prec, pending=pending, stopping=stopping, now=now,
                                  playback=playback)
         else:
@@ -171,17 +175,17 @@ class DashboardScreen(Screen):
         self.pause_notice.show(nonfinite_pause(snap))
         self.error_panel.show(snap.error, where if snap.error else [])
         self.lower_row.set_class(snap.error is not None, "-error")
-        h = snap.history
         history_key = (len(h.steps), h.steps[-1] if h.steps else None, h.stride,
                        len(h.skipped_steps), len(h.intervention_steps))
         if history_key != self._history_key:
-            cost = self.loss_chart.cost_s + self.scale_chart.cost_s
-            # The first points, and a new intervention mark, don't wait for the pace: "waiting
-            # for the first step" must not stay up while the status bar counts steps.
-            charts_urgent = (bool(h.steps), len(h.intervention_steps))
-            if (charts_urgent != self._charts_urgent
-                    or tick - self._charts_at >= max(pace.charts_s, cost / pace.chart_budget)):
-                self._history_key, self._charts_at, self._charts_urgent = history_key, tick, charts_urgent
+            # The charts move with the status bar, never on their own: at once after something
+            # happened, at every status draw while a run isn't training (paused, ended: nothing
+            # competes), else at their pace (a replay playing through a pause included).
+            with_status = self._status_at == tick and self._status_step == (h.steps[-1] if h.steps else None)
+            idle = snap.state != "running" and snap.playback_state is None
+            if with_status and (urgent != self._charts_urgent or idle
+                                or tick - self._charts_at >= pace.charts_s):
+                self._history_key, self._charts_at, self._charts_urgent = history_key, tick, urgent
                 self.loss_chart.show(h)
                 self.scale_chart.show(h)
             else:

@@ -2,14 +2,13 @@
 
 Plotext draws every point it is given, and a 2,000-point plot costs ~50 ms on a small CPU: the
 series is first reduced to a min/max envelope with a couple of points per braille column, which
-keeps spikes visible and the cost near 10 ms. The dashboard also redraws charts less often than
-the status bar (`Pacing` in dashboard.py).
+keeps spikes visible and the cost near 10 ms. The dashboard redraws the charts only with the status
+bar, and beside training less often than it (`Pacing` in dashboard.py).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable, Sequence
 
 from textual_plotext import PlotextPlot
@@ -41,7 +40,6 @@ class RunChart(PlotextPlot):
         self._shown = 0                        # bumps with every show()
         self._drawn_for: tuple | None = None   # (shown, size) the plot was last built for
         self._title = self.TITLE
-        self.cost_s = 0.0   # what the last redraw cost on the UI thread
 
     def on_mount(self) -> None:
         super().on_mount()
@@ -58,14 +56,11 @@ class RunChart(PlotextPlot):
         self.refresh()
 
     def render(self):
-        started = time.perf_counter()
         key = (self._shown, self.size)
         if key != self._drawn_for:
             self._drawn_for = key
             self._build(self._history)
-        rendered = super().render()
-        self.cost_s = time.perf_counter() - started   # the dashboard paces redraws by it
-        return rendered
+        return super().render()
 
     def _build(self, history: History | None) -> None:
         plt = self.plt
