@@ -27,6 +27,7 @@ def set_dtype(run: RunController, command: Command) -> Outcome:
         return run.refused(command, f"dtype change refused: {exc}")
     b, a = change["before"], change["after"]
     note = f" (scale {a['scale']:g})" if a.get("scale") is not None else ""
+    note += collapsed_scale_note(run) if a["dtype"] != b["dtype"] else ""
     outcome = run.intervention(command, b, a, f"dtype {precision.SHORT[b['dtype']]} → "
                                f"{precision.SHORT[a['dtype']]}{note}")
     # Before the run's first step (`--at 0:dtype=...`) this is the starting dtype, not a change:
@@ -75,7 +76,18 @@ def toggle_fp32(run: RunController, command: Command) -> Outcome:
         return run.refused(command, str(exc))
     verb = "back to autocast" if already else "now in fp32"
     return run.intervention(command, before, {"fp32_modules": local.names},
-                            f"{', '.join(changed) or pattern} {verb}")
+                            f"{', '.join(changed) or pattern} {verb}{collapsed_scale_note(run)}")
+
+
+def collapsed_scale_note(run: RunController) -> str:
+    """A fix applied while fp16's loss scale lies collapsed below 1 trains little: its gradients
+    underflow at that scale. Said with the fix, with how to set the scale back."""
+    scale, start = run.precision.scale, run.precision.starting_scale
+    if scale is None or scale >= 1 or run.training.dtype != "float16":
+        return ""
+    back = f"scale={start:g}" if start is not None and start >= 1 else "scale=65536"
+    return (f"; the loss scale is {scale:g}, collapsed by the overflows before: at it the gradients "
+            f"underflow, so set it back ({back}) for this fix to train")
 
 
 def note(run: RunController, command: Command) -> Outcome:

@@ -315,25 +315,31 @@ class RunController:
             self.precision.clamp(decisions.clamp_scale)
         for alert in decisions.alerts:
             self.alert(alert.reason, alert.message, cause=alert.cause, fix=alert.fix, step=result.step)
+        if decisions.floor_reached:
+            self._act_on_trouble("the loss scale reaching its floor", result.step)
         self.autopilot.after_step(result, decisions.move)   # the ladder's move, and --on-nonfinite isolate
 
     def _on_nonfinite(self, result: StepResult) -> None:
         self.nonfinite_events += 1
         self.event("nonfinite", nonfinite_message(result), step=result.step, **nonfinite_fields(result))
-        if (said := FORWARD_KINDS.get(result.nonfinite)) is None:
-            return
-        policy = self.on_nonfinite  # the others go on (the guard decides; isolate: job/autopilot.py)
+        if (said := FORWARD_KINDS.get(result.nonfinite)) is not None:
+            self._act_on_trouble(said, result.step)
+
+    def _act_on_trouble(self, said: str, step: int) -> None:
+        """--on-nonfinite pause and stop, after `said` at `step`; the other policies go on (the
+        guard decides; isolate: job/autopilot.py)."""
+        policy = self.on_nonfinite
         if policy == "pause" and self.state == "running":
             self.single_steps = 0
             self.pause_reason = PauseReason.NONFINITE
             self.set_state("paused")
-            self.event("paused", f"paused after {said} at step {result.step} "
+            self.event("paused", f"paused after {said} at step {step} "
                                  "(--on-nonfinite pause): change the dtype, cut the scale or restore",
                        reason="nonfinite")
         elif policy == "stop":
             self.exit_status = EXIT_NONFINITE_STOP
             self.stop_requested.set()
-            self.event("stopping", f"stopping after {said} at step {result.step} "
+            self.event("stopping", f"stopping after {said} at step {step} "
                                    "(--on-nonfinite stop)", reason="nonfinite")
 
     def fail(self, message: str, original: BaseException | None, *, step: int | None = None) -> None:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from amp_tui.core import precision as dtypes
 from amp_tui.job.rank_probes import RankProbes
@@ -40,6 +41,13 @@ from amp_tui.training.local_fp32 import LocalFp32
 from amp_tui.training.precision_state import BorrowedScaling, PrecisionRefused
 from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
 from amp_tui.training.probes import LayerFigures, LayerProbe
+from amp_tui.training.update_guard import (
+    drop_gradients,
+    gradients_of,
+    mark_unscaled_nonfinite,
+    nonfinite_flag,
+    unscale_untrusted,
+)
 
 
 class MonitorError(RuntimeError):
@@ -49,13 +57,15 @@ class MonitorError(RuntimeError):
 class _Attempt:
     """What one update attempt saw, from its first hook to the step's end."""
 
-    __slots__ = ("gradients", "scaled", "found_inf", "stepped", "scale", "lr")
+    __slots__ = ("gradients", "scaled", "found_inf", "stepped", "scale", "lr", "checked", "held_back")
 
     def __init__(self, scale: float | None, lr: float | None):
         self.gradients = False   # the gradients were measured (or there was nothing to measure)
         self.scaled = False      # ... while they still carried the loss scale
         self.found_inf: torch.Tensor | None = None   # GradScaler's verdict, on the device
         self.stepped = False     # optimizer.step() ran
+        self.checked = False     # the gradients were checked for inf/NaN before the update
+        self.held_back = False   # ... held some, and amp-tui kept the update from applying them
         self.scale = scale       # the loss scale this attempt's backward used
         self.lr = lr
 
@@ -114,6 +124,7 @@ class HookDriver:
         self.autocast_used_last = None      # ... in the last update (None: none yet)
         self.in_step = lambda: False        # set by the monitor
         self._attempt: _Attempt | None = None
+        self._closure_said = False   # the loop's closure steps were said to go unchecked
         self._losses: list[torch.Tensor] = []   # the losses set in this update's blocks
         self._forwards = 0                      # the model's forward passes in this update
         self._started: float | None = None
@@ -252,16 +263,36 @@ class HookDriver:
     def _scaler_unscale(self, original):
         def unscale_(optimizer):
             result = original(optimizer)
+            if optimizer is self.optimizer and self.scaler is not None:
+                self._check_unscaled(optimizer)
             if optimizer is self.optimizer and self.in_step():
                 self._gradients_seen(scaled=False)
             return result
         return unscale_
+
+    def _check_unscaled(self, optimizer) -> None:
+        """Below scale 1, GradScaler's check (made before the unscale) misses what the unscale
+        makes: the unscaled gradients are checked again, and an inf/NaN found there skips the
+        update through GradScaler's own found-inf (training/update_guard.py)."""
+        if not unscale_untrusted(self.precision.scale_value):
+            return
+        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        own = sum(float(v.item()) for v in found.values())
+        flag = mark_unscaled_nonfinite(self.scaler, optimizer, self.device)
+        if self.in_step():
+            self._attempt_starts()
+            self._attempt.checked = True
+            self._attempt.held_back = self._attempt.held_back or (own == 0 and flag.item() > 0)
 
     def _scaler_step(self, original):
         def step(optimizer, *args, **kwargs):
             if optimizer is not self.optimizer or not self.in_step():
                 return original(optimizer, *args, **kwargs)
             self._attempt_starts()
+            if self.scaler is not None and unscale_untrusted(self.precision.scale_value) \
+                    and self.scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+                # A fused optimizer would unscale inside its kernel, past any check: unscaled here.
+                self.loop_scaler.unscale_(optimizer)
             result = original(optimizer, *args, **kwargs)
             if self.scaler is not None:
                 # GradScaler's own decision, for this optimizer, whatever the kind of optimizer.
@@ -296,6 +327,7 @@ class HookDriver:
             self._attempt_starts()
             if not _closure_given(args, kwargs):
                 self._gradients_seen(scaled=False)
+                self._hold_back_if_nonfinite()
         elif self._attempt is not None and not self._attempt.gradients:
             # A fused optimizer stepped by GradScaler without unscale_: its gradients still carry
             # the scale, which the optimizer's kernel takes off itself.
@@ -306,12 +338,38 @@ class HookDriver:
             self._attempt.stepped = True
             if not self._attempt.gradients and self.scaler is None and self.in_step():
                 self._gradients_seen(scaled=False)   # a closure's, with nobody to say when before
+            if self.scaler is None and not self._attempt.checked and self.in_step():
+                self._unchecked_closure()
 
     def gradients_ready(self) -> None:
         """Without a GradScaler, the gradients are read here (a framework's hook between the
-        backward and the update)."""
+        backward and the update), and an update with inf/NaN among them is held back."""
         if self.in_step() and self.scaler is None:
             self._gradients_seen(scaled=False)
+            self._hold_back_if_nonfinite()
+
+    def _hold_back_if_nonfinite(self) -> None:
+        """Without a GradScaler nothing skips for the loop: gradients holding inf/NaN are taken
+        away before the optimizer steps, which then leaves every parameter as it was."""
+        attempt = self._attempt
+        if attempt is None or attempt.checked:
+            return
+        attempt.checked = True
+        if nonfinite_flag(gradients_of(self.optimizer), self.device).item() > 0:
+            drop_gradients(self.optimizer)
+            attempt.held_back = True
+
+    def _unchecked_closure(self) -> None:
+        """An optimizer stepped with a closure computes its gradients inside step(), where no
+        hook sees them before the update: said once, plainly."""
+        if self._closure_said or self.run is None:
+            return
+        self._closure_said = True
+        self.run.alert("unchecked_update", "this loop steps its optimizer with a closure and no GradScaler: "
+                       "amp-tui can't check its gradients for inf/NaN before the update",
+                       cause="the closure computes the gradients inside optimizer.step(), after every hook "
+                       "amp-tui can put before the update",
+                       fix="call monitor.gradients_ready() inside the closure after the backward, or use a GradScaler")
 
     def _attempt_starts(self) -> None:
         if self._attempt is None:
@@ -377,6 +435,10 @@ class HookDriver:
             nonfinite = "loss"
         elif skipped or (figures is not None and figures.grads_nonfinite):
             nonfinite = "gradients"
+        # An update amp-tui held back (inf/NaN that GradScaler missed, or no GradScaler) is a skip.
+        skipped = skipped or attempt.held_back
+        if attempt.held_back and nonfinite is None:
+            nonfinite = "gradients"
         self.last_skipped = skipped
         # The step counter moves on here, first, then the counts take the step in: `ctl status`,
         # read from another thread (the counts, then the step) while the step is recorded or
@@ -396,7 +458,7 @@ class HookDriver:
             step=step, loss=mean_loss, scale=used_scale, skipped=skipped,
             skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
             micro_batches=max(self._forwards, n), nonfinite=nonfinite, first_nonfinite_layer=first,
-            lr=attempt.lr, figures=figures, next_scale=self.precision.scale,
+            lr=attempt.lr, figures=figures, next_scale=self.precision.scale, held_back=attempt.held_back,
             duration=(ended := time.perf_counter()) - self._started)
         self.update_ended = ended
         observe_step(self.probe_schedule, result, planned=self._planned)
@@ -484,7 +546,9 @@ def device_of(model: torch.nn.Module) -> torch.device:
 
 
 def _closure_given(args: tuple, kwargs: dict) -> bool:
-    return (bool(args) and args[0] is not None) or kwargs.get("closure") is not None
+    """Whether `optimizer.step(...)` was handed a closure. A step pre-hook's `args` start with the
+    optimizer itself (`step` is a method): the closure, when positional, comes second."""
+    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
 
 
 def _found_inf(per_device: dict, device: torch.device) -> torch.Tensor | None:

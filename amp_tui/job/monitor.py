@@ -26,6 +26,7 @@ folded into the next, and commands apply only between updates.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import signal
 import sys
@@ -51,6 +52,7 @@ from amp_tui.job.states import IoPolicy
 from amp_tui.training.autocast import autocast, torch_dtype
 from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
 from amp_tui.training.guards import GuardConfig
+from amp_tui.training.update_guard import scale_floor
 
 __all__ = ["Monitor", "MonitorError", "MonitoredStep"]
 
@@ -74,9 +76,11 @@ class Monitor(RunController):
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
                  probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0, underflow_every=10,
                  checkpoint_every=None, control=True, announce=True, tensorboard_dir=None, framework=None,
-                 on_nonfinite="skip", forecast_horizon=500):
+                 on_nonfinite="skip", forecast_horizon=500, min_scale=None):
         if on_nonfinite not in MONITOR_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use {' or '.join(map(repr, MONITOR_POLICIES))}")
+        if min_scale is not None and not (isinstance(min_scale, (int, float)) and 0 < min_scale < math.inf):
+            raise ValueError(f"min_scale={min_scale!r}: the loss scale's floor must be a positive finite number")
         # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the
         # steps from its hooks.
         self.framework = framework
@@ -97,7 +101,8 @@ class Monitor(RunController):
         main = not ranks or ranks.is_main
         super().__init__(driver, device=driver.device, run_dir=run_dir, script=script, ranks=ranks,
                          on_nonfinite=on_nonfinite,
-                         guard=GuardConfig(fallback=on_nonfinite == "isolate", forecast_horizon=forecast_horizon),
+                         guard=GuardConfig(fallback=on_nonfinite == "isolate", forecast_horizon=forecast_horizon,
+                                           min_scale=min_scale),
                          io_policy=IoPolicy.CARRY_ON, checkpoint_every=checkpoint_every,
                          control=control and main)
         driver.run = self
@@ -125,6 +130,7 @@ class Monitor(RunController):
             if main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             self.open_recording(self.header())
+            self._raise_to_floor()
         except BaseException:
             self._let_go()
             raise
@@ -137,6 +143,18 @@ class Monitor(RunController):
         if announce and main:
             print(f"amp-tui: recording this loop to {self.run_dir} ({precision.SHORT[self.dtype]}); "
                   f"watch and steer it with: amp-tui attach {self.run_dir}", file=sys.stderr, flush=True)
+
+    def _raise_to_floor(self) -> None:
+        """A GradScaler handed over below the floor (0 included, where it applies NaN updates) is
+        raised to it before the loop's first step, and that is said."""
+        floor, scale = scale_floor(self.guard.config.min_scale), self.precision.scale
+        if scale is None or scale >= floor:
+            return
+        self.precision.clamp(floor)
+        self.alert("min_scale", f"the loop's GradScaler came with scale {scale:g}, below its floor {floor:g}: "
+                   f"raised to {floor:g}", cause="the scale collapsed before amp-tui watched the loop (at 0 "
+                   "GradScaler applies NaN updates)", fix="start the GradScaler at its init_scale (65536 by "
+                   "default), or lower min_scale", step=self.step_index)
 
     @property
     def dtype(self) -> str:

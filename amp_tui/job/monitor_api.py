@@ -19,7 +19,7 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
             probe_budget: float = 1.0, probe_alert_bits: float = 3.0, underflow_every: int = 10,
             checkpoint_every: int | None = None, control: bool = True, announce: bool = True,
             tensorboard_dir: str | Path | None = None, on_nonfinite: str = "skip",
-            forecast_horizon: int = 500) -> Monitor:
+            forecast_horizon: int = 500, min_scale: float | None = None) -> Monitor:
     """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
 
     `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default fp16
@@ -33,9 +33,11 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
     "skip" (GradScaler's way) or "isolate" (the autopilot, job/autopilot.py: an overflowing module in
     fp32 from the next step, the scale lowered and said). `forecast_horizon`: a layer whose headroom
     forecast says it reaches the dtype's max within this many steps raises an alert (see
-    docs/session-format.md, "Forecasts")."""
+    docs/session-format.md, "Forecasts"). `min_scale`: the loss scale's floor (default 2**-24): the
+    loop's GradScaler is never let below it (at 0 it would apply NaN updates), with an alert when it
+    binds."""
     return Monitor(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, run_dir=run_dir,
                    probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
                    underflow_every=underflow_every, checkpoint_every=checkpoint_every, control=control,
                    announce=announce, tensorboard_dir=tensorboard_dir, on_nonfinite=on_nonfinite,
-                   forecast_horizon=forecast_horizon)
+                   forecast_horizon=forecast_horizon, min_scale=min_scale)

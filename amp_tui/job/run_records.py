@@ -88,7 +88,8 @@ def _step_message(result: StepResult) -> str:
     short = precision.SHORT[result.dtype]
     rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
     on = f" on rank {rank}" if rank is not None else ""
-    outcome = "update skipped" if result.skipped else "the loop applied the update (no GradScaler to skip it)"
+    outcome = ("amp-tui held the update back" if result.held_back else "update skipped" if result.skipped
+               else "the loop applied the update (no GradScaler to skip it)")
     if result.nonfinite == "activations":
         return (f"non-finite activation{on} in {short} in {layer}, while the loss and the gradients stayed "
                 "finite (an op after it hid it, e.g. a tanh): update applied")
@@ -98,6 +99,13 @@ def _step_message(result: StepResult) -> str:
             where += " (its input was already non-finite)"
         return f"non-finite loss ({number(result.loss, 4)}){on} in {short}{where}: {outcome}"
     where = f"; first non-finite gradient: {layer}" if layer else ""
+    if result.held_back and result.scale is not None:
+        return (f"non-finite gradients{on} after the unscale at scale {result.scale:g}, which GradScaler's "
+                f"check (made before it) missed{where}: amp-tui held the update back, scale now "
+                f"{result.next_scale:g}")
+    if result.held_back:
+        return (f"non-finite gradients{on} in {short}{where}: amp-tui held the update back (no GradScaler "
+                "to skip it)")
     if result.skipped and result.scale is not None:
         return (f"gradients overflowed at scale {result.scale:g}{on}{where}: update skipped, "
                 f"scale now {result.next_scale:g}")
@@ -118,7 +126,8 @@ def nonfinite_fields(result: StepResult) -> dict:
     rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
     return {"where": result.nonfinite, "layer": layer, "loss": encode_float(result.loss),
             "scale": result.scale, "dtype": result.dtype, **origin,
-            **({"rank": rank} if rank is not None else {}), **(result.op_trace or {})}
+            **({"rank": rank} if rank is not None else {}), **({"held_back": True} if result.held_back else {}),
+            **(result.op_trace or {})}
 
 
 def record_xray(run: RunController, step: int, xray: dict, by: dict | None = None) -> None:

@@ -29,6 +29,7 @@ from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
 from amp_tui.training.probes import LayerFigures, LayerProbe
 from amp_tui.training.sharding import full_value, is_sharded
 from amp_tui.training.step_trace import trace_failing_step, xray_step
+from amp_tui.training.update_guard import mark_unscaled_nonfinite, nonfinite_flag, unscale_untrusted
 
 # A rank replays alone, and an FSDP2 forward can't: each block all-gathers its weights from every rank.
 SHARDED_NOT_TRACED = ("not traced to its op: a rank replays the step alone, and a model sharded with FSDP2 "
@@ -75,6 +76,7 @@ class StepResult:
     op_trace: dict | None = None  # a non-finite step replayed op by op: the op and its fix (step_trace.py)
     xray: dict | None = None      # the step traced op by op on request (request_xray; op_xray.py)
     eta: list | None = None       # each layer's steps left before the dtype's max (job/forecasts.py)
+    held_back: bool = False       # amp-tui kept an update with inf/NaN gradients from applying (update_guard.py)
 
 
 @dataclass
@@ -415,6 +417,8 @@ class GuardedTrainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
             self._unscale_untrained(used_scale)
+            if unscale_untrusted(used_scale):   # GradScaler's check came before the unscale
+                mark_unscaled_nonfinite(self.scaler, self.optimizer, self.device)
 
     def _measure_gradients(self, probe: LayerProbe | None, used_scale: float | None):
         """The per-layer gradient figures (probed steps), and where nothing else judges them in
@@ -427,7 +431,7 @@ class GuardedTrainer:
         # figures see its shards only, and the ranks must skip alike).
         if self.scaler is None and (self._unprobed_params or not probe or self.sharded):
             params = self._unprobed_params if probe and not self.sharded else self._params
-            return _nonfinite_flag([p.grad for p in params if p.grad is not None], self.device)
+            return nonfinite_flag([p.grad for p in params if p.grad is not None], self.device)
         return None
 
     def _update_with_scaler(self, probe, used_scale: float, extra: list):
@@ -580,24 +584,3 @@ def to_host(tensors: list[torch.Tensor]) -> list[float]:
     if len(tensors) == 1 or tensors[0].device.type == "cpu":
         return [t.item() for t in tensors]
     return torch.cat([t.reshape(1) for t in tensors]).tolist()
-
-
-def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """1.0 on the device when any gradient holds inf/NaN, without leaving the device.
-
-    GradScaler's own fused check, one call per dtype and device, with an inverse scale of 1
-    (which leaves every gradient as it is): on the CPU a third of an aminmax per gradient and a
-    stack, on CUDA one kernel launch."""
-    found = torch.zeros((), device=device)   # 0-d, as GradScaler's (a DTensor op replicates it as it is)
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        if g.is_sparse:
-            g = g.coalesce()._values()   # as GradScaler.unscale_ reads a sparse gradient
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    with torch.no_grad():
-        for (where, _), tensors in groups.items():
-            flag = found if where == found.device else torch.zeros((), device=where)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, torch.ones((), device=where))
-            if flag is not found:
-                found = torch.maximum(found, flag.to(found.device))
-    return found

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 from amp_tui.core import precision
 from amp_tui.training.engine import StepResult
+from amp_tui.training.update_guard import scale_floor
 
 
 @dataclass
 class GuardConfig:
-    min_scale: float | None = None       # never let the scale fall below this
+    min_scale: float | None = None       # never let the scale fall below this (None: update_guard.SCALE_FLOOR)
     alert_scale_drops: int = 5            # alert when the scale falls this many times in a row
     alert_skip_share: float = 0.25        # alert when this share of a window's updates is skipped
     alert_window: int = 100
@@ -32,7 +33,7 @@ class GuardConfig:
 
 @dataclass
 class Alert:
-    reason: str       # scale_below_one / scale_drops / skip_share / min_scale
+    reason: str       # scale_below_one / scale_drops / skip_share / min_scale / ...
     message: str
     cause: str
     fix: str
@@ -49,6 +50,7 @@ class LadderMove:
 class Decisions:
     alerts: list[Alert] = field(default_factory=list)
     clamp_scale: float | None = None
+    floor_reached: bool = False   # the scale just reached its floor: the run's policy acts on it
     move: LadderMove | None = None
 
 
@@ -141,12 +143,17 @@ class PrecisionGuard:
                 self._streak_scale = result.scale
             self._drops = self._drops + 1 if dropped else 0
             self._now_scale = new_scale
-            if cfg.min_scale is not None and new_scale < cfg.min_scale:
-                out.clamp_scale = cfg.min_scale
+            floor = scale_floor(cfg.min_scale)
+            if new_scale < floor:
+                # GradScaler would go on halving, to 0 in the end, where it applies NaN updates
+                # (training/update_guard.py): held at the floor, the updates skip until they fit.
+                out.clamp_scale = floor
                 if not self._clamped_last:
+                    out.floor_reached = True
                     out.alerts.append(self._alert(
-                        "min_scale", f"--min-scale {cfg.min_scale:g} binds: the scale would have "
-                        f"fallen to {new_scale:g}; held at {cfg.min_scale:g}", result))
+                        "min_scale", f"the loss scale reached its floor ({floor:g}, {self._floor_words()}): "
+                        f"it would have fallen to {new_scale:g}; held at {floor:g}, the updates skipped "
+                        "until the gradients fit", result))
                 self._clamped_last = True
             else:
                 self._clamped_last = False
@@ -174,7 +181,10 @@ class PrecisionGuard:
         if cfg.fallback and not self._ladder_exhausted:
             skipped_steps = [step for step, skipped in self._storm if skipped]
             why, since = None, None
-            if self._bad_streak >= cfg.fallback_after:
+            if out.floor_reached:
+                why = f"the loss scale reached its floor in {precision.SHORT[result.dtype]}"
+                since = skipped_steps[0] if skipped_steps else result.step
+            elif self._bad_streak >= cfg.fallback_after:
                 why = f"{self._bad_streak} non-finite steps in a row in {precision.SHORT[result.dtype]}"
                 since = result.step - self._bad_streak + 1
             elif (len(self._storm) >= cfg.storm_window
@@ -193,6 +203,9 @@ class PrecisionGuard:
                 else:
                     out.move = LadderMove(target, why, since if cfg.rollback else None)
         return out
+
+    def _floor_words(self) -> str:
+        return "its min_scale" if self.config.min_scale is not None else "amp-tui's default"
 
     def _alert(self, reason: str, message: str, result: StepResult) -> Alert:
         cause, fix = self.likely_cause(result)

@@ -183,7 +183,7 @@ def test_min_scale_holds_and_says_so(write_script, tmp_path):
     assert scales[:3] == pytest.approx([1e30, 5e29, 4e29], rel=1e-6)  # fp32 scale tensor
     assert min(scales) == pytest.approx(4e29, rel=1e-6)
     binds = [e for e in events(lines, "alert") if e["reason"] == "min_scale"]
-    assert len(binds) == 1 and "--min-scale 4e+29 binds" in binds[0]["message"]
+    assert len(binds) == 1 and "reached its floor (4e+29, its min_scale)" in binds[0]["message"]
 
 
 def test_underflow_shares_with_and_without_the_scale():
