@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from amp_tui.recording.csv_export import _CsvSink, quoted
-from amp_tui.recording.forecast_outcomes import COLUMNS, forecast_outcomes, is_forecast
+from amp_tui.recording.forecast_outcomes import COLUMNS, forecast_outcomes, is_forecast, is_verdict
 
 # What forecast_outcomes reads of a `nonfinite` event: kept instead of the whole event.
 NONFINITE_FIELDS = ("kind", "step", "where", "layer", "origin", "backward_origin")
@@ -33,7 +33,7 @@ class ForecastsCsv(_CsvSink):
         kind, step = record.get("type"), record.get("step")
         if kind == "step" and isinstance(step, int):
             self._last = step if self._last is None else max(self._last, step)
-        elif kind == "event" and is_forecast(record):
+        elif kind == "event" and (is_forecast(record) or is_verdict(record)):
             self._events.append(record)
         elif kind == "event" and record.get("kind") == "nonfinite":
             self._events.append({k: record.get(k) for k in NONFINITE_FIELDS})

@@ -1,14 +1,13 @@
 """The forecasts a run recorded (its `forecast_scale` and `forecast_layer` alerts) and whether they
 came true, worked out from the records alone (docs/session-format.md, "Forecasts"):
 
-- a scale forecast came true when the grown scale skipped an update within SKIP_WITHIN steps of the
-  growth step it named (as the run's `forecast_checked` event says; from the `nonfinite` events
-  where a recording cut short has none), and did not when a step before it skipped (the scaler
-  fell back: its growth moved on);
+- a scale forecast came true or not as the run judged it, in its `forecast_checked` event
+  (job/forecasts.py): the run alone sees every scale it ran at, a command's and a restore's
+  included, so its verdict is the one the live output, the report and the exports all say; a
+  forecast the run has not judged (its growth step not reached, or the run ended first) is open;
 - a layer forecast came true when a later step went non-finite in that layer (the module a
-  `nonfinite` event names is the layer, or inside it, or holds it).
-
-A forecast whose step the recording has not reached yet is open (`came_true` None).
+  `nonfinite` event names is the layer, or inside it, or holds it), and is open while the
+  recording has not reached the step it named.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from amp_tui.core.forecast_words import SKIP_WITHIN
 from amp_tui.core.records import nonfinite_layer
 
 REASONS = ("forecast_scale", "forecast_layer")
@@ -32,8 +30,8 @@ def _same_module(a: str, b: str) -> bool:
 
 
 def forecast_outcomes(events: Iterable[Mapping[str, Any]], last_step: int | None) -> list[dict]:
-    """Each forecast alert of `events` (in file order, with the `nonfinite` events among them),
-    as a row of COLUMNS; `last_step`: the recording's last step (what is not past it is open)."""
+    """Each forecast alert of `events` (in file order, with the `nonfinite` and `forecast_checked`
+    events among them), as a row of COLUMNS; `last_step`: the recording's last step (what is not past it is open)."""
     forecasts, nonfinite, checked = [], [], {}
     for e in events:
         step = e.get("step")
@@ -43,9 +41,14 @@ def forecast_outcomes(events: Iterable[Mapping[str, Any]], last_step: int | None
             forecasts.append(e)
         elif e.get("kind") == "nonfinite":
             nonfinite.append((step, nonfinite_layer(e), e.get("where")))
-        elif e.get("kind") == "forecast_checked" and isinstance(e.get("forecast_step"), int):
+        elif is_verdict(e):
             checked[e["forecast_step"]] = (e.get("came_true") is True, step)   # the run's own verdict
     return [_outcome(e, nonfinite, last_step, checked.get(e["step"])) for e in forecasts]
+
+
+def is_verdict(event: Mapping[str, Any]) -> bool:
+    """A `forecast_checked` event: the run's verdict on one of its scale forecasts."""
+    return event.get("kind") == "forecast_checked" and isinstance(event.get("forecast_step"), int)
 
 
 def _outcome(event: Mapping[str, Any], nonfinite: list, last_step: int | None,
@@ -59,15 +62,8 @@ def _outcome(event: Mapping[str, Any], nonfinite: list, last_step: int | None,
         row.update(figure="grad", at_step=at)
         if isinstance(at, int):
             row["eta"] = at - step
-            if checked is not None:
+            if checked is not None:   # else open: the run has not judged it
                 row["came_true"], row["true_at"] = checked[0], checked[1] if checked[0] else None
-            else:   # a recording cut short before the run said: the skip within the window
-                hit = next((s for s, _layer, where in nonfinite
-                            if at <= s < at + SKIP_WITHIN and where == "gradients"), None)
-                moved = any(step < s < at for s, _layer, _where in nonfinite)
-                due = moved or hit is not None or (last_step is not None and last_step >= at + SKIP_WITHIN - 1)
-                row["came_true"] = hit is not None if due else None
-                row["true_at"] = hit
     else:
         layer = said.get("layer")
         row.update(layer=layer, figure=said.get("figure"), eta=said.get("eta"), at_step=said.get("at_step"))

@@ -11,7 +11,12 @@ from pathlib import Path
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import note_text, world_size_of
-from amp_tui.recording.forecast_outcomes import forecast_outcomes, is_forecast, outcome_text
+from amp_tui.recording.forecast_outcomes import (
+    forecast_outcomes,
+    is_forecast,
+    is_verdict,
+    outcome_text,
+)
 from amp_tui.recording.format import MAX_LINE_BYTES, SessionFormatError
 from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.reader import (
@@ -152,11 +157,11 @@ def read_digest(target: str | Path) -> RecordingDigest:
             note = index.kind_code("note")
             notes = [_note(_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {})
                      for k, code in enumerate(index.event_kinds) if code == note]
-            nonfinite, alert = index.kind_code("nonfinite"), index.kind_code("alert")
+            wanted = {index.kind_code(kind) for kind in ("nonfinite", "alert", "forecast_checked")}
             read = [_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {}
-                    for k, code in enumerate(index.event_kinds) if code in (nonfinite, alert)]
+                    for k, code in enumerate(index.event_kinds) if code in wanted]
             op_traces = [op_trace_of(e) for e in read if e.get("kind") == "nonfinite" and e.get("op")]
-            said = [e for e in read if e.get("kind") == "nonfinite" or is_forecast(e)]
+            said = [e for e in read if e.get("kind") == "nonfinite" or is_forecast(e) or is_verdict(e)]
             xray = index.kind_code("xray")
             xrays = [k for k, code in enumerate(index.event_kinds) if code == xray]
             last_xray = _record_at(fh, index.event_offsets[xrays[-1]], index.event_lengths[xrays[-1]], "event") \

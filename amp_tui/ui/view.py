@@ -297,10 +297,16 @@ def nonfinite_pause(snap: Snapshot) -> NonfinitePause | None:
 
 def scale_forecast(snap: Snapshot) -> str | None:
     """The loss-scale forecast still ahead of the step shown, in words: the newest
-    `forecast_scale` alert, while its growth step is to come (None: none)."""
+    `forecast_scale` alert, while its growth step is to come and the run has not judged it (a
+    `forecast_checked` event: the scale changed first) (None: none)."""
     step = int((snap.last or {}).get("step", -1))
+    judged = set()
     for event in reversed(snap.events):
-        if event.get("kind") == "alert" and event.get("reason") == "forecast_scale":
+        if event.get("kind") == "forecast_checked":
+            judged.add(event.get("forecast_step"))
+        elif event.get("kind") == "alert" and event.get("reason") == "forecast_scale":
+            if event.get("step") in judged:
+                return None
             said = event.get("forecast") if isinstance(event.get("forecast"), dict) else {}
             growth, head = said.get("growth_step"), read_float(said.get("headroom"))
             if isinstance(growth, int) and growth > step and head is not None:

@@ -60,10 +60,9 @@ def test_a_scale_change_before_the_growth_retires_its_forecast(tmp_path):
     (checked,) = events(records, "forecast_checked")[:1]
     assert checked["growth_step"] == forecast["forecast"]["growth_step"] == GROWTH_INTERVAL
     assert checked["step"] == 10 and checked["came_true"] is False
-    skip = {"type": "event", "kind": "nonfinite", "step": 12, "where": "gradients"}
-    rows = forecast_outcomes([forecast, skip], last_step=14)
-    assert rows[0]["came_true"] is False   # the read side: the skip at step 12 moved the growth
-    assert forecast_outcomes([forecast], last_step=14)[0]["came_true"] is None   # still to come
+    # The read side says what the run judged, and nothing of its own.
+    assert forecast_outcomes([forecast, checked], last_step=14)[0]["came_true"] is False
+    assert forecast_outcomes([forecast], last_step=14)[0]["came_true"] is None   # not judged: open
 
 
 def test_ample_headroom_gets_no_forecast_alert(tmp_path):
@@ -141,12 +140,46 @@ def test_a_skip_a_step_or_two_after_the_growth_is_the_growths():
     come a step after the growth (seen on the healthy demo: the growth at 8,000, the skip at 8,001)."""
     [(came, message)] = _growth_checked([(20, 2048.0, False), (21, 2048.0, True)])
     assert came and "overflowed at step 21" in message
-    # ... and the read side agrees, from the nonfinite events alone (a recording cut short)
-    events = [{"type": "event", "step": 5, "kind": "alert", "reason": "forecast_scale",
-               "forecast": {"growth_step": 20, "grown": 2048.0}},
-              {"type": "event", "step": 21, "kind": "nonfinite", "where": "gradients"}]
-    [row] = forecast_outcomes(events, last_step=22)
-    assert row["came_true"] is True and row["true_at"] == 21
+    # ... and the read side says the run's verdict, the step it came true at included
+    alert = {"type": "event", "step": 5, "kind": "alert", "reason": "forecast_scale",
+             "forecast": {"growth_step": 20, "grown": 2048.0}}
+    skip = {"type": "event", "step": 21, "kind": "nonfinite", "where": "gradients"}
+    verdict = {"type": "event", "step": 21, "kind": "forecast_checked", "forecast_step": 5,
+               "growth_step": 20, "came_true": True}
+    [row] = forecast_outcomes([alert, verdict, skip], last_step=22)
+    assert row["came_true"] is True and row["true_at"] == 21 and row["lead"] == 16
     # ten clean steps at the grown scale: it did not
     [(came, message)] = _growth_checked([(s, 2048.0, False) for s in range(20, 31)])
     assert not came and "ran 10 steps without an overflow" in message
+
+
+def test_the_live_run_and_the_report_judge_a_scale_forecast_alike(tmp_path, capsys):
+    """The README's own command: `dtype=bf16` at step 20 changes the scale before the growth a
+    forecast named, and the run says at once that it did not come true. The report, the
+    forecasts CSV and the dashboard's status bar say the same, from the run's verdict."""
+    from amp_tui.sources.replay import ReplaySource
+    from amp_tui.ui.view import scale_forecast
+
+    from support import DEMOS
+
+    run_dir = tmp_path / "run"
+    assert main(["train", str(DEMOS / "loss_scale_overflow.py"), "--headless", "--steps", "30",
+                 "--at", "20:dtype=bf16", "--at", "25:save", "--run-dir", str(run_dir)]) == 0
+    live = [line for line in capsys.readouterr().out.splitlines() if " forecast_checked " in line]
+    verdicts = events(strict_lines(run_dir / "session.jsonl"), "forecast_checked")
+    assert verdicts and len(live) == len(verdicts)
+    assert all(not v["came_true"] and "did not come true" in line for v, line in zip(verdicts, live))
+    assert main(["report", str(run_dir), "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out)["forecasts"] if r["reason"] == "forecast_scale"]
+    assert [(r["step"], r["came_true"]) for r in rows] == [(v["forecast_step"], False) for v in verdicts]
+    assert main(["report", str(run_dir)]) == 0
+    assert "overflows: did not come true" in " ".join(capsys.readouterr().out.split())   # words, as wrapped
+    out = tmp_path / "forecasts.csv"
+    assert main(["export", str(run_dir), "--forecasts-csv", str(out)]) == 0
+    assert [line.split(",")[7] for line in out.read_text().splitlines()[1:]] == ["False"] * len(rows)
+    # The status bar stops announcing a forecast the run has judged.
+    source = ReplaySource(run_dir)
+    source.playback.seek(verdicts[0]["step"] - 2)   # the boundary of the verdict's step comes before its record
+    assert scale_forecast(source.snapshot()) is not None
+    source.playback.seek(verdicts[0]["step"])
+    assert scale_forecast(source.snapshot()) is None
