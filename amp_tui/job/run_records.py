@@ -89,6 +89,7 @@ def _step_message(result: StepResult) -> str:
     rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
     on = f" on rank {rank}" if rank is not None else ""
     outcome = ("amp-tui held the update back" if result.held_back else "update skipped" if result.skipped
+               else "the loop applied the update" if result.scale is not None
                else "the loop applied the update (no GradScaler to skip it)")
     if result.nonfinite == "activations":
         return (f"non-finite activation{on} in {short} in {layer}, while the loss and the gradients stayed "

@@ -254,3 +254,13 @@ def test_a_fix_applied_at_a_collapsed_scale_says_to_set_the_scale_back(tmp_path)
     session = read_session(tmp_path / "run" / "session.jsonl")
     [fix] = [e for e in session.events if e["kind"] == "intervention" and e["action"] == "fp32"]
     assert "collapsed" in fix["message"] and "scale=65536" in fix["message"]
+
+
+def test_an_applied_nonfinite_step_with_a_gradscaler_is_not_said_to_have_none():
+    from amp_tui.job.run_records import nonfinite_message
+    from amp_tui.training.engine import StepResult
+    applied = StepResult(step=3, loss=math.nan, scale=0.0, skipped=False, skipped_total=0, updates_applied=4,
+                         dtype="float16", micro_batches=1, nonfinite="loss", next_scale=0.0)
+    assert "no GradScaler" not in nonfinite_message(applied)
+    applied.scale = None
+    assert "no GradScaler to skip it" in nonfinite_message(applied)
