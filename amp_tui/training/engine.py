@@ -505,10 +505,7 @@ class GuardedTrainer:
 
     def _finish(self, loss, scale, lr, *, skipped, nonfinite, first_layer, figures, micro,
                 grad_norm=None, diagnosis=None, op_trace=None):
-        # The step counter moves on first, then the counts take the step in: `ctl status`, read
-        # from another thread (the counts, then the step), never counts a step the counter has
-        # not passed.
-        step, self.step_index = self.step_index, self.step_index + 1
+        step, self.step_index = self.step_index, self.step_index + 1   # before the counts (ctl status)
         if skipped:
             self.skipped_total += 1
         else:
