@@ -6,8 +6,9 @@ records to; its stdout and stderr go to RUN_DIR/output.log (the dashboard shows 
 headless, they are printed too). The dashboard follows the recording as `amp-tui attach` does and
 steers over the control socket; `q` stops the job at a step boundary and waits for it to exit
 (`--detach`: `q` leaves it running). SIGHUP or SIGTERM to amp-tui reaches the command as a stop at
-its next step boundary. amp-tui exits with the command's status, and with 2 when the command
-succeeded without ever starting a monitor (nothing was recorded).
+its next step boundary. Once the command has exited, amp-tui prints the summary `train` ends with,
+and exits with the command's status, or with 2 when the command succeeded without ever starting a
+monitor (nothing was recorded).
 """
 
 from __future__ import annotations
@@ -181,9 +182,20 @@ def _exit_status(status: int | None, command: list[str], run_dir: Path) -> int:
         print(f"amp-tui: {shlex.join(command)} exited with status {status} before starting a monitor; "
               f"its output is in {run_dir / OUTPUT_NAME}", file=sys.stderr)
         return status
+    _print_summary(run_dir)
     if status != 0:
         print(f"amp-tui: {shlex.join(command)} exited with status {status}; the session and the "
               f"checkpoints are kept in {run_dir} (its output: {run_dir / OUTPUT_NAME})", file=sys.stderr)
-    else:
-        print(f"amp-tui: recorded in {run_dir} (amp-tui report {run_dir})")
     return status
+
+
+def _print_summary(run_dir: Path) -> None:
+    """The summary `amp-tui train` ends with, of what the command's monitor recorded."""
+    from rich.console import Console
+
+    from amp_tui.cli.summary import print_recorded
+
+    try:
+        print_recorded(run_dir, Console(highlight=False))
+    except OSError:
+        pass  # the terminal is gone (SSH drop): the session on disk is what matters

@@ -1,7 +1,9 @@
-"""The run summary on a terminal: after `amp-tui train` (headless or from the dashboard alike) and
-for `amp-tui report`."""
+"""The run summary on a terminal: after `amp-tui train` (headless or from the dashboard alike),
+after `amp-tui run` and for `amp-tui report`."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -25,6 +27,18 @@ def print_after_run(run, console: Console) -> None:
                       soft_wrap=True)   # one line, never folded: the path stays whole
     try:
         render_summary(summarize(read_digest(run.session_path), run.outcome()), console)
+    except (SessionFormatError, OSError) as exc:
+        console.print(Text(f"amp-tui: no session to summarize: {exc}", style="red"))
+
+
+def print_recorded(run_dir: Path, console: Console) -> None:
+    """The same summary after a run another process made (`amp-tui run`'s command): what its
+    recording holds."""
+    from amp_tui.recording.format import SessionFormatError
+    from amp_tui.recording.report import read_digest, summarize
+
+    try:
+        render_summary(summarize(read_digest(run_dir)), console)
     except (SessionFormatError, OSError) as exc:
         console.print(Text(f"amp-tui: no session to summarize: {exc}", style="red"))
 

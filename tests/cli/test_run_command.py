@@ -32,7 +32,11 @@ def test_the_command_records_to_the_run_dir_and_its_output_is_kept(write_script,
     assert len(session.steps) == 30 and session.end["status"] == "finished"
     output = (run_dir / "output.log").read_text()
     assert "own loop: step 20" in output and "own loop: step 20" in done.stdout   # kept and shown
-    assert f"recorded in {run_dir}" in done.stdout
+    # It ends with the summary `amp-tui train` ends with: the one `report` prints of the run.
+    report = subprocess.run([sys.executable, "-m", "amp_tui", "report", str(run_dir)], capture_output=True,
+                            text=True, timeout=240, cwd=tmp_path)
+    assert "updates applied" in report.stdout and "run dir" in report.stdout
+    assert done.stdout.endswith(report.stdout)
 
 
 def test_a_command_that_never_starts_a_monitor_exits_2_and_says_so(tmp_path):
