@@ -1,4 +1,6 @@
-"""`amp-tui ls`: the runs under some folders, with their state, read cheaply (header + file tail).
+"""`amp-tui ls`: the runs under some folders, with their state, read cheaply: the header, the
+file's tail, and its last step and last event wherever they lie (a long run's last event can be
+far behind the tail), looked for from the end backwards.
 
 Whether a job still runs in a folder is the caller's question (`is_running`: the control socket
 answers it), so the read side needs nothing of the job."""
@@ -12,9 +14,9 @@ from typing import Callable
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import next_state, world_size_of
-from amp_tui.recording.reader import parse_record, tail_records
+from amp_tui.recording.reader import last_record, parse_record, tail_records
 
-TAIL_BYTES = 256 * 1024   # enough for the last step record and the events after it
+TAIL_BYTES = 256 * 1024   # where the end record is looked for
 
 
 @dataclass
@@ -38,22 +40,18 @@ def describe_run(run_dir: Path, is_running: Callable[[Path], bool]) -> RunRow:
         with open(session, "rb") as fh:
             header = parse_record(fh.readline(1 << 20).decode("utf-8", "replace")) or {}
         records = tail_records(session, TAIL_BYTES)
+        last, event = last_record(session, "step"), last_record(session, "event")
     except OSError:
         return RunRow(run_dir, "unreadable", "?", None, None, None, None, "", modified)
-    steps = [r for r in records if r.get("type") == "step"]
-    events = [r for r in records if r.get("type") == "event"]
     end = next((r for r in reversed(records) if r.get("type") == "end"), None)
-    last = steps[-1] if steps else None
     if is_running(run_dir):
         state = "running"
     elif end is not None:
         state = next_state("running", end)
     else:
         state = "crashed"
-    last_event = ""
-    if events:
-        e = events[-1]
-        last_event = f"step {e.get('step')}: {e.get('kind')}: {e.get('message', '')}"
+    last_event = "" if event is None else \
+        f"step {event.get('step')}: {event.get('kind')}: {event.get('message', '')}"
     dtype = (last or end or header).get("dtype")
     scale = read_float((last or {}).get("scale"))
     return RunRow(

@@ -1,7 +1,8 @@
 """Reading a session whole: every valid record, and a count of what had to be skipped.
 
 The replay index (amp_tui.recording.index) reads the same lines with the same rules, keeping only
-what it needs; `amp-tui ls` reads a file's tail (`tail_records`).
+what it needs; `amp-tui ls` reads a file's tail (`tail_records`) and its last record of a kind
+(`last_record`).
 """
 
 from __future__ import annotations
@@ -145,3 +146,33 @@ def tail_records(path: Path, size: int) -> list[dict]:
         if record is not None:
             out.append(record)
     return out
+
+
+def last_record(path: Path, kind: str, block: int = 1 << 20) -> dict | None:
+    """The last valid record of type `kind` in a session, wherever it lies: looked for from the
+    end backwards, a block at a time (a long run's last event can lie far behind its tail). Only
+    the lines that hold `"kind"` are parsed."""
+    needle = jsonsafe.dumps(kind).encode()
+    with open(path, "rb") as fh:
+        end = fh.seek(0, os.SEEK_END)
+        carry = b""   # the line the block after this one starts with: it begins in this block
+        while end > 0:
+            start = max(0, end - block)
+            fh.seek(start)
+            data = fh.read(end - start) + carry
+            cut = data.find(b"\n") + 1 if start > 0 else 0
+            if start > 0 and cut == 0:
+                carry, end = data, start   # no line ends here: one long line, read on with the block before
+                continue
+            carry, data = data[:cut], data[cut:]
+            at = len(data)
+            while (at := data.rfind(needle, 0, at)) >= 0:
+                line_start = data.rfind(b"\n", 0, at) + 1
+                line_end = data.find(b"\n", at)
+                record = parse_record(data[line_start:len(data) if line_end < 0 else line_end]
+                                      .decode("utf-8", "replace"))
+                if record is not None and record.get("type") == kind:
+                    return record
+                at = line_start
+            end = start
+    return None

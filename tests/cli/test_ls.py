@@ -47,3 +47,39 @@ def test_ls_names_a_folder_or_glob_that_matches_nothing(two_places, capsys):
     assert main(["ls", str(two_places / "a"), str(two_places / "nothing-*")]) == 1
     err = capsys.readouterr().err
     assert "nothing-*" in err and len(err.strip().splitlines()) == 1
+
+
+def long_run(run_dir, steps: int, *, event_at: int):
+    """A finished run of `steps` step records whose one event comes at step `event_at`."""
+    from amp_tui.recording.format import event_record, step_record
+    from amp_tui.recording.writer import SessionWriter
+
+    from support import step_result
+
+    run_dir.mkdir(parents=True)
+    w = SessionWriter(run_dir / "session.jsonl", {"script": "long.py", "dtype": "float16", "steps": steps,
+                                                  "device": {"type": "cpu", "backend": "CPU", "name": "Test"}},
+                      flush_interval=0)
+    for step in range(steps):
+        if step == event_at:
+            w.write(event_record(step, "note", "the one event of this run", text="the one event of this run",
+                                 source="at"))
+        w.write(step_record(step_result(step)))
+    w.write({"type": "end", "step": steps, "status": "finished", "updates": steps, "skipped_total": 0})
+    w.close()
+    return run_dir
+
+
+@pytest.mark.parametrize("event_at", [3, 2995])
+def test_ls_shows_the_last_event_however_far_behind_the_end_it_lies(tmp_path, capsys, event_at):
+    from amp_tui.recording.listing import TAIL_BYTES, describe_run
+
+    run_dir = long_run(tmp_path / "runs" / "long", 3000, event_at=event_at)
+    size = (run_dir / "session.jsonl").stat().st_size
+    if event_at == 3:   # the case that was blank: the event lies far before the file's tail
+        assert size > 2 * TAIL_BYTES
+    row = describe_run(run_dir, lambda _: False)
+    assert row.last_event == f"step {event_at}: note: the one event of this run"
+    assert (row.state, row.steps, row.skipped) == ("finished", 3000, 0)
+    assert main(["ls", str(tmp_path / "runs")]) == 0
+    assert f"step {event_at}: note: the one event" in listed(capsys)
