@@ -52,6 +52,9 @@ def render_summary(s: Summary, console: Console) -> None:
     console.print(table)
     for message in s.errors[-3:]:
         console.print(Text("error: " + clip(message, TEXT_LIMIT, count=True), style="red"))
+    for refusal in s.refused[-3:]:
+        console.print(Text(f"refused at step {refusal['step']}: " + clip(refusal["message"], TEXT_LIMIT, count=True),
+                           style="yellow"))
     if len(s.notes) > NOTES_SHOWN:
         console.print(Text(f"notes: the last {NOTES_SHOWN} of {len(s.notes)}", style="dim"))
     for note in s.notes[-NOTES_SHOWN:]:

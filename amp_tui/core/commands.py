@@ -17,10 +17,10 @@ from amp_tui.core import precision
 # the run. The order is part of how rank 0 hands a command to the other ranks (its index is the
 # command's code): add new actions at the end.
 Action = Literal["dtype", "scale", "save", "restore", "pause", "resume", "step", "stop", "fp32", "note",
-                 "probe", "xray", "undo"]
+                 "probe", "xray", "undo", "fix"]
 PROBE_MODES = ("every", "auto")
 ACTIONS: tuple[Action, ...] = get_args(Action)
-NO_VALUE_ACTIONS: tuple[Action, ...] = ("save", "pause", "resume", "step", "stop", "xray", "undo")
+NO_VALUE_ACTIONS: tuple[Action, ...] = ("save", "pause", "resume", "step", "stop", "xray", "undo", "fix")
 # A note is a line for whoever reads the recording later, not a document.
 NOTE_LIMIT = 500
 
@@ -59,7 +59,8 @@ def parse_action(text: str, source: str = "api") -> Command:
     """`dtype=bf16`, `scale=4096`, `scale=half`, `save`, `restore=latest|PATH`, `pause`, `resume`,
     `step`, `stop`, `fp32=MODULE_PATTERN` (toggles local fp32), `note=TEXT` (recorded as it is),
     `probe=every|auto` (every step probed, or the probe schedule), `xray` (the next step traced op
-    by op), `undo` (the autopilot's last decision taken back)."""
+    by op), `undo` (the autopilot's last decision taken back), `fix` (the run's last verified fix
+    applied: `f` in the dashboard)."""
     raw = text.strip()
     name, _, value = raw.partition("=")
     name = name.strip().lower()
@@ -96,7 +97,7 @@ def parse_action(text: str, source: str = "api") -> Command:
             raise CommandError(f"{name!r} takes no value (got {raw!r})")
         return Command(name, None, source)
     raise CommandError(f"unknown action {raw!r}: use dtype=…, scale=…, save, restore=…, pause, "
-                       "resume, step, stop, fp32=MODULE, note=TEXT, probe=every|auto, xray or undo")
+                       "resume, step, stop, fp32=MODULE, note=TEXT, probe=every|auto, xray, undo or fix")
 
 
 def note_text(text: str) -> str:

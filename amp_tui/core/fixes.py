@@ -46,3 +46,22 @@ def last_verified_fix(events: Iterable[dict]) -> dict | None:
                 and isinstance(event.get("fix"), str) and fix_command(event["fix"]) is not None:
             found = event
     return found
+
+
+NO_FIX = "no verified fix: none of the run's non-finite steps found one"
+
+
+def fix_to_apply(events: Iterable[dict], applied_step: int | None, source: str = "api") -> Command | str:
+    """`fix` (`f`, `ctl RUN fix`, `--at N:fix`): the command that applies the newest verified fix of
+    `events` (the run's non-finite events and its autopilot's interventions), or why there is none
+    to apply. `applied_step`: the step whose fix `fix` applied last (fp32=MODULE toggles: applied
+    twice, it would be undone)."""
+    events = list(events)
+    event = last_verified_fix(events)
+    if event is None:
+        return NO_FIX
+    if applied_by_autopilot(events, event):
+        return f"the autopilot applied {event['fix']} already (u undoes it)"
+    if applied_step == event.get("step"):
+        return f"{event['fix']} was already applied (the fix of step {event.get('step')})"
+    return fix_command(event["fix"], source)   # type: ignore[return-value] - last_verified_fix checked it

@@ -20,7 +20,8 @@ EndStatus = Literal["finished", "stopped", "error"]
 Mode = Literal["live", "replay", "attached", "launched"]
 STEERED_MODES: frozenset[str] = frozenset({"live", "attached", "launched"})
 EventKind = Literal["intervention", "checkpoint_saved", "checkpoint_restored", "nonfinite", "alert",
-                    "error", "paused", "stopping", "resumed", "note", "probes"]
+                    "error", "refused", "paused", "stopping", "resumed", "note", "probes", "forecast_checked",
+                    "xray"]
 
 ENDED: frozenset[str] = frozenset({"finished", "stopped", "error"})
 # The events that change a run's state; the others (a checkpoint saved, an alert...) don't.

@@ -192,9 +192,7 @@ class RunCheckpoints:
         if run.ranks:
             path = run.ranks.share(path)   # rank 0's file, whatever the others' listing says
         if path is None:
-            run.event("error", "restore refused: this run has no checkpoint yet", during="restore",
-                      source=command.source)
-            return Outcome(False, "no checkpoint yet")
+            return run.refused(command, "restore refused: this run has no checkpoint yet")
         problem = loaded = None
         model, optimizer = self._live()
         try:
@@ -209,16 +207,12 @@ class RunCheckpoints:
                 problem = f"cannot restore {path}: {why}" if why else None
             problem = run.ranks.first_problem(problem)
         if problem is not None:
-            run.event("error", f"restore refused: {problem}", during="restore", source=command.source,
-                      path=str(path))
-            return Outcome(False, problem)
+            return run.refused(command, f"restore refused: {problem}", path=str(path))
         before = t.describe_precision()
         try:
             self._apply(loaded)
         except ckpt.CheckpointError as exc:   # a sharded load that failed, alike on every rank
-            run.event("error", f"restore refused: {exc}", during="restore", source=command.source,
-                      path=str(path))
-            return Outcome(False, str(exc))
+            return run.refused(command, f"restore refused: {exc}", path=str(path))
         after = t.describe_precision()
         ck_step = loaded.step
         note = f" ({loaded.notice})" if loaded.notice else ""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from amp_tui.core.commands import Command, Outcome
+from amp_tui.core.fixes import fix_to_apply, last_verified_fix
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.records import RunState, end_status
 from amp_tui.job import autopilot
@@ -99,8 +100,12 @@ class RunController:
             "save": partial(handlers.save, self), "restore": partial(handlers.restore, self), "stop": self._stop,
             "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self), "pause": self._pause,
             "probe": partial(handlers.set_probes, self), "resume": self._resume, "step": self._single_step,
-            "xray": partial(handlers.xray, self), "undo": partial(autopilot.undo, self),
+            "xray": partial(handlers.xray, self), "undo": partial(autopilot.undo, self), "fix": self._apply_fix,
         }
+        # What `fix` chooses from: the newest non-finite event with a verified fix, and the
+        # autopilot's interventions after it; the step whose fix `fix` applied last.
+        self._fix_events: list[dict] = []
+        self._fixed_step: int | None = None
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in at:
             self._scheduled.setdefault(step, []).append(command)
@@ -242,6 +247,10 @@ class RunController:
         self.publish()   # the steps before it first, in the order they happened
         record = event_record(self.step_index if step is None else step, kind, message, **fields)
         self.recorder.emit(record)
+        if kind == "nonfinite" and last_verified_fix([record]) is not None:
+            self._fix_events = [record]
+        elif kind == "intervention" and fields.get("source") == "autopilot" and self._fix_events:
+            self._fix_events.append(record)
         return record
 
     def alert(self, reason: str, message: str, *, cause: str, fix: str, step: int | None = None) -> dict:
@@ -403,7 +412,7 @@ class RunController:
         (or a full disk) brought to any rank stops them all here."""
         if not self.ranks:
             return self.queued(self.step_index)
-        commands, stop = self.ranks.agree_commands(lambda: self.queued(self.step_index))
+        commands, stop = self.ranks.agree_commands(lambda: self._chosen_fixes(self.queued(self.step_index)))
         if stop is not None:
             self._checkpoint_on_stop = self._checkpoint_on_stop or stop.checkpoint
             self._stop_reason = self._stop_reason or stop.reason
@@ -413,6 +422,38 @@ class RunController:
     def queued(self, step: int) -> list[Command]:
         """The `--at` commands of boundary `step`, then those queued meanwhile."""
         return self._scheduled.pop(step, []) + self.commands.drain()
+
+    def _chosen_fixes(self, commands: list[Command]) -> list[Command]:
+        """Rank 0's `fix` as the command it chose (or refused here), so that every rank applies the
+        same change whatever its own events hold."""
+        chosen = []
+        for command in commands:
+            if command.action != "fix":
+                chosen.append(command)
+                continue
+            choice = self._choose_fix(command)
+            if isinstance(choice, Outcome):
+                if command.on_done is not None:
+                    command.on_done(choice)
+            else:
+                chosen.append(choice)
+        return chosen
+
+    def _choose_fix(self, command: Command) -> Command | Outcome:
+        """The command that applies the run's last verified fix, or its refusal (recorded)."""
+        choice = fix_to_apply(self._fix_events, self._fixed_step, command.source)
+        if isinstance(choice, str):
+            return self.refused(command, choice)
+        self._fixed_step = self._fix_events[0].get("step")
+        choice.client, choice.on_done = command.client, command.on_done
+        return choice
+
+    def _apply_fix(self, command: Command) -> Outcome:
+        choice = self._choose_fix(command)
+        if isinstance(choice, Outcome):
+            return choice
+        choice.on_done = None   # the fix command's own is answered with this outcome
+        return self.apply(choice)
 
     def scheduled_first(self, actions: tuple[str, ...]) -> list[Command]:
         """The `--at` commands of this step that lead its list and are among `actions`, taken
@@ -437,6 +478,11 @@ class RunController:
 
     # ---- commands -----------------------------------------------------------------------
     def apply(self, command: Command) -> Outcome:
+        if command.action not in self._handlers:
+            outcome = self.refused(command, f"unknown command {command.action!r}")
+            if command.on_done is not None:
+                command.on_done(outcome)
+            return outcome
         return apply_command(self._handlers, command, self._command_failed)
 
     def refuse(self, action: str, reason: str) -> None:
@@ -455,8 +501,14 @@ class RunController:
                    before=before, after=after, **who)
         return Outcome(True, message)
 
-    def refused(self, command: Command, message: str) -> Outcome:
-        self.event("error", message, during=command.action, source=command.source)
+    def refused(self, command: Command, reason: str, **fields: Any) -> Outcome:
+        """A command the run would not apply, and why: one `refused` event, whoever sent it (a
+        key, ctl, --at, the API), never an error (the run goes on as it was)."""
+        message = reason if "refused" in reason else f"{command.text()} refused: {reason}"
+        who = {"client": command.client} if command.client else {}
+        value = encode_float(command.value) if isinstance(command.value, float) else command.value
+        self.event("refused", message, command=command.text(), action=command.action, value=value,
+                   reason=reason, source=command.source, **who, **fields)
         return Outcome(False, message)
 
     def save_checkpoint(self, *, source: str) -> ckpt.CheckpointInfo | None:
@@ -485,7 +537,7 @@ class RunController:
 
     def _single_step(self, command: Command) -> Outcome:
         if self.state != "paused":
-            return Outcome(False, self._pause_first(command.source))
+            return self.refused(command, self._pause_first(command.source))
         self.single_steps += 1
         return self.intervention(command, {"state": self.state}, {"state": self.state},
                                  f"single step {self.step_index}")

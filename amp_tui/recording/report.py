@@ -52,6 +52,9 @@ class Summary:
     interventions: int
     checkpoints: int
     errors: list[str] = field(default_factory=list)
+    # The commands the run refused, {"step", "command", "reason", "source"}, in order: apart from
+    # the errors (a refusal leaves the run as it was).
+    refused: list[dict] = field(default_factory=list)
     notes: list[dict] = field(default_factory=list)   # {"step", "text"}: the run's notes, in order
     op_traces: list[dict] = field(default_factory=list)   # the ops that made a step non-finite
     # The last X-ray: {"step", "path", "closest"} (its file's closest ops), or "error" for why
@@ -98,6 +101,7 @@ class RecordingDigest:
     end: dict | None             # the last end record
     event_kinds: Counter         # events by kind
     errors: list[str]            # the messages of the error events, in file order
+    refused: list[dict] = field(default_factory=list)   # `refusal_of` each refused event, in file order
     notes: list[dict] = field(default_factory=list)   # {"step", "text"} of the note events, in file order
     op_traces: list[dict] = field(default_factory=list)   # `op_trace_of` each non-finite event naming an op
     last_xray: dict | None = None   # the last xray event
@@ -114,6 +118,7 @@ def digest_of(session: Session) -> RecordingDigest:
         skipped_steps=sum(1 for s in steps if s.get("skipped")), last_step=steps[-1] if steps else None,
         end=session.end, event_kinds=Counter(e.get("kind") for e in events),
         errors=[str(e.get("message", "")) for e in events if e.get("kind") == "error"],
+        refused=[refusal_of(e) for e in events if e.get("kind") == "refused"],
         notes=[_note(e) for e in events if e.get("kind") == "note"],
         op_traces=[op_trace_of(e) for e in events if e.get("kind") == "nonfinite" and e.get("op")],
         last_xray=next((e for e in reversed(events) if e.get("kind") == "xray"), None),
@@ -154,6 +159,9 @@ def read_digest(target: str | Path) -> RecordingDigest:
             errors = [str((_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {})
                           .get("message", ""))
                       for k, code in enumerate(index.event_kinds) if code == error]
+            refused = index.kind_code("refused")
+            refusals = [refusal_of(_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {})
+                        for k, code in enumerate(index.event_kinds) if code == refused]
             note = index.kind_code("note")
             notes = [_note(_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {})
                      for k, code in enumerate(index.event_kinds) if code == note]
@@ -169,7 +177,7 @@ def read_digest(target: str | Path) -> RecordingDigest:
             unknown, long_lines = index.unknown_records, index.long_lines
     return RecordingDigest(
         header=header, path=path, steps=steps, skipped_steps=skipped_steps, last_step=last, end=end,
-        event_kinds=kinds, errors=errors, notes=notes, op_traces=op_traces, last_xray=last_xray,
+        event_kinds=kinds, errors=errors, refused=refusals, notes=notes, op_traces=op_traces, last_xray=last_xray,
         forecasts=forecast_outcomes(said, last.get("step") if last else None),
         skipped_lines=skipped_lines,
         unknown_records=unknown, long_lines=long_lines)
@@ -181,6 +189,12 @@ def op_trace_of(event: dict) -> dict:
     return {"step": event.get("step"), "op": event.get("op"), "op_module": event.get("op_module"),
             "op_phase": event.get("op_phase"), "message": str(event.get("op_message", "")),
             "fix": event.get("fix"), "fix_verified": event.get("fix_verified") is True}
+
+
+def refusal_of(event: dict) -> dict:
+    """What a report says of a refused command: its step, the command, why, and who sent it."""
+    return {"step": event.get("step"), "command": event.get("command"), "reason": event.get("reason"),
+            "source": event.get("source"), "message": str(event.get("message", ""))}
 
 
 def _note(event: dict) -> dict:
@@ -219,6 +233,7 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         interventions=d.event_kinds.get("intervention", 0),
         checkpoints=d.event_kinds.get("checkpoint_saved", 0),
         errors=list(d.errors),
+        refused=list(d.refused),
         notes=list(d.notes),
         op_traces=list(d.op_traces),
         xray=_xray_of(d.last_xray, d.path.parent if d.path is not None else None),
@@ -305,6 +320,8 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
     ]
     if s.errors:
         rows.append(("errors", str(len(s.errors))))
+    if s.refused:
+        rows.append(("refused commands", str(len(s.refused))))
     if s.notes:
         rows.append(("notes", str(len(s.notes))))
     if s.op_traces:

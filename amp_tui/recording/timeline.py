@@ -208,6 +208,7 @@ _KIND_LABELS: dict[EventKind, str] = {
     "checkpoint_restored": "",
     "paused": "",
     "error": "error",
+    "refused": "",
     "stopping": "stopping",
     "nonfinite": "non-finite",
     "alert": "alert",
@@ -222,7 +223,7 @@ def _event_text(kind: str, e: dict) -> str:
         label = one_line(kind, 40)
     source = e.get("source")
     suffix = ""
-    if kind in ("intervention", "checkpoint_restored", "checkpoint_saved", "note") and source:
+    if kind in ("intervention", "checkpoint_restored", "checkpoint_saved", "note", "refused") and source:
         suffix = f" [{one_line(source, 40)}]"
     if kind == "error":
         during = e.get("during")
@@ -245,6 +246,8 @@ def _summary_line(idx: SessionIndex, storms: int) -> str:
         parts.append(plural(kinds.count("checkpoint_restored"), "restore"))
     if kinds.count("error"):
         parts.append(plural(kinds.count("error"), "error"))
+    if kinds.count("refused"):
+        parts.append(plural(kinds.count("refused"), "command") + " refused")
     if kinds.count("note"):
         parts.append(plural(kinds.count("note"), "note"))
     end = idx.end

@@ -23,7 +23,7 @@ from textual.screen import Screen
 
 from amp_tui.core import precision
 from amp_tui.core.commands import Action, Command, Outcome
-from amp_tui.core.fixes import applied_by_autopilot, fix_command, last_verified_fix
+from amp_tui.core.fixes import NO_FIX, last_verified_fix
 from amp_tui.core.records import ENDED, STEERED_MODES
 from amp_tui.core.signals import handling_signals
 from amp_tui.core.text import clip, visible
@@ -48,7 +48,7 @@ NOTIFY_LIMIT = 400         # characters of a recorded text in a notification (th
 COMMAND_TITLES: dict[Action, str] = {
     "dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore", "pause": "pause",
     "resume": "resume", "step": "single step", "stop": "stop", "fp32": "local fp32", "note": "note",
-    "probe": "probes", "xray": "X-ray", "undo": "undo autopilot"}
+    "probe": "probes", "xray": "X-ray", "undo": "undo autopilot", "fix": "fix"}
 
 
 class AmpTuiApp(App[int]):
@@ -80,7 +80,6 @@ class AmpTuiApp(App[int]):
         self._second: int | None = None
         self._heavy_pending = False
         self._pending: list[Command] = []
-        self._fixed_step: int | None = None   # the step whose verified fix f applied
         self._announced: set[tuple] = set()
         self._last_state: str | None = None
         self._events_seen = 0
@@ -366,24 +365,15 @@ class AmpTuiApp(App[int]):
         self.push_screen(NoteDialog(), chosen)
 
     def action_apply_fix(self) -> None:
-        events = self.source.snapshot().events
-        event = last_verified_fix(events)
+        if self.source.mode != "replay":
+            self.send("fix")   # the run chooses its last verified fix, or refuses and records why
+            return
+        event = last_verified_fix(self.source.snapshot().events)
         if event is None:
-            self.notify("no verified fix: none of the run's non-finite steps found one", title="fix",
-                        severity="warning", markup=False)
-        elif self.source.mode == "replay":
+            self.notify(NO_FIX, title="fix", severity="warning", markup=False)
+        else:
             self.notify(visible(f"a recording can't be steered: run again with {event['fix']}"),
                         title="fix", severity="warning", markup=False)
-        elif applied_by_autopilot(events, event):
-            self.notify(visible(f"the autopilot applied {event['fix']} already (u undoes it)"), title="fix",
-                        severity="warning", markup=False)
-        elif self._fixed_step == event.get("step"):   # fp32=MODULE toggles: twice would undo it
-            self.notify(visible(f"{event['fix']} was already applied (the fix of step {event.get('step')})"),
-                        title="fix", severity="warning", markup=False)
-        else:
-            self._fixed_step = event.get("step")
-            command = fix_command(event["fix"])
-            self.send(command.action, command.value)
 
     def action_undo_autopilot(self) -> None:
         if self.source.mode == "replay":

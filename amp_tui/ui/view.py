@@ -263,7 +263,7 @@ def nonfinite_origin(snap: Snapshot) -> str | None:
 # Events the user must see reflected at once. `nonfinite` is not among them: a skip shows as a
 # scale change, and a new origin is looked at on its own; periodic saves change nothing shown.
 NOTABLE_EVENTS = frozenset({"intervention", "checkpoint_restored", "resumed", "paused", "stopping",
-                            "alert", "error"})
+                            "alert", "error", "refused"})
 
 
 def newest_notable_event(snap: Snapshot) -> int:
@@ -325,6 +325,7 @@ EVENT_LABELS = {
     "checkpoint_saved": ("saved", "green"),
     "checkpoint_restored": ("restored", "green"),
     "error": ("error", "bold red"),
+    "refused": ("refused", "yellow"),
     "paused": ("paused", "magenta"),
     "stopping": ("stopping", "magenta"),
     "alert": ("alert", "bold yellow"),

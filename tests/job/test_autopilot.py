@@ -140,9 +140,13 @@ def test_undo_over_ctl_takes_the_isolation_back_and_refuses_when_nothing_is_left
     finally:
         run.request_stop()
         thread.join(120)
-    undo = [e for e in read_session(tmp_path / "run").events if e.get("action") == "undo"]
+    events = read_session(tmp_path / "run").events
+    undo = [e for e in events if e["kind"] == "intervention" and e.get("action") == "undo"]
     assert [(e["before"], e["after"]) for e in undo] == [({"fp32_modules": ["attn"]}, {"fp32_modules": []})]
     assert undo[0]["source"].startswith("ctl")
+    [refused] = [e for e in events if e["kind"] == "refused"]   # the second undo, not an error
+    assert refused["command"] == "undo" and refused["source"].startswith("ctl") and "pid" in refused["client"]
+    assert not [e for e in events if e["kind"] == "error"]
     # Repeated (--repeat-interventions), the run's autopilot decides again; the user's undo is kept.
     assert [a for a in interventions_as_at(tmp_path / "run") if "pause" not in a and "resume" not in a] == ["1:undo"]
 

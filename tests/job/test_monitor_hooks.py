@@ -122,5 +122,5 @@ def test_a_refused_key_says_why(tmp_path):
     monitor.end_step(None)
     monitor.close()
     assert answers[0].ok is False and "DeepSpeed owns the loss scale" in answers[0].message
-    errors = [e for e in read_session(tmp_path / "run").events if e["kind"] == "error"]
-    assert errors[0]["during"] == "scale" and "DeepSpeed" in errors[0]["message"]
+    [refused] = [e for e in read_session(tmp_path / "run").events if e["kind"] == "refused"]
+    assert refused["command"] == "scale=1024" and "DeepSpeed" in refused["message"]

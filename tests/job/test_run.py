@@ -100,7 +100,7 @@ def test_checkpoint_restore_and_refusals_keep_the_run_going(mlp_script, tmp_path
                     step=0, dtype="float32")
     assert run.run() == 0
     session = read_session(run_dir)
-    refusals = [e for e in session.events if e["kind"] == "error" and e.get("during") == "restore"]
+    refusals = [e for e in session.events if e["kind"] == "refused" and e.get("action") == "restore"]
     assert len(refusals) == 3
     text = " | ".join(e["message"] for e in refusals)
     assert "truncated.safetensors" in text and "flipped.safetensors" in text and "wrong_shape.safetensors" in text

@@ -74,8 +74,10 @@ def test_a_note_in_a_loop_with_the_monitor(tmp_path):
             monitor.submit(Command("note", "two\nlines", "api"))
     _loop(tmp_path / "run", before_step=before_step)
     assert notes(tmp_path / "run") == [(3, "from the loop", "api")]
-    refused = [e for e in read_session(tmp_path / "run").events if e["kind"] == "error"]
-    assert [(e["step"], e["during"]) for e in refused] == [(4, "note")] and "one line" in refused[0]["message"]
+    events = read_session(tmp_path / "run").events
+    refused = [e for e in events if e["kind"] == "refused"]
+    assert [(e["step"], e["action"], e["source"]) for e in refused] == [(4, "note", "api")]
+    assert "one line" in refused[0]["reason"] and not [e for e in events if e["kind"] == "error"]
 
 
 def test_a_note_under_the_hugging_face_trainer(tmp_path):

@@ -22,6 +22,7 @@ from autopilot_cases import ATTENTION  # noqa: E402
 
 import amp_tui  # noqa: E402
 from amp_tui.cli import main  # noqa: E402
+from amp_tui.core.commands import Command  # noqa: E402
 from amp_tui.job.control import send  # noqa: E402
 from amp_tui.training.guards import GuardConfig  # noqa: E402
 from bench import forecast_cases  # noqa: E402
@@ -128,8 +129,9 @@ def records(tmp_path_factory) -> list[dict]:
         out.extend(strict_lines(run_dir / "session.jsonl"))
         return run_dir
 
-    # Every --at action (a note and an X-ray too), a refused restore, an alert, a pause on a non-finite loss
-    # answered over the control socket (step, then resume: the `client` field), underflow shares on every probe.
+    # Every --at action (a note and an X-ray too), a refused restore (a `refused` event), an alert, a pause on
+    # a non-finite loss answered over the control socket (step, then resume: the `client` field; an undo this
+    # run refuses), underflow shares on every probe.
     steered = folder / "steered"
     run = train_run(
         script, steered, steps=14, underflow_every=1, on_nonfinite="pause", guard=GuardConfig(min_scale=2048.0),
@@ -142,13 +144,16 @@ def records(tmp_path_factory) -> list[dict]:
     def on_record(record):
         if record.get("kind") == "paused" or (record.get("action") == "pause"
                                               and record.get("after", {}).get("state") == "paused"):
-            commands = (["step", "note=answered over ctl", "probe=auto", "xray", "resume"] if not pauses
+            commands = (["step", "note=answered over ctl", "probe=auto", "xray", "undo", "resume"] if not pauses
                         else ["resume"])
             pauses.append(record)
             threading.Thread(target=lambda: answers.extend(send(steered, c) for c in commands)).start()
     run.observers.append(on_record)
+    # A program's command that its handler raises on (no parser lets this value through): an error.
+    run.submit(Command("scale", "not a number", "api"))
     assert run.run() == 0
-    assert len(pauses) >= 2 and answers and all(a["ok"] for a in answers), answers
+    # Every answer is yes but the undo's, refused (this run has no autopilot): a `refused` event.
+    assert len(pauses) >= 2 and [a["ok"] for a in answers].count(False) == 1, answers
     out.extend(strict_lines(steered / "session.jsonl"))
 
     # The ladder moving on its own, --rollback without a checkpoint; a stop on a non-finite loss;

@@ -2,8 +2,9 @@
 type (fp32=MODULE, dtype=bf16); refused, with the reason, when there is none, twice, or in a
 replay."""
 
-from amp_tui.core.fixes import fix_command, last_verified_fix
+from amp_tui.core.fixes import NO_FIX, fix_command, last_verified_fix
 from amp_tui.recording.reader import read_session
+from amp_tui.recording.report import read_digest, summarize
 from amp_tui.sources.replay import ReplaySource
 from amp_tui.ui.app import create_app
 
@@ -31,7 +32,7 @@ async def test_f_applies_the_verified_fix_once(write_script, tmp_path):
             await until(pilot, lambda: "f applies it" in toasts(app) and "blocks.1.attn" in toasts(app),
                         "the verified fix offered")
             await pilot.press("f")
-            await until(pilot, lambda: "blocks.1.attn" in toasts(app) and "local fp32" in toasts(app), "the ack")
+            await until(pilot, lambda: "blocks.1.attn now in fp32" in toasts(app), "the ack")
             assert run.local_fp32.names == ["blocks.1.attn"]
             await pilot.press("f")
             await until(pilot, lambda: "already applied" in toasts(app), "the refusal")
@@ -40,8 +41,12 @@ async def test_f_applies_the_verified_fix_once(write_script, tmp_path):
             await until(pilot, lambda: not app.is_running, "the app to exit")
     finally:
         source.stop(5.0)
-    fp32 = [e for e in read_session(tmp_path / "run").events if e.get("action") == "fp32"]
+    events = read_session(tmp_path / "run").events
+    fp32 = [e for e in events if e.get("action") == "fp32"]
     assert [(e["value"], e["source"]) for e in fp32] == [("blocks.1.attn", "dashboard")]
+    # the second f: refused by the run, and recorded so
+    [refused] = [e for e in events if e["kind"] == "refused"]
+    assert (refused["command"], refused["source"]) == ("fix", "dashboard") and "already applied" in refused["reason"]
 
 
 @run_async
@@ -57,6 +62,11 @@ async def test_f_without_a_verified_fix_and_in_a_replay_says_why(mlp_script, wri
             await until(pilot, lambda: not app.is_running, "the app to exit")
     finally:
         source.stop(5.0)
+    # The run refused it, and the recording says so: a refusal, not an error.
+    [refused] = [e for e in read_session(tmp_path / "run").events if e["kind"] == "refused"]
+    assert (refused["command"], refused["reason"], refused["source"]) == ("fix", NO_FIX, "dashboard")
+    summary = summarize(read_digest(tmp_path / "run"))
+    assert summary.errors == [] and [r["command"] for r in summary.refused] == ["fix"]
     recorded = tmp_path / "recorded"
     run, source = build_live(write_script(ATTENTION_SCRIPT, "attention.py"), recorded, steps=1,
                              on_nonfinite="skip")

@@ -5,6 +5,7 @@ replay. f leaves a fix the autopilot applied alone."""
 from autopilot_cases import ATTENTION
 
 from amp_tui.recording.reader import read_session
+from amp_tui.recording.report import read_digest, summarize, summary_lines
 from amp_tui.sources.replay import ReplaySource
 from amp_tui.ui.app import create_app
 
@@ -33,8 +34,16 @@ async def test_u_takes_the_isolation_back_then_says_nothing_is_left(write_script
             await until(pilot, lambda: not app.is_running, "the app to exit")
     finally:
         source.stop(5.0)
-    undo = [e for e in read_session(tmp_path / "run").events if e.get("action") == "undo"]
+    events = read_session(tmp_path / "run").events
+    undo = [e for e in events if e["kind"] == "intervention" and e.get("action") == "undo"]
     assert [(e["source"], e["after"]) for e in undo] == [("dashboard", {"fp32_modules": []})]
+    # Both refusals, f's and the second u's, recorded alike; the report counts them apart from errors.
+    refused = [(e["command"], e["source"]) for e in events if e["kind"] == "refused"]
+    assert refused == [("fix", "dashboard"), ("undo", "dashboard")]
+    summary = summarize(read_digest(tmp_path / "run"))
+    assert summary.errors == [] and [r["command"] for r in summary.refused] == ["fix", "undo"]
+    assert ("refused commands", "2") in summary_lines(summary)
+    assert not [row for row in summary_lines(summary) if row[0] == "errors"]
 
 
 @run_async
