@@ -113,7 +113,7 @@ def cmd_compare(args) -> int:
     from amp_tui.compare import render
     from amp_tui.compare.speed import measure_speed
     from amp_tui.compare.validation import validate
-    from amp_tui.core.jsonsafe import dumps
+    from amp_tui.core.jsonsafe import dumps, strict
     from amp_tui.training.devices import DeviceError, describe_device, resolve_device
     from amp_tui.training.script import ScriptError, load_script
 
@@ -153,7 +153,7 @@ def cmd_compare(args) -> int:
                 **validation.as_json(),
                 "speed": speed.as_json() if speed else None,
                 "speed_requested": bool(args.speed), "exit_status": status}
-        print(dumps(data))
+        print(dumps(strict(data)))
     else:
         render.verdict(console, validation)
     return status

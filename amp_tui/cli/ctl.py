@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from amp_tui.cli.terminal import error
@@ -24,6 +23,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_ctl(args) -> int:
+    from amp_tui.core.jsonsafe import output_json
     from amp_tui.job.control import ControlError, send
 
     try:
@@ -31,7 +31,7 @@ def cmd_ctl(args) -> int:
     except ControlError as exc:
         return error(str(exc), status=1)
     if args.json:
-        print(json.dumps(answer, indent=2, allow_nan=False))
+        print(output_json(answer, indent=2))
     else:
         print(answer.get("message", ""))
     return 0 if answer.get("ok") else 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from amp_tui.cli.terminal import error
+from amp_tui.cli.terminal import error, unreadable
 
 
 def add_parser(sub) -> None:
@@ -36,7 +36,9 @@ def cmd_export(args) -> int:
         result = export(args.run, tensorboard=args.tensorboard, csv=args.csv, layers_csv=args.layers_csv,
                         forecasts_csv=args.forecasts_csv,
                         notify=lambda text: print(f"amp-tui: note: {text}", file=sys.stderr, flush=True))
-    except (SessionFormatError, MissingExtra, ValueError) as exc:
+    except SessionFormatError as exc:
+        return unreadable(exc, args.run)
+    except (MissingExtra, ValueError) as exc:
         return error(str(exc))
     except OSError as exc:
         return error(f"export: {exc.filename or args.run}: {exc.strerror or exc}", 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from amp_tui.cli.terminal import error
+from amp_tui.cli.terminal import error, unreadable
 
 
 def add_parser(sub) -> None:
@@ -25,7 +25,9 @@ def cmd_plot(args) -> int:
 
     try:
         data = plot(args.run, args.output).data
-    except (SessionFormatError, MissingExtra, PlotError) as exc:
+    except SessionFormatError as exc:
+        return unreadable(exc, args.run)
+    except (MissingExtra, PlotError) as exc:
         return error(str(exc))
     except OSError as exc:
         return error(f"plot: {exc.filename or args.output}: {exc.strerror or exc}", 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from amp_tui.cli import argtypes
-from amp_tui.cli.terminal import error, interactive
+from amp_tui.cli.terminal import interactive, unreadable
 
 
 def add_parser(sub) -> None:
@@ -37,10 +37,8 @@ def cmd_replay(args) -> int:
             print("\n".join(lines))
             return 0
         source = ReplaySource(args.run, follow=args.follow, speed=args.speed)
-    except SessionFormatError as exc:
-        return error(str(exc))
-    except OSError as exc:
-        return error(f"cannot read {args.run}: {exc.strerror or exc}")
+    except (SessionFormatError, OSError) as exc:
+        return unreadable(exc, args.run)
     from amp_tui.ui.app import create_app
     app = create_app(source, refresh_rate=args.refresh_rate)
     try:

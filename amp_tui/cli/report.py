@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from amp_tui.cli.terminal import error
+from amp_tui.cli.terminal import unreadable
 
 
 def add_parser(sub) -> None:
@@ -21,22 +20,21 @@ def cmd_report(args) -> int:
     from rich.console import Console
 
     from amp_tui.cli.summary import render_summary
+    from amp_tui.core.jsonsafe import output_json
     from amp_tui.recording.format import SessionFormatError
     from amp_tui.recording.report import read_digest, summarize
 
     try:
         digest = read_digest(args.run)
-    except SessionFormatError as exc:
-        return error(str(exc))
-    except OSError as exc:
-        return error(f"cannot read {args.run}: {exc.strerror or exc}")
-    if args.as_at:
-        from amp_tui.recording.timeline import at_arguments, interventions_as_at
-        print(json.dumps(interventions_as_at(args.run)) if args.json else at_arguments(args.run))
-        return 0
+        if args.as_at:
+            from amp_tui.recording.timeline import at_arguments, interventions_as_at
+            print(output_json(interventions_as_at(args.run)) if args.json else at_arguments(args.run))
+            return 0
+    except (SessionFormatError, OSError) as exc:
+        return unreadable(exc, args.run)
     summary = summarize(digest)
     if args.json:
-        print(json.dumps(summary.as_json(), indent=2, allow_nan=False))
+        print(output_json(summary.as_json(), indent=2))
     else:
         render_summary(summary, Console(highlight=False))
     return 0

@@ -7,12 +7,26 @@ import argparse
 import sys
 
 EXIT_USAGE = 2
+EXIT_UNREADABLE = 1   # a reader given a session it cannot read (docs/user-guide.md, "Exit status")
 
 
 def error(message: str, status: int = EXIT_USAGE) -> int:
     """Print `amp-tui: error: MESSAGE` on stderr and return the exit status to leave with."""
     print(f"amp-tui: error: {message}", file=sys.stderr)
     return status
+
+
+def unreadable(exc: Exception, run) -> int:
+    """The one-line error of a reader (report, replay, export, plot) that could not read `run`:
+    exit 1 for a file damaged past reading, not a session, or one the disk refused; 2 when the
+    path names no session at all, a mistake on the command line."""
+    from amp_tui.recording.format import NoSessionError
+
+    if isinstance(exc, OSError):
+        return error(f"cannot read {run}: {exc.strerror or exc}", EXIT_UNREADABLE)
+    # One line whatever the message quotes: a damaged file's bytes can hold line breaks.
+    message = " ".join(str(exc).splitlines())
+    return error(message, EXIT_USAGE if isinstance(exc, NoSessionError) else EXIT_UNREADABLE)
 
 
 def interactive() -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 NONFINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -32,8 +33,13 @@ def read_float(value: Any) -> float | None:
     missing, null or not a number at all: readers of a recording never raise on a bad value."""
     if isinstance(value, bool) or value is None:
         return None
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:   # a whole number past float's range, as 1e400 parses to inf
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str):
         return NONFINITE_STRINGS.get(value)
     return None
@@ -70,8 +76,49 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return _SURROGATE.sub("\ufffd", obj)
+    if isinstance(obj, dict):
+        return {_text(key): _text(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_text(value) for value in obj]
+    return obj
+
+
+def loads_text(text: str) -> Any:
+    """`loads`, with every string of the result text that can be written out: a `\\udXXX` escape
+    standing alone (half of a surrogate pair, which no UTF-8 file, pipe or terminal can hold)
+    becomes U+FFFD, as undecodable bytes do. Only a line that holds such an escape is walked."""
+    obj = loads(text)
+    return _text(obj) if _SURROGATE_ESCAPE.search(text) else obj
+
+
 def loads(text: str | bytes, *, unique_keys: bool = False) -> Any:
     """Parse strictly: bare NaN/Infinity tokens are refused, and with `unique_keys` an object that
     names a key twice."""
     return json.loads(text, parse_constant=_reject_constant,
                       object_pairs_hook=_unique_keys if unique_keys else None)
+
+
+def strict(obj: Any) -> Any:
+    """`obj` with every non-finite float (a value parsed from 1e400 is one) written as the session
+    format writes it: "NaN", "Infinity", "-Infinity". Lists, tuples and dicts are copied."""
+    if isinstance(obj, float):
+        return encode_float(obj)
+    if isinstance(obj, dict):
+        return {key: strict(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(value) for value in obj]
+    return obj
+
+
+def output_json(obj: Any, *, indent: int | None = None) -> str:
+    """What a `--json` option prints: strict JSON whatever numbers `obj` holds, never an error
+    for a non-finite one (a damaged session's value, say). ASCII only: a string read from a
+    damaged file may hold a lone surrogate, which no terminal or pipe could take as text."""
+    return json.dumps(strict(obj), indent=indent, allow_nan=False)

@@ -31,7 +31,12 @@ STEP_HEAD = ("type", "step", "loss", "scale", "skipped", "skipped_total", "updat
 
 
 class SessionFormatError(Exception):
-    """The file is not a session we can read (not ours, or from a newer version)."""
+    """The file is not a session we can read (not ours, damaged past reading, or from a newer
+    version)."""
+
+
+class NoSessionError(SessionFormatError):
+    """The path names no session at all: neither a session file nor a run directory with one."""
 
 
 LAYER_DIGITS = 4  # significant digits kept for per-layer magnitudes (act, grad, weight)

@@ -28,7 +28,14 @@ from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import MARKER_EVENTS, STATE_EVENTS
 from amp_tui.core.text import clip_strings, plural
 from amp_tui.recording.format import KNOWN_TYPES, MAX_LINE_BYTES, STEP_HEAD, SessionFormatError
-from amp_tui.recording.reader import check_header, parse_record, resolve_session_path, too_long_message
+from amp_tui.recording.reader import (
+    MAX_STEP,
+    check_header,
+    parse_record,
+    resolve_session_path,
+    step_number,
+    too_long_message,
+)
 
 CHUNK_BYTES = 1 << 20          # the file is read in chunks of this size
 # Characters kept of any string in the header or a record (a layer name, a message, a path): the
@@ -80,7 +87,6 @@ except re.error:
     _STEP_HEAD = _step_head(b"")
 _SPECIAL = {b'"NaN"': math.nan, b'"Infinity"': math.inf, b'"-Infinity"': -math.inf, b"null": None}
 _BAD = object()
-_MAX_STEP = 1 << 62            # larger step numbers are damage (and don't fit the arrays)
 _NONFINITE_FLAGS = {"loss": F_NONFINITE_LOSS, "gradients": F_NONFINITE_GRADIENTS}
 
 
@@ -360,8 +366,8 @@ class SessionIndex:
         self.records += 1
 
     def _add_step_record(self, r: dict, offset: int, length: int) -> bool:
-        step = r.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < _MAX_STEP:
+        step = step_number(r.get("step"))
+        if step is None:
             return False
         f = 0
         lv = read_float(r.get("loss"))
@@ -399,7 +405,7 @@ class SessionIndex:
     def _add_event(self, e: dict, offset: int, length: int) -> None:
         k = len(self.event_steps)
         step = e.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or not -_MAX_STEP < step < _MAX_STEP:
+        if isinstance(step, bool) or not isinstance(step, int) or not -MAX_STEP < step < MAX_STEP:
             step = self.steps[-1] + 1 if self.steps else 0
             e["step"] = step
         kind = str(e.get("kind"))

@@ -14,7 +14,7 @@ from typing import Callable
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import next_state, world_size_of
-from amp_tui.recording.reader import last_record, parse_record, tail_records
+from amp_tui.recording.reader import last_record, parse_record, step_number, tail_records
 
 TAIL_BYTES = 256 * 1024   # where the end record is looked for
 
@@ -40,7 +40,8 @@ def describe_run(run_dir: Path, is_running: Callable[[Path], bool]) -> RunRow:
         with open(session, "rb") as fh:
             header = parse_record(fh.readline(1 << 20).decode("utf-8", "replace")) or {}
         records = tail_records(session, TAIL_BYTES)
-        last, event = last_record(session, "step"), last_record(session, "event")
+        last = last_record(session, "step", valid=lambda r: step_number(r.get("step")) is not None)
+        event = last_record(session, "event")
     except OSError:
         return RunRow(run_dir, "unreadable", "?", None, None, None, None, "", modified)
     end = next((r for r in reversed(records) if r.get("type") == "end"), None)
@@ -54,10 +55,12 @@ def describe_run(run_dir: Path, is_running: Callable[[Path], bool]) -> RunRow:
         f"step {event.get('step')}: {event.get('kind')}: {event.get('message', '')}"
     dtype = (last or end or header).get("dtype")
     scale = read_float((last or {}).get("scale"))
+    skipped = (last or {}).get("skipped_total", 0)
     return RunRow(
         run_dir=run_dir, state=state, script=Path(str(header.get("script", "?"))).name,
-        steps=(last["step"] + 1) if last else 0, dtype=dtype, scale=scale,
-        skipped=(last or {}).get("skipped_total", 0), last_event=last_event, modified=modified,
+        steps=(last["step"] + 1) if last else 0, dtype=dtype if isinstance(dtype, str) else None,
+        scale=scale, skipped=skipped if step_number(skipped) is not None else None,
+        last_event=last_event, modified=modified,
         world_size=world_size_of(header))
 
 

@@ -10,10 +10,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from amp_tui.core import jsonsafe
-from amp_tui.recording.format import FORMAT, KNOWN_TYPES, MAX_LINE_BYTES, VERSION, SessionFormatError
+from amp_tui.recording.format import (
+    FORMAT,
+    KNOWN_TYPES,
+    MAX_LINE_BYTES,
+    VERSION,
+    NoSessionError,
+    SessionFormatError,
+)
 
 _SKIP_BYTES = 1 << 20   # an over-long line is read past in pieces of this size
 
@@ -47,7 +54,7 @@ def resolve_session_path(target: str | Path) -> Path:
     if path.is_dir():
         path = path / "session.jsonl"
     if not path.exists():
-        raise SessionFormatError(f"no session found at {target}")
+        raise NoSessionError(f"no session found at {target}")
     return path
 
 
@@ -64,10 +71,22 @@ def check_header(header: Any, path: Path) -> dict:
     return header
 
 
+MAX_STEP = 1 << 62   # larger step numbers are damage (and don't fit the replay index's arrays)
+
+
+def step_number(value: Any) -> int | None:
+    """A recorded step number (or count) as an int; None when it is anything else: a bool, a
+    float, a negative number or one past MAX_STEP."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_STEP:
+        return None
+    return value
+
+
 def parse_record(line: str) -> dict | None:
-    """One line -> a record dict, or None when the line is damaged."""
+    """One line -> a record dict, or None when the line is damaged. Its strings are text any
+    output takes (see jsonsafe.loads_text)."""
     try:
-        record = jsonsafe.loads(line)
+        record = jsonsafe.loads_text(line)
     except (ValueError, RecursionError):   # RecursionError: arrays nested thousands deep
         return None
     return record if isinstance(record, dict) and isinstance(record.get("type"), str) else None
@@ -148,10 +167,11 @@ def tail_records(path: Path, size: int) -> list[dict]:
     return out
 
 
-def last_record(path: Path, kind: str, block: int = 1 << 20) -> dict | None:
-    """The last valid record of type `kind` in a session, wherever it lies: looked for from the
-    end backwards, a block at a time (a long run's last event can lie far behind its tail). Only
-    the lines that hold `"kind"` are parsed."""
+def last_record(path: Path, kind: str, block: int = 1 << 20,
+                valid: Callable[[dict], bool] | None = None) -> dict | None:
+    """The last valid record of type `kind` in a session (and that `valid` accepts, when given),
+    wherever it lies: looked for from the end backwards, a block at a time (a long run's last
+    event can lie far behind its tail). Only the lines that hold `"kind"` are parsed."""
     needle = jsonsafe.dumps(kind).encode()
     with open(path, "rb") as fh:
         end = fh.seek(0, os.SEEK_END)
@@ -171,7 +191,7 @@ def last_record(path: Path, kind: str, block: int = 1 << 20) -> dict | None:
                 line_end = data.find(b"\n", at)
                 record = parse_record(data[line_start:len(data) if line_end < 0 else line_end]
                                       .decode("utf-8", "replace"))
-                if record is not None and record.get("type") == kind:
+                if record is not None and record.get("type") == kind and (valid is None or valid(record)):
                     return record
                 at = line_start
             end = start

@@ -212,7 +212,7 @@ def _record_at(fh, offset: int, length: int, kind: str) -> dict | None:
 def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None = None) -> Summary:
     d = digest_of(recording) if isinstance(recording, Session) else recording
     last, end, header = d.last_step, d.end, d.header
-    device = header.get("device") or {}
+    device = header.get("device") if isinstance(header.get("device"), dict) else {}
     run_dir = str(d.path.parent) if d.path is not None else ""
     updates, skipped = _counts(end, last, d)
     return Summary(
@@ -221,12 +221,12 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         device=f"{device.get('backend', '?')} {device.get('name', '')}".strip(),
         world_size=world_size_of(header),
         coordination=header.get("coordination") if isinstance(header.get("coordination"), str) else None,
-        status=(end or {}).get("status", "incomplete"),
+        status=_text((end or {}).get("status", "incomplete")),
         steps=d.steps,
         updates_applied=updates,
         skipped=skipped,
         rolled_back=max(0, d.steps - updates - skipped),
-        final_dtype=(end or last or {}).get("dtype", header.get("dtype")),
+        final_dtype=_text((end or last or {}).get("dtype", header.get("dtype")), None),
         final_scale=_final_scale(end, last),
         final_loss=read_float(last.get("loss")) if last else None,
         nonfinite_events=d.event_kinds.get("nonfinite", 0),
@@ -245,6 +245,15 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
             "unwritten": dict(outcome.unwritten), "recording_error": outcome.recording_error}
            if outcome is not None and outcome.unwritten else {}),
     )
+
+
+def _text(value, default: str | None = "?") -> str | None:
+    """A field a summary shows as text; `default` when a damaged file put anything else there."""
+    return value if isinstance(value, str) else default
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _xray_of(event: dict | None, run_dir: Path | None) -> dict | None:
@@ -267,8 +276,7 @@ def _counts(end: dict | None, last: dict | None, d: RecordingDigest) -> tuple[in
     Recounting the step records would count the iterations a restore or a resume rolled back
     as if the weights still held them."""
     for record in (end, last):
-        if record is not None and isinstance(record.get("updates"), int) \
-                and isinstance(record.get("skipped_total"), int):
+        if record is not None and _count(record.get("updates")) and _count(record.get("skipped_total")):
             return record["updates"], record["skipped_total"]
     return d.steps - d.skipped_steps, d.skipped_steps
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from amp_tui.core.jsonsafe import loads
 from amp_tui.recording.index import SessionIndex
+from amp_tui.recording.reader import parse_record
 
 READ_BUFFER = 1 << 20
 
@@ -31,11 +31,9 @@ def step_lines(index: SessionIndex, frames: Iterable[int] | None = None) -> Iter
             position = offset + len(raw)
             if len(raw) != length:
                 return
-            try:
-                record = loads(raw)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(record, dict) and record.get("type") == "step":
+            # As the index read it: undecodable bytes replaced, not the line refused.
+            record = parse_record(raw.decode("utf-8", "replace"))
+            if record is not None and record["type"] == "step":
                 yield frame, raw, record
 
 

@@ -30,10 +30,12 @@ def test_timeline_as_at_and_repeat(mlp_script, tmp_path, capsys):
 
 
 def test_replay_errors_are_one_line(tmp_path, capsys):
+    """A path that names no session is the command line's mistake (2); a session this version
+    can't read is a file that can't be read (1), as a damaged one is."""
     assert main(["replay", str(tmp_path / "missing"), "--headless"]) == 2
     assert capsys.readouterr().err.strip().startswith("amp-tui: error: no session found")
     newer = tmp_path / "session.jsonl"
     newer.write_text('{"type":"header","format":"amp-tui-session","version":7}\n')
-    assert main(["replay", str(newer), "--headless"]) == 2
+    assert main(["replay", str(newer), "--headless"]) == 1
     assert "newer amp-tui" in capsys.readouterr().err
     assert main(["train", "x.py", "--headless", "--repeat-interventions", str(tmp_path / "nope")]) == 2

@@ -167,8 +167,10 @@ def test_an_empty_session(tmp_path, capsys):
 
 
 def test_a_file_without_a_header_is_a_one_line_error(tmp_path, capsys):
+    """Exit status 1, a session that can't be read, as every reader says it (2 is for the
+    command line)."""
     (tmp_path / "session.jsonl").write_bytes(b"")
-    assert main(["plot", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
+    assert main(["plot", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no session header" in err and not (tmp_path / "x.png").exists()
 
