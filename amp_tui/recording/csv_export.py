@@ -212,9 +212,10 @@ class LayersCsv(_CsvSink):
             return
         layers = record["layers"]
         dtype = record.get("dtype")
+        dtype = dtype if isinstance(dtype, str) else None   # a damaged record: any JSON value
         dtype_text = self._dtypes.get(dtype)
         if dtype_text is None:
-            dtype_text = self._dtypes.setdefault(dtype, quoted(dtype) if isinstance(dtype, str) else "")
+            dtype_text = self._dtypes.setdefault(dtype, "" if dtype is None else quoted(dtype))
         step = number_text(record.get("step"))
         empty = [""] * n
         written = line_columns(line, n) if line is not None else None

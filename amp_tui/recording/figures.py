@@ -106,10 +106,16 @@ def _layer_figures(record: dict, n: int) -> StepFigures | None:
     return StepFigures(act, grad, weight, headroom_bits(act, grad, weight, record.get("dtype"), scale))
 
 
+def _log2_max(dtype) -> float:
+    """log2 of the dtype's largest finite value; float32's for a name that isn't one of ours, or
+    for no name at all (a damaged record can hold any JSON value there)."""
+    return _LOG2_MAX.get(dtype, _LOG2_MAX["float32"]) if isinstance(dtype, str) else _LOG2_MAX["float32"]
+
+
 def _bits(table: np.ndarray, dtype, scale: float | None) -> np.ndarray:
     """headroom_bits for three rows of measured figures (act, grad, weight): the least headroom
     is that of the largest magnitude, a NaN counting as the largest."""
-    log2_max = _LOG2_MAX.get(dtype, _LOG2_MAX["float32"])
+    log2_max = _log2_max(dtype)
     magnitude = np.abs(table)
     if scale is not None:
         magnitude[1] *= scale
@@ -123,7 +129,7 @@ def _bits(table: np.ndarray, dtype, scale: float | None) -> np.ndarray:
 def headroom_bits(act: Figure, grad: Figure, weight: Figure, dtype, scale: float | None) -> np.ndarray:
     """Per layer, the bits left before the dtype's largest finite value (module docstring);
     `scale` is the loss scale in use (None without a scaler)."""
-    log2_max = _LOG2_MAX.get(dtype, _LOG2_MAX["float32"])
+    log2_max = _log2_max(dtype)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         g = grad.values * scale if scale is not None else grad.values
         bits = None

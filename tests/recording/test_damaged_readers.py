@@ -118,3 +118,14 @@ def test_a_session_that_cannot_be_read_is_one_line_and_exit_status_1(tmp_path, c
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("amp-tui: error: ")
     assert main([command[0], str(tmp_path / "missing"), *argv[2:]]) == 2   # the path names no session
+
+
+def test_export_takes_probed_steps_whose_dtype_is_not_text(tmp_path):
+    """The headroom's dtype was looked up as found: a dict there raised TypeError (unhashable)."""
+    path = tmp_path / "session.jsonl"
+    write_run(path)
+    path.write_bytes(path.read_bytes().replace(b'"dtype":"bfloat16"', b'"dtype":{"a":1}'))
+    assert main(["export", str(path), "--layers-csv", str(tmp_path / "layers.csv"),
+                 "--tensorboard", str(tmp_path / "tb")]) == 0
+    rows = (tmp_path / "layers.csv").read_text().splitlines()
+    assert len(rows) > 1 + 20 * 3    # every probed step's layers, the damaged ones with no dtype
