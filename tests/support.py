@@ -1,5 +1,6 @@
-"""What the tests share: small training scripts, a live run for the dashboard, waiting on a run's
-own progress (never on how fast this machine is), a disk that fills up, a synthetic recording."""
+"""What the tests share: small training scripts, a loop under the monitor, a live run for the
+dashboard, waiting on a run's own progress (never on how fast this machine is), a disk that fills
+up, a synthetic recording."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import math
 import time
 from pathlib import Path
 
+import torch
 from textual.widgets._toast import Toast
+from torch import nn
 
-from amp_tui.core.commands import parse_at
+import amp_tui
+from amp_tui.core.commands import parse_action, parse_at
 from amp_tui.job.build import build_run
 from amp_tui.job.config import RunConfig
 from amp_tui.recording.format import event_record, step_record
+from amp_tui.recording.reader import read_session
 from amp_tui.recording.writer import SessionWriter
 from amp_tui.sources.live import LiveSource
 from amp_tui.training.checkpoint import read_checkpoint
@@ -609,3 +614,30 @@ def rank_events(run_dir, rank: int = 1) -> list[tuple[int, str, str]]:
         if m:
             out.append((int(m.group(1)), m.group(2), m.group(3)))
     return out
+
+
+def monitored_loop(run_dir, steps, *, probe_every="auto", init_scale=2.0 ** 40, bad_step=None, plan=None, **kw):
+    """A plain loop under the monitor; `bad_step`: its loss is made infinite there; `plan`: commands
+    submitted before the given steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=run_dir, announce=False,
+                              probe_every=probe_every, control=False, **kw)
+    x = torch.randn(16, 4)
+    for i in range(steps):
+        if plan and i in plan:
+            monitor.submit(parse_action(plan[i], source="api"))
+        opt.zero_grad()
+        with monitor.step() as step:
+            with monitor.autocast():
+                loss = model(x).float().pow(2).mean()
+            if i == bad_step:
+                loss = loss * math.inf
+            step.loss = loss
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    monitor.close()
+    return read_session(run_dir)

@@ -5,7 +5,6 @@ PROBE_COST more), so which steps are probed depends on the run's own progress, n
 busy the machine is.
 """
 
-import math
 import time
 import types
 
@@ -26,7 +25,7 @@ from amp_tui.training.probe_schedule import FIRST_INTERVAL, FIRST_PROBED
 from amp_tui.training.probes import LayerProbe
 
 from frameworks import at_steps, command, hf_trainer, lightning_module_class, pl_trainer, regression_loader
-from support import train_run
+from support import monitored_loop, train_run
 
 STEP = 0.005         # seconds an unprobed step takes, by the made-up clock
 PROBE_COST = 0.01    # what probing adds to a step
@@ -205,33 +204,6 @@ def test_an_unplanned_skip_has_its_gradient_figures_under_train(tmp_path, mlp_sc
         assert all(v is not None for v in layers["weight"])
     named = {e["step"]: e["layer"] for e in session.events if e["kind"] == "nonfinite"}
     assert all(named[r["step"]] is not None for r in unplanned)
-
-
-def monitored_loop(run_dir, steps, *, probe_every="auto", init_scale=2.0 ** 40, bad_step=None, plan=None, **kw):
-    """A plain loop under the monitor; `bad_step`: its loss is made infinite there; `plan`: commands
-    submitted before the given steps."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=run_dir, announce=False,
-                              probe_every=probe_every, control=False, **kw)
-    x = torch.randn(16, 4)
-    for i in range(steps):
-        if plan and i in plan:
-            monitor.submit(parse_action(plan[i], source="api"))
-        opt.zero_grad()
-        with monitor.step() as step:
-            with monitor.autocast():
-                loss = model(x).float().pow(2).mean()
-            if i == bad_step:
-                loss = loss * math.inf
-            step.loss = loss
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    monitor.close()
-    return read_session(run_dir)
 
 
 def test_an_unplanned_skip_has_its_gradient_figures_in_a_monitored_loop(tmp_path):
