@@ -102,11 +102,15 @@ def test_each_micro_batch_is_kept_and_the_failing_one_replayed(tmp_path):
     assert event["op_module"] == "blocks.1.attn" and event["fix_verified"] is True
 
 
-def test_a_loop_without_a_gradscaler_is_replayed_on_the_moved_weights_and_says_so(tmp_path):
-    attention_loop(tmp_path / "run", scaler=False, steps=1)
+def test_a_loop_without_a_gradscaler_has_the_update_held_back_and_replayed_exactly(tmp_path):
+    """Without a GradScaler, amp-tui holds back an update whose gradients hold inf/NaN
+    (training/update_guard.py), so the replay runs on the weights the step ran on. (The loop used
+    to apply it, and the replay said it ran on the weights after the update: not exact.)"""
+    model = attention_loop(tmp_path / "run", scaler=False, steps=1)
     event = nonfinite_events(tmp_path / "run")[0]
-    assert event["op_replay_exact"] is False
-    assert "not exact: replayed on the weights after this step's update" in event["message"]
+    assert event["held_back"] is True and event.get("op_replay_exact") is not False
+    assert "held the update back" in event["message"] and "not exact" not in event["message"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_an_input_changed_in_place_after_the_forward_makes_the_replay_not_exact(tmp_path):

@@ -174,6 +174,7 @@ def records(tmp_path_factory) -> list[dict]:
     assert code == 0
     out.extend(r for r in strict_lines(steered / "session.jsonl") if r.get("kind") == "resumed")
     out.extend(monitored_overflow(folder / "monitored"))
+    out.extend(monitored_held_back(folder / "held_back"))
 
     # The forecasts, in monitored loops that show them (bench/forecast_cases.py): a scale growth
     # that overflows, forecast and checked; the layers' ETAs of attention logits that grow.
@@ -199,6 +200,19 @@ def monitored_overflow(run_dir) -> list[dict]:
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
+    monitor.close()
+    return strict_lines(run_dir / "session.jsonl")
+
+
+def monitored_held_back(run_dir) -> list[dict]:
+    """A loop of the user's own without a GradScaler whose loss is NaN: the update held back."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = amp_tui.monitor(model, opt, dtype="fp32", run_dir=run_dir, announce=False, control=False)
+    with monitor.step() as step:
+        step.loss = loss = model(torch.ones(2, 4)).mean() * float("nan")
+        loss.backward()
+        opt.step()
     monitor.close()
     return strict_lines(run_dir / "session.jsonl")
 
