@@ -377,10 +377,15 @@ def _and_list(words: list[str]) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
-def _where(module: str | None) -> str:
+def _where(module: str | None, phase: str) -> str:
+    """Where an op ran: a module, the root's own code (its forward, or that forward's backward:
+    "the model's own forward" alone would say forward while the phase says backward), or
+    outside the model."""
     if module is None:
         return "outside the model"
-    return f"in {module}" if module else "in the model's own forward"
+    if module:
+        return f"in {module}"
+    return "in the backward of the model's own forward" if phase == "backward" else "in the model's own forward"
 
 
 def describe(record: OpRecord) -> OpTrace:
@@ -388,12 +393,14 @@ def describe(record: OpRecord) -> OpTrace:
     out_dtype = record.out_dtypes[out]
     nan = math.isnan(record.out_max[out])
     inputs = [{"dtype": d, "max": json_number(m)} for d, m in zip(record.in_dtypes, record.in_max)]
+    where = _where(record.module, record.phase)
+    phase = "" if record.module == "" and record.phase == "backward" else f"{record.phase}, "   # said once
     if inputs:
         dtypes = _and_list(sorted(set(record.in_dtypes), key=record.in_dtypes.index))
         shown = _and_list([number(m) for m in record.in_max[:3]]) + (" …" if len(record.in_max) > 3 else "")
-        context = f"{record.phase}, {dtypes} inputs up to {shown}"
+        context = f"{phase}{dtypes} inputs up to {shown}"
     else:
-        context = f"{record.phase}, no floating inputs"
+        context = f"{phase}no floating inputs"
     if nan:
         made = ("made NaN from finite inputs" if record.inputs_finite
                 else "made NaN from inputs holding inf")
@@ -401,7 +408,7 @@ def describe(record: OpRecord) -> OpTrace:
         made = f"overflowed {out_dtype} (max {number(torch.finfo(getattr(torch, out_dtype)).max)})"
     return OpTrace(op=record.op, op_module=record.module, op_phase=record.phase, op_inputs=inputs,
                    op_output_dtype=out_dtype, op_kind="nan" if nan else "overflow",
-                   message=f"{record.op} {_where(record.module)} ({context}) {made}")
+                   message=f"{record.op} {where} ({context}) {made}")
 
 
 def verdict(result: Replay) -> OpTrace:

@@ -163,6 +163,28 @@ class Gate(nn.Module):
         return ZeroOverZero.apply(x)
 
 
+class ExpAtTheRoot(nn.Module):
+    """exp in the root's own forward, of 80 (e^80 ~ 5.5e34, which fp32 holds); its backward's
+    product with a gradient of 1e6 passes fp32's max. fp32 throughout: no CPU's fp16 involved."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.lin.weight.zero_()
+            self.lin.bias.fill_(80.0)
+
+    def forward(self, x):
+        return torch.exp(self.lin(x))
+
+
+def test_an_op_in_the_backward_of_the_roots_own_forward_is_said_to_be_in_the_backward():
+    model, x = ExpAtTheRoot(), torch.ones(2, 4)
+    trace = trace_step(model, lambda: model(x), backward=torch.full((2, 4), 1e6), dtype=None)
+    assert (trace.op, trace.op_module, trace.op_phase) == ("aten.mul", "", "backward")
+    assert trace.message.startswith("aten.mul in the backward of the model's own forward (float32 inputs")
+    assert "own forward (backward" not in trace.message   # not forward and backward at once
+
+
 def test_zero_over_zero_in_a_custom_backward():
     model = nn.Sequential()
     model.add_module("lin", nn.Linear(D, D))
