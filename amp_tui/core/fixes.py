@@ -1,7 +1,10 @@
-"""A verified fix of a non-finite event as the command that applies it live.
+"""A verified fix of a non-finite event as the command that applies it live, and in the words of
+the way of running at hand.
 
 The op trace names its fix as the flag to run with (`--fp32-modules 'blocks.3.attn'`, `--dtype
 bf16`); a running job takes the same change as a command (`fp32=blocks.3.attn`, `dtype=bf16`).
+The records keep the flag (`fix`); what a message tells the user to do is `fix_in_words`: the
+flag under `amp-tui train`, the monitor's argument and the live command in the user's own loop.
 """
 
 from __future__ import annotations
@@ -12,6 +15,14 @@ from typing import Iterable
 from amp_tui.core.commands import Command, CommandError, parse_action
 
 _FLAG_ACTIONS = {"--fp32-modules": "fp32", "--dtype": "dtype"}
+
+# The ways of running: `amp-tui train` (a script's setup(), run by amp-tui), and `monitor`: the
+# user's own loop under `amp_tui.monitor` (which `amp-tui run` starts too).
+TRAIN, MONITOR = "train", "monitor"
+# What a monitored loop takes in place of a flag: the monitor's argument; `--init-scale` is the
+# loop's own GradScaler's.
+_MONITOR_ARGUMENTS = {"--fp32-modules": "fp32_modules=[{value!r}]", "--dtype": "dtype={value!r}",
+                      "--init-scale": "GradScaler(init_scale={value})"}
 
 
 def fix_command(fix: str, source: str = "api") -> Command | None:
@@ -26,6 +37,28 @@ def fix_command(fix: str, source: str = "api") -> Command | None:
         return parse_action(f"{_FLAG_ACTIONS[words[0]]}={words[1]}", source)
     except CommandError:
         return None
+
+
+def fix_in_words(fix: str, way: str = TRAIN, run_dir: str | None = None) -> str:
+    """A fix flag (`--fp32-modules 'fc'`, `--dtype bf16`, `--init-scale 2048`) as the way of
+    running at hand takes it: under `amp-tui train` the flag itself; in a monitored loop the
+    argument to give (`fp32_modules=['fc']` to `amp_tui.monitor`, `init_scale=` to its
+    GradScaler) and, for what a running job takes, the live command (`…, or live: amp-tui ctl
+    RUN fp32=fc`).
+    A text that is no single flag is kept as it is."""
+    if way != MONITOR:
+        return fix
+    try:
+        words = shlex.split(fix)
+    except ValueError:
+        return fix
+    if len(words) != 2 or words[0] not in _MONITOR_ARGUMENTS:
+        return fix
+    said = _MONITOR_ARGUMENTS[words[0]].format(value=words[1])
+    if fix_command(fix) is None:
+        return said
+    live = shlex.quote(f"{_FLAG_ACTIONS[words[0]]}={words[1]}")
+    return f"{said}, or live: amp-tui ctl {shlex.quote(str(run_dir)) if run_dir else 'RUN'} {live}"
 
 
 def applied_by_autopilot(events: Iterable[dict], fix_event: dict) -> bool:

@@ -64,10 +64,25 @@ def state_after(records: Iterable[Mapping[str, Any]], state: RunState = "startin
     return state
 
 
+def traced_module(fields: Mapping[str, Any] | None) -> str | None:
+    """The module the op replay found the op in (`op_module`), which every place that names a
+    non-finite step's origin names then: None when no op was found, or it ran outside the model
+    (the loss) or in the root's own forward, where the module checks' answer stands."""
+    if not fields or not fields.get("op"):
+        return None
+    module = fields.get("op_module")
+    return module if isinstance(module, str) and module else None
+
+
 def nonfinite_layer(event: Mapping[str, Any]) -> str | None:
-    """The module a `nonfinite` event names: where it went wrong first, in the forward pass for a
-    non-finite loss (`origin`) and in the backward pass for gradients (`backward_origin`); `layer`
-    (the same module, or the probes' first non-finite figure when no diagnosis ran) otherwise."""
+    """The module a `nonfinite` event names: the op's module where the op replay found one;
+    else where it went wrong first, in the forward pass for a non-finite loss (`origin`) and in
+    the backward pass for gradients (`backward_origin`); `layer` (the same module, or the probes'
+    first non-finite figure when no diagnosis ran) otherwise. None when the model's input was
+    already non-finite: no module of the model made it."""
+    traced = traced_module(event)
+    if traced is not None:
+        return traced
     first = event.get("origin") if event.get("where") in ("loss", "activations") else event.get("backward_origin")
     found = first or event.get("layer")
     return str(found) if found else None

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from amp_tui.core.commands import Command, Outcome
-from amp_tui.core.fixes import fix_to_apply, last_verified_fix
+from amp_tui.core.fixes import TRAIN, fix_in_words, fix_to_apply, last_verified_fix
 from amp_tui.core.jsonsafe import encode_float
-from amp_tui.core.records import RunState, end_status
+from amp_tui.core.records import RunState, end_status, traced_module
 from amp_tui.job import autopilot
 from amp_tui.job import command_handlers as handlers
 from amp_tui.job.checkpoints import RunCheckpoints, TrainingState
@@ -62,6 +62,7 @@ class RunController:
     `submit`, `request_stop`, `status`, `checkpoints`; everything else on the training thread."""
 
     STOP_ANSWER = "stopping at this step boundary"
+    WAY = TRAIN   # how the user runs it: what a fix is worded as (core/fixes.py)
 
     def __init__(self, driver: Driver, *, device: torch.device, run_dir: Path, script: Path,
                  ranks: Ranks | None = None, guard: GuardConfig | None = None, on_nonfinite: str = "skip",
@@ -74,7 +75,7 @@ class RunController:
         self.session_path = self.run_dir / "session.jsonl"
         self.script = script
         self.ranks = ranks   # several ranks (job/distributed.py): what they agree on goes through it
-        self.guard = PrecisionGuard(guard or GuardConfig())
+        self.guard = PrecisionGuard(guard or GuardConfig(), words=self.fix_words)
         self.autopilot = autopilot.Autopilot(self, on_nonfinite == "isolate", self.guard.config)
         self.forecasts = RunForecasts(self, self.guard.config.forecast_horizon)   # job/forecasts.py
         self.on_nonfinite = on_nonfinite
@@ -253,6 +254,10 @@ class RunController:
             self._fix_events.append(record)
         return record
 
+    def fix_words(self, fix: str) -> str:
+        """A fix flag (`--dtype bf16`) as this way of running takes it."""
+        return fix_in_words(fix, self.WAY, str(self.run_dir))
+
     def alert(self, reason: str, message: str, *, cause: str, fix: str, step: int | None = None) -> dict:
         """An alert in the recording: what was seen, its likely cause and the fix, in one text."""
         return self.event("alert", f"{message}. Likely cause: {cause}. Fix: {fix}", step=step,
@@ -267,6 +272,10 @@ class RunController:
         non-finite): formatting a run of records together costs a fraction of doing it between
         every two steps, when the training step has left the caches cold."""
         self.last_result = result
+        if (traced := traced_module(result.op_trace)) is not None:
+            # Where the op replay found the op, the event, the guards' alerts and the dashboard
+            # name its module (a module after it may have been the first to hold the inf/NaN).
+            result.first_nonfinite_layer = traced
         self._unpublished.append(result)
         if result.figures is None:
             self.forecasts.observe(result)   # before it is recorded: its ETAs go in its record
@@ -330,7 +339,8 @@ class RunController:
 
     def _on_nonfinite(self, result: StepResult) -> None:
         self.nonfinite_events += 1
-        self.event("nonfinite", nonfinite_message(result), step=result.step, **nonfinite_fields(result))
+        self.event("nonfinite", nonfinite_message(result, self.fix_words), step=result.step,
+                   **nonfinite_fields(result))
         if (said := FORWARD_KINDS.get(result.nonfinite)) is not None:
             self._act_on_trouble(said, result.step)
 

@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 import torch
 
-from amp_tui.core import precision
+from amp_tui.core import fixes, precision
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.core.signals import install_handlers, restore_handlers
@@ -72,6 +72,7 @@ class MonitoredStep:
 
 class Monitor(RunController):
     STOP_ANSWER = "stopping: monitor.should_stop is now True"
+    WAY = fixes.MONITOR
 
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
                  probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0, underflow_every=10,

@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 from datetime import datetime
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -17,6 +17,7 @@ import amp_tui
 from amp_tui.core import precision
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.numfmt import number
+from amp_tui.core.records import traced_module
 from amp_tui.recording.xray_file import xray_file_name, xray_message
 from amp_tui.training.devices import describe_device
 from amp_tui.training.engine import StepResult
@@ -61,17 +62,19 @@ def session_header(controller: RunController, described: dict) -> dict:
     }
 
 
-def nonfinite_message(result: StepResult) -> str:
+def nonfinite_message(result: StepResult, words: Callable[[str], str] = str) -> str:
     """A non-finite step in words: what went non-finite, where it started, and what was done;
-    then the op that made it and the fix, where the step was replayed op by op."""
+    then the op that made it and the fix (as `words` puts it for the way of running), where the
+    step was replayed op by op."""
     said = _step_message(result)
-    op = op_sentence(result.op_trace or {})
+    op = op_sentence(result.op_trace or {}, words)
     return f"{said}. {op}" if op else said
 
 
-def op_sentence(fields: dict) -> str:
+def op_sentence(fields: dict, words: Callable[[str], str] = str) -> str:
     """The op that made inf or NaN and its fix in words ("" when no op was found, unless the
-    replay was not exact: that is always said)."""
+    replay was not exact: that is always said). `words`: the fix flag as the way of running
+    takes it (core/fixes.py, `fix_in_words`)."""
     message = fields.get("op_message") if fields.get("op") or fields.get("op_replay_exact") is False else None
     if not message:
         return ""
@@ -79,7 +82,7 @@ def op_sentence(fields: dict) -> str:
     if fix:
         # In the user's own loop a fix may be checked on the forward alone (op_replay_from).
         step = "this step's forward" if fields.get("op_replay_from") == "forward" else "this step"
-        message += f"; fix: {fix} ({f'verified on {step}' if fields.get('fix_verified') else 'not verified'})"
+        message += f"; fix: {words(fix)} ({f'verified on {step}' if fields.get('fix_verified') else 'not verified'})"
     return message
 
 
@@ -95,9 +98,12 @@ def _step_message(result: StepResult) -> str:
         return (f"non-finite activation{on} in {short} in {layer}, while the loss and the gradients stayed "
                 "finite (an op after it hid it, e.g. a tanh): update applied")
     if result.nonfinite == "loss":
-        where = f"; first non-finite output: {layer}" if layer else ""
-        if result.diagnosis is not None and result.diagnosis.input_nonfinite:
-            where += " (its input was already non-finite)"
+        if layer:
+            where = f"; first non-finite output: {layer}"
+        elif result.diagnosis is not None and result.diagnosis.input_nonfinite:
+            where = "; the model's input was already non-finite (the data, or code before the model)"
+        else:
+            where = ""
         return f"non-finite loss ({number(result.loss, 4)}){on} in {short}{where}: {outcome}"
     where = f"; first non-finite gradient: {layer}" if layer else ""
     if result.held_back and result.scale is not None:
@@ -124,6 +130,14 @@ def nonfinite_fields(result: StepResult) -> dict:
         origin = result.diagnosis.as_fields()
     else:   # from the probes' figures: the forward's first non-finite output, or the backward's
         origin = {"origin": layer} if result.nonfinite in FORWARD_KINDS else {"backward_origin": layer}
+    traced = traced_module(result.op_trace)
+    if traced is not None:   # the op replay saw it happen: its module is the origin, in its pass
+        if (result.op_trace or {}).get("op_phase") == "backward":
+            origin["backward_origin"] = traced
+        else:
+            inputs = (result.op_trace or {}).get("op_inputs") or []
+            finite = all(isinstance(i.get("max"), (int, float)) for i in inputs)
+            origin.update(origin=traced, origin_input_nonfinite=not finite)
     rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
     return {"where": result.nonfinite, "layer": layer, "loss": encode_float(result.loss),
             "scale": result.scale, "dtype": result.dtype, **origin,

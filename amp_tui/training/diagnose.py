@@ -5,7 +5,11 @@ forward (and, for gradients, the scaled backward) with checks on every module, R
 run itself is unchanged:
 
 - forward: the first module, in the order modules *finish* their forward, whose output holds
-  inf/NaN, and whether its input already did (then the culprit is upstream, e.g. the data);
+  inf/NaN while its input was finite: the origin. A module whose input already held inf/NaN only
+  passed it on (a projection after an attention's softmax made NaN in the attention's own code),
+  so it is never the origin: the module around it, whose input was finite, is. When every module
+  that made inf/NaN was given it, it came from outside the model (the data): no origin, and
+  `input_nonfinite` says so;
 - backward: the first module, in backward order, whose own parameter gradient became non-finite.
 """
 
@@ -22,8 +26,8 @@ from amp_tui.training.probes import _floating_tensors
 
 @dataclass
 class Diagnosis:
-    forward_layer: str | None = None       # first module whose forward output was non-finite
-    input_nonfinite: bool | None = None    # its input already was
+    forward_layer: str | None = None       # first module whose output was non-finite from a finite input
+    input_nonfinite: bool | None = None    # True: the model's input already was (no origin inside it)
     backward_layer: str | None = None      # first module in backward order with a non-finite gradient
     loss_finite: bool | None = None
 
@@ -50,9 +54,13 @@ def diagnose(model: torch.nn.Module, forward: Callable[[], torch.Tensor], *, sca
     handles = []
 
     def forward_hook(module, inputs, output):
-        if result.forward_layer is None and not _all_finite(output):
+        if result.forward_layer is not None or _all_finite(output):
+            return
+        if _all_finite(inputs):
             result.forward_layer = names.get(id(module), type(module).__name__)
-            result.input_nonfinite = not _all_finite(inputs)
+            result.input_nonfinite = False
+        else:   # it only passed on what it was given; the module around it may be the origin
+            result.input_nonfinite = True
 
     for module in model.modules():
         handles.append(module.register_forward_hook(forward_hook))

@@ -406,9 +406,9 @@ class GuardedTrainer:
         own = not math.isfinite(mean_loss)
         op_trace = self._trace_ops(micro_batches, [bad], used_scale, backward=False) if own else None
         first = diagnosis.forward_layer if diagnosis else None
-        if first is None and figures is not None:
-            index = figures.first_nonfinite("act")
-            first = self.layer_names[index] if index is not None else None
+        # Not when the data brought the inf/NaN in: the probes' first non-finite output was handed it.
+        if first is None and figures is not None and not (diagnosis and diagnosis.input_nonfinite):
+            first = self.layer_names[index] if (index := figures.first_nonfinite("act")) is not None else None
         return self._finish(mean_loss, used_scale, lr, skipped=True, nonfinite="loss", first_layer=first,
                             figures=figures, micro=len(micro_batches), diagnosis=diagnosis, op_trace=op_trace)
 

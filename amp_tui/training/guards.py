@@ -3,6 +3,10 @@ and the fallback ladder fp16 -> bf16 -> fp32.
 
 The guard only decides; the run applies its decisions at the step boundary and records them, so
 every automatic move is an ordinary `intervention` event that says why.
+
+Its advice is a rule of thumb until the op replay (step_trace.py) has verified a fix on a step of
+this dtype: from then on the alerts give that fix, the one the non-finite events name, in the
+words of the way of running (`words`, core/fixes.py's `fix_in_words`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from amp_tui.core import precision
 from amp_tui.training.engine import StepResult
@@ -100,8 +105,11 @@ class LossTrend:
 
 
 class PrecisionGuard:
-    def __init__(self, config: GuardConfig):
+    def __init__(self, config: GuardConfig, words: Callable[[str], str] = str):
+        """`words`: a fix flag (`--dtype bf16`) as the way of running takes it."""
         self.config = config
+        self.words = words
+        self._verified: tuple[str, int] | None = None   # the newest verified fix in this dtype, its step
         self._trends: dict[str, LossTrend] = {}   # by dtype, kept across dtype changes
         self._drops = 0
         self._bad_streak = 0
@@ -126,6 +134,10 @@ class PrecisionGuard:
             self._window_skips = 0
             self._storm.clear()
             self._raised.clear()
+            self._verified = None   # a fix verified in another dtype says nothing of this one
+        trace = result.op_trace or {}
+        if trace.get("fix_verified") and isinstance(trace.get("fix"), str):
+            self._verified = (trace["fix"], result.step)
         bad = result.nonfinite is not None
         self._trends.setdefault(result.dtype, LossTrend()).add(result.loss)
         if result.first_nonfinite_layer:
@@ -209,7 +221,19 @@ class PrecisionGuard:
 
     def _alert(self, reason: str, message: str, result: StepResult) -> Alert:
         cause, fix = self.likely_cause(result)
-        return Alert(reason, message, cause, fix)
+        return Alert(reason, message, cause, self._deferred(fix, result.dtype))
+
+    def _deferred(self, advice: str, dtype: str) -> str:
+        """The guard's advice gives way to the fix the op replay verified, which the non-finite
+        events name; except where the loss grows in every dtype: a fix that makes one step
+        finite does not make the training converge, and the advice says so."""
+        if self._verified is None:
+            return advice
+        fix, step = self._verified
+        verified = f"{self.words(fix)} (verified on step {step})"
+        if self._divergence(dtype) is not None:
+            return f"{advice} (the fix verified on step {step}, {self.words(fix)}, only made that step finite)"
+        return verified
 
     def likely_cause(self, result: StepResult) -> tuple[str, str]:
         """What usually causes this under AMP, applied to what this run shows: a loss growing in
@@ -223,12 +247,12 @@ class PrecisionGuard:
             return self._cause_without_scaler(result.dtype, layer)
         if result.nonfinite in ("loss", "activations") and layer:
             return (f"an activation overflows fp16's 65504 in {layer}",
-                    f"switch to bf16 (d), or run that layer in fp32: --fp32-modules '{layer}'")
+                    f"switch to bf16 (d), or run that layer in fp32: {self.words(f'--fp32-modules {layer!r}')}")
         if (self._now_scale is not None and self._now_scale < 1) or "scale_below_one" in self._raised:
             # Halving all the way below 1 with a finite loss: fp16 lacks the range, not the scale.
             return ("gradients need more range than fp16 has, typical of a model trained in bf16 "
                     "being fine-tuned in fp16",
-                    "switch to bf16 (d, or --dtype bf16): fine-tune a bf16-trained model in bf16")
+                    f"switch to bf16 (d, or {self.words('--dtype bf16')}): fine-tune a bf16-trained model in bf16")
         scale = max(result.scale or 0.0, self._streak_scale or 0.0)
         loss = abs(result.loss) if result.loss == result.loss else 0.0
         if scale >= 1024 and loss * scale > 65504 and result.nonfinite != "loss":
@@ -236,10 +260,11 @@ class PrecisionGuard:
             start = 2.0 ** math.floor(math.log2(now)) if now >= 1 else 1.0
             return (f"a large loss ({loss:.3g}) times a large loss scale ({scale:g}) overflows the "
                     "fp16 backward pass",
-                    f"lower the scale (s, S), or start lower next time: --init-scale {start:g} or less")
+                    f"lower the scale (s, S), or start lower next time: {self.words(f'--init-scale {start:g}')} "
+                    "or less")
         if layer:
             return (f"values overflow fp16 around {layer}",
-                    f"switch to bf16 (d), or --fp32-modules '{layer}'")
+                    f"switch to bf16 (d), or {self.words(f'--fp32-modules {layer!r}')}")
         return ("values leave fp16's range (max 65504)", "lower the scale (s) or switch to bf16 (d)")
 
     def _divergence(self, dtype: str) -> tuple[str, str] | None:

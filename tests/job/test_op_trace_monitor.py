@@ -88,7 +88,10 @@ def test_attention_scores_overflowing_in_a_monitored_loop_name_the_product_and_a
     assert event["op_replay_from"] == "forward"
     assert f"{event['op']} in blocks.1.attn (forward, float16 inputs up to " in event["message"]
     assert "the fix is checked on the forward only" in event["message"]
-    assert event["message"].endswith("; fix: --fp32-modules 'blocks.1.attn' (verified on this step's forward)")
+    # Worded for the user's own loop: the monitor's argument and the live command, not amp-tui train's flag.
+    assert event["message"].endswith(f"; fix: fp32_modules=['blocks.1.attn'], or live: amp-tui ctl "
+                                     f"{tmp_path / 'run'} fp32=blocks.1.attn (verified on this step's forward)")
+    assert "--fp32-modules" not in event["message"]
     session = read_session(tmp_path / "run")
     assert session.steps[0]["skipped"] and session.steps[0]["scale"] == 65536.0
 

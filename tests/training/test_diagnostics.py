@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from amp_tui.cli import main
+from amp_tui.training.diagnose import diagnose
 from amp_tui.training.engine import GuardedTrainer, StepResult
 from amp_tui.training.guards import GuardConfig, PrecisionGuard
 
@@ -76,8 +77,34 @@ def setup():
 ''')
     _, lines = run(script, tmp_path, "--steps", "1")
     e = events(lines, "nonfinite")[0]
-    assert e["origin"] == "0" and e["origin_input_nonfinite"] is True
-    assert "its input was already non-finite" in e["message"]
+    # No module of the model made the NaN: none is named as where it began.
+    assert e["origin"] is None and e["layer"] is None and e["origin_input_nonfinite"] is True
+    assert "the model's input was already non-finite" in e["message"]
+    assert "first non-finite output" not in e["message"]
+
+
+class MadeInside(nn.Module):
+    """An attention-like module whose own code (not a child) makes NaN, which its last child,
+    `out`, is then handed: inf - inf, in fp32, whatever the CPU's fp16."""
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scores = self.q(x) * 1e30 * 1e30   # past fp32's max: inf
+        return self.out(scores - scores)   # inf - inf = NaN, handed to `out`
+
+
+def test_a_module_handed_a_nonfinite_input_is_never_the_origin():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), MadeInside(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)   # every input of the scores non-zero: all of them overflow
+    found = diagnose(model, lambda: model(torch.ones(2, 4)).sum(), scale=None, device=torch.device("cpu"),
+                     backward=False)
+    # `1.out` is the first module to finish with a NaN output, but it was given the NaN.
+    assert found.forward_layer == "1" and found.input_nonfinite is False
 
 
 def test_gradient_overflow_names_a_module_in_backward_order():
