@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from amp_tui.core import precision
+from amp_tui.core.fixes import applied_by_autopilot, last_verified_fix
 from amp_tui.core.forecast_words import scale_forecast_text
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import nonfinite_layer, world_size_of
@@ -205,6 +206,7 @@ class NonfinitePause:
     dtype: str | None
     event_index: int            # events_seen count at the paused event (to notify once)
     where: str = "loss"         # the event's: "activations" for one the loss never saw
+    fix: str | None = None      # the verified fix `f` applies (None: none, or the autopilot applied it)
 
 
 ACT_NOT_MEASURED = "act not measured under torch.compile"
@@ -290,8 +292,10 @@ def nonfinite_pause(snap: Snapshot) -> NonfinitePause | None:
         if kind == "paused" and event.get("reason") == "nonfinite":
             cause = next((e for e in reversed(events[:i]) if e.get("kind") == "nonfinite"), {})
             step = cause.get("step", max(int(event.get("step", 1)) - 1, 0))
+            fixed = last_verified_fix(events)
+            fix = fixed["fix"] if fixed is not None and not applied_by_autopilot(events, fixed) else None
             return NonfinitePause(int(step), nonfinite_layer(cause), str(cause.get("loss", "non-finite")),
-                                  cause.get("dtype"), first_index + i + 1, str(cause.get("where", "loss")))
+                                  cause.get("dtype"), first_index + i + 1, str(cause.get("where", "loss")), fix)
     return None
 
 

@@ -3,10 +3,12 @@ type (fp32=MODULE, dtype=bf16); refused, with the reason, when there is none, tw
 replay."""
 
 from amp_tui.core.fixes import NO_FIX, fix_command, last_verified_fix
+from amp_tui.core.records import nonfinite_layer
 from amp_tui.recording.reader import read_session
 from amp_tui.recording.report import read_digest, summarize
 from amp_tui.sources.replay import ReplaySource
 from amp_tui.ui.app import create_app
+from amp_tui.ui.widgets.notice import PauseNotice
 
 from support import ATTENTION_SCRIPT, SIZE, build_live, run_async, toasts, until
 
@@ -75,3 +77,40 @@ async def test_f_without_a_verified_fix_and_in_a_replay_says_why(mlp_script, wri
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await pilot.press("f")
         await until(pilot, lambda: "run again with --fp32-modules 'blocks.1.attn'" in toasts(app), "the refusal")
+
+
+@run_async
+async def test_the_pause_banner_and_the_highlighted_rows_name_the_ops_module_and_offer_f(write_script, tmp_path):
+    """The softmax in blocks.1.attn's own code makes the NaN that its dropout and `o` are handed:
+    the banner and the layer table name blocks.1.attn, as the event's op does, and the banner's
+    keys offer f with the fix it applies."""
+    run, source = build_live(write_script(ATTENTION_SCRIPT), tmp_path / "run", steps=3)
+    app = create_app(source)
+    try:
+        async with app.run_test(size=SIZE, notifications=True) as pilot:
+            notice = app.dashboard.query_one(PauseNotice)
+            await until(pilot, lambda: notice.has_class("-visible"), "the pause notice")
+            [event] = [e for e in source.snapshot().events if e["kind"] == "nonfinite"]
+            assert event["op_module"] == "blocks.1.attn" and event["fix_verified"] is True
+            text = str(notice.render())
+            assert "first non-finite layer: blocks.1.attn;" in text
+            assert f"verified fix: {event['fix']}" in text and "f apply the fix" in text
+            table = app.dashboard.layer_table
+            await until(pilot, lambda: table._origin == "blocks.1.attn", "the origin's rows")
+            # the name cell marked as the origin's (non-finite figures have a red style of their own)
+            marked = [row.name for i, row in enumerate(table._ordered)
+                      if any(str(span.style) == "bold reverse red" and str(table.row_text(i))[span.start:span.end]
+                             .strip() == row.name for span in table.row_text(i).spans)]
+            assert marked and all(name.startswith("blocks.1.attn.") for name in marked), marked
+            await pilot.press("q")
+            await until(pilot, lambda: not app.is_running, "the app to exit")
+    finally:
+        source.stop(5.0)
+
+
+def test_a_recording_whose_origin_was_handed_the_nan_shows_the_ops_module():
+    """A session written before the origin was the op's module: the dashboard still names it."""
+    event = {"kind": "nonfinite", "where": "loss", "layer": "blocks.0.attn.out", "origin": "blocks.0.attn.out",
+             "origin_input_nonfinite": True, "op": "aten.bmm", "op_module": "blocks.0.attn"}
+    assert nonfinite_layer(event) == "blocks.0.attn"
+    assert nonfinite_layer({**event, "op_module": None}) == "blocks.0.attn.out"   # the loss: no module

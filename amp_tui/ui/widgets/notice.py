@@ -1,5 +1,6 @@
-"""A banner for a run that paused itself after a non-finite loss: which step, which layer, and the
-keys that help."""
+"""A banner for a run that paused itself after a non-finite loss: which step, which layer (the op's
+module where the op replay found it, as the events say), the verified fix, and the keys that
+help (`f` first when there is a fix to apply)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,12 @@ def notice_text(pause: NonfinitePause) -> Text:
     if pause.layer:
         text.append("; first non-finite layer: ")
         text.append_text(literal(pause.layer, "bold"))
+    if pause.fix:
+        text.append("; verified fix: ")
+        text.append_text(literal(pause.fix, "bold"))
     text.append("\n")
-    for i, (key, what) in enumerate(HELPFUL_KEYS):
+    keys = ((("f", "apply the fix"),) if pause.fix else ()) + HELPFUL_KEYS
+    for i, (key, what) in enumerate(keys):
         if i:
             text.append(" · ", style="dim")
         text.append(key, style="bold reverse")
