@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from textual.app import App, SystemCommand
+from textual.notifications import Notify, SeverityLevel
 from textual.screen import Screen
 
 from amp_tui.core import precision
@@ -39,6 +40,7 @@ from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
 from amp_tui.ui.screens.dashboard import DashboardScreen
 from amp_tui.ui.screens.help_screen import HelpScreen
 from amp_tui.ui.screens.output_screen import OutputScreen
+from amp_tui.ui.toasts import ToastShelf, take_off
 from amp_tui.ui.view import SORTS, current_precision, nonfinite_pause, probing_every_step
 
 STOP_TIMEOUT_S = 10.0     # how long `q` waits for the current step before forcing the exit
@@ -83,6 +85,7 @@ class AmpTuiApp(App[int]):
         self._announced: set[tuple] = set()
         self._last_state: str | None = None
         self._events_seen = 0
+        self._toast_shelf = ToastShelf()
         self._error_where: list[tuple[str, str]] = []
         self._stop_job: Command | None = None   # attached: Q sent this; exit once it's done
         self.playback = source.playback   # a recording's controls; None for a run
@@ -127,10 +130,25 @@ class AmpTuiApp(App[int]):
         # The run is being stopped by HangupGuard's thread; nobody is watching: leave now.
         self.exit()
 
+    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
+               timeout: float | None = None, markup: bool = True, kind: str | None = None) -> None:
+        """Textual's notify, a few toasts at most: one of the same kind (`kind`, else the title)
+        and severity as a toast on screen takes its place, its title counting them."""
+        notification, gone = self._toast_shelf.add(
+            (kind or title, severity), message, title, severity,
+            self.NOTIFICATION_TIMEOUT if timeout is None else timeout, markup)
+        for earlier in gone:
+            take_off(self, earlier)
+        self.post_message(Notify(notification))
+
     # ---- drawing --------------------------------------------------------------------------------
     def refresh_view(self) -> None:
         if not self.dashboard.is_mounted:
             return
+        if self.dashboard.toasts_overflow():
+            dropped = self._toast_shelf.give_way()
+            if dropped is not None:
+                take_off(self, dropped)
         snap = self.source.snapshot()
         now = self.clock()
         changed = snap.version != self._version
@@ -155,16 +173,10 @@ class AmpTuiApp(App[int]):
             self.notify(f"non-finite {what} at step {pause.step}{where}. Paused: d dtype, "
                         "s halve scale, r restore", title="paused", severity="warning",
                         timeout=10, markup=False)
-        error = snap.error
-        if error is not None and ("error", error.get("step"), error.get("message")) not in self._announced:
-            self._announced.add(("error", error.get("step"), error.get("message")))
-            self._error_where = self._where()   # once: it lists the checkpoint folder
-            self.notify(brief(error.get("message", "error")), title="the script raised",
-                        severity="error", timeout=15, markup=False)
         for event in self._new_events(snap):
             if event.get("kind") == "alert":
                 self.notify(brief(event.get("message", "")), title=f"alert at step {event.get('step')}",
-                            severity="warning", timeout=12, markup=False)
+                            severity="warning", timeout=12, markup=False, kind="alert")
             elif event.get("kind") == "error" and event.get("during") in ("io", "save"):
                 self.notify(brief(event.get("message", "")), title="could not write",
                             severity="error", timeout=20, markup=False)
@@ -181,6 +193,13 @@ class AmpTuiApp(App[int]):
                 # writes the records kept meanwhile.
                 self.notify("The run is paused: free some space, then space resumes.",
                             title="paused", severity="warning", timeout=20, markup=False)
+        # Last: of what came at once, what ended the run is the toast that stays.
+        error = snap.error
+        if error is not None and ("error", error.get("step"), error.get("message")) not in self._announced:
+            self._announced.add(("error", error.get("step"), error.get("message")))
+            self._error_where = self._where()   # once: it lists the checkpoint folder
+            self.notify(brief(error.get("message", "error")), title="the script raised",
+                        severity="error", timeout=15, markup=False)
         if snap.state != self._last_state:
             if snap.state in ENDED:
                 self._pending.clear()

@@ -22,8 +22,11 @@ from typing import Callable
 from textual import events
 from textual.app import ComposeResult
 from textual.containers import Container, Horizontal, Vertical
+from textual.css.query import NoMatches
+from textual.geometry import Region
 from textual.screen import Screen
 from textual.widgets import Footer
+from textual.widgets._toast import Toast, ToastRack
 
 from amp_tui.core.precision import short_name
 from amp_tui.core.records import STEERED_MODES
@@ -63,6 +66,14 @@ TRAINING_PACE = Pacing(status_s=0.5, table_s=2.0, charts_s=5.0)
 REPLAY_PACE = Pacing(status_s=0.0, table_s=0.5, charts_s=1.0)
 
 
+class ChartRow(Horizontal):
+    """The charts side by side; the toasts are placed over them."""
+
+    def on_resize(self, event: events.Resize) -> None:
+        if isinstance(self.screen, DashboardScreen):
+            self.screen.place_toasts()
+
+
 class DashboardScreen(Screen):
     DEFAULT_CSS = """
     DashboardScreen #main {
@@ -95,6 +106,9 @@ class DashboardScreen(Screen):
     DashboardScreen.-too-small TooSmall {
         display: block;
     }
+    DashboardScreen Toast {
+        padding: 0 1;   /* they stack in the charts' room: no blank rows */
+    }
     """
 
     def __init__(self, compact_footer: bool = False, *,
@@ -114,6 +128,8 @@ class DashboardScreen(Screen):
         self.event_log = EventLog(id="events")
         self.too_small_message = TooSmall(id="too-small")
         self.lower_row = Horizontal(id="lower")
+        self.chart_row = ChartRow(id="charts")
+        self._toasts_over: Region | None = None
         self._history_key: tuple | None = None
         self._layers_key: tuple | None = None
         self._charts_at = -math.inf
@@ -127,7 +143,7 @@ class DashboardScreen(Screen):
     def compose(self) -> ComposeResult:
         yield self.status_bar
         with Container(id="main"):
-            with Horizontal(id="charts"):
+            with self.chart_row:
                 yield self.loss_chart
                 yield self.scale_chart
             yield self.pause_notice
@@ -142,6 +158,36 @@ class DashboardScreen(Screen):
 
     def on_mount(self) -> None:
         self.layer_table.focus()
+        self.call_after_refresh(self.place_toasts)
+
+    def place_toasts(self) -> None:
+        """Toasts stack over the charts, within their height, newest lowest: never over the status
+        bar, the pause notice, the layer table or the events panel (Textual stacks them from the
+        bottom right, over the events). Called whenever the charts' row moves or resizes."""
+        region = self.chart_row.region
+        rack = self._toast_rack()
+        if rack is None or region == self._toasts_over:
+            return
+        self._toasts_over = region
+        rack.styles.dock = "top"
+        rack.styles.align = ("right", "top")
+        rack.styles.margin = (region.y, 0, 0, 0)
+        rack.styles.max_height = region.height
+
+    def toasts_overflow(self) -> bool:
+        """Whether the newest toast ends below the charts: Textual's rack, drawn hidden, can't
+        scroll to it, so the oldest must give way."""
+        rack = self._toast_rack()
+        if rack is None:
+            return False
+        toasts = rack.query(Toast)
+        return len(toasts) > 1 and toasts.last().region.bottom > self.chart_row.region.bottom
+
+    def _toast_rack(self) -> ToastRack | None:
+        try:
+            return self.get_child_by_type(ToastRack)
+        except NoMatches:   # an app without notifications (or not composed yet)
+            return None
 
     def on_resize(self, event: events.Resize) -> None:
         small = too_small(event.size.width, event.size.height)
