@@ -129,9 +129,15 @@ def test_keys_drive_the_real_dashboard_and_q_exits_cleanly(tmp_path):
         key(("d",), "dtype", "dtype fp16 → bf16")
         key(("s",), "scale", "fp16 loss scale")     # bf16 has no scaler: it halves the next fp16 scale
         key(("c",), "save", "checkpoint saved")
+        # The picker pauses the run while it is open, and lets it go on once it closes.
+        count = len(actions(run_dir))
         terminal.press("r")
         wait_for(terminal, lambda: "Restore a checkpoint" in terminal.screen(), "the picker")
-        key(("Enter",), "restore", "restored")
+        wait_for(terminal, lambda: actions(run_dir)[count:] == ["pause"], "the picker's pause")
+        terminal.press("Enter")
+        wait_for(terminal, lambda: actions(run_dir)[count:] == ["pause", "restore", "resume"],
+                 "the restore, then the resume")
+        wait_for(terminal, lambda: "restored" in terminal.screen(), "'restored' on screen")
         key(("Space",), "pause", "PAUSED")
         terminal.press("q")
         wait_for(terminal, status.exists, "amp-tui to exit", timeout=30)
