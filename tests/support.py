@@ -121,12 +121,17 @@ def step_count(path):
 SIZE = (120, 40)
 
 
-HANGING_SCRIPT = '''
+# A step that hangs from step 2 on, until the test lets it go (a file "release" beside the script;
+# 120 s at most, so that a failed test leaves no step behind), not for a fixed time: on a loaded
+# machine a key pressed late in a step of fixed length could land after the step ended.
+HELD_SCRIPT = '''
 import time
+from pathlib import Path
 import torch
 from torch import nn
 
 steps = {"n": 0}
+release = Path(__file__).with_name("release")
 
 def setup(ctx=None):
     model = nn.Linear(4, 1)
@@ -134,8 +139,9 @@ def setup(ctx=None):
     def loss_fn(model, batch):
         if model.training:           # every call is a step's (the pre-flight check is step 0's forward)
             steps["n"] += 1
-            if steps["n"] > 2:
-                time.sleep(1.5)      # from step 2 on, every step outlasts the quit timeout
+            deadline = time.monotonic() + 120
+            while steps["n"] > 2 and not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)     # from step 2 on, every step waits for the test
         return model(batch).pow(2).mean()
     return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=1e-2),
             "loss_fn": loss_fn, "batches": [xs]}
@@ -220,7 +226,12 @@ def build_live(script, run_dir, *, at=(), **fields):
     return run, LiveSource(run)
 
 
-async def until(pilot, predicate, what: str, timeout: float = 15.0) -> None:
+# How long `until` waits by default: what it waits for happens in well under a second on an idle
+# machine; the deadline only has to end a test that hangs, also where two suites share the cores.
+UI_WAIT_S = 60.0
+
+
+async def until(pilot, predicate, what: str, timeout: float = UI_WAIT_S) -> None:
     """Poll the UI (letting it run) until `predicate()` holds."""
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -232,6 +243,20 @@ async def until(pilot, predicate, what: str, timeout: float = 15.0) -> None:
 def toasts(app) -> str:
     """The text of the notifications on screen now."""
     return "\n".join(t.render().plain for t in app.screen.query(Toast))
+
+
+def notified(app) -> list[str]:
+    """Every message `app` notifies from now on, kept: a toast on screen lasts a few seconds (and the
+    app may exit meanwhile), which a poll on a loaded machine can miss."""
+    said: list[str] = []
+    notify = app.notify
+
+    def keep(message, **options):
+        said.append(str(message))
+        return notify(message, **options)
+
+    app.notify = keep
+    return said
 
 
 def run_async(test):

@@ -29,7 +29,7 @@ from amp_tui.ui.hangup import INPUT_CLOSED
 from amp_tui.ui.screens.help_screen import HelpScreen
 
 from fixed_source import FixedSource, synthetic_records
-from support import REPO, SIZE, FullDisk, build_live, restorable, run_async, toasts, until
+from support import HELD_SCRIPT, REPO, SIZE, FullDisk, build_live, restorable, run_async, toasts, until
 
 SCRIPT = REPO / "demos" / "healthy.py"
 EXIT_BOUND_S = 15.0
@@ -37,31 +37,6 @@ EXIT_BOUND_S = 15.0
 # what this bound catches, not a slow machine's shutdown.
 QUIT_BOUND_S = 40.0
 
-# HANGING_SCRIPT with its step held until the test lets it go (a file beside the script) instead of
-# for 1.5 s: on a loaded machine the two presses can take longer than that, and the step would end
-# (a clean stop, not a forced exit) before the second one.
-HELD_SCRIPT = '''
-import time
-from pathlib import Path
-import torch
-from torch import nn
-
-steps = {"n": 0}
-release = Path(__file__).with_name("release")
-
-def setup(ctx=None):
-    model = nn.Linear(4, 1)
-    xs = torch.randn(8, 4)
-    def loss_fn(model, batch):
-        if model.training:           # every call is a step's (the pre-flight check is step 0's forward)
-            steps["n"] += 1
-            deadline = time.monotonic() + 120
-            while steps["n"] > 2 and not release.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)     # from step 2 on, every step waits for the test
-        return model(batch).pow(2).mean()
-    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=1e-2),
-            "loss_fn": loss_fn, "batches": [xs]}
-'''
 
 
 # ---- standard input at end of file, no SIGHUP ----------------------------------------------------
