@@ -218,11 +218,11 @@ def test_ctl_and_attach_steer_rank_0_of_a_2_process_job(write_script, tmp_path):
         app = create_app(source)
         async with app.run_test(size=(120, 40), notifications=True) as pilot:
             await until(pilot, lambda: "ranks 2" in str(app.dashboard.query_one("#status").render()),
-                        "the world size in the status bar", timeout=30)
+                        "the world size in the status bar")
             await pilot.press("d")
-            await until(pilot, lambda: "dtype fp16 → bf16" in toasts(app), "rank 0's answer", timeout=30)
+            await until(pilot, lambda: "dtype fp16 → bf16" in toasts(app), "rank 0's answer")
             await pilot.press("Q")
-            await until(pilot, lambda: not app.is_running, "the app to exit", timeout=30)
+            await until(pilot, lambda: not app.is_running, "the app to exit")
 
     def steer():
         assert wait_for(lambda: status(run_dir, job).get("step", 0) >= 2, RANK_TIMEOUT_S)

@@ -33,13 +33,13 @@ async def test_keys_steer_the_job_and_q_detaches(live_job):
         assert {"d", "s", "S", "c", "r", "space", "n", "q", "Q"} <= active
         assert not active & {"plus", "minus", "g", "left_square_bracket"}
         await pilot.press("d")
-        await until(pilot, lambda: "dtype fp16 → bf16" in toasts(app), "the job's answer", timeout=20)
+        await until(pilot, lambda: "dtype fp16 → bf16" in toasts(app), "the job's answer")
         done = interventions(run)
         assert done[-1]["action"] == "dtype" and done[-1]["source"].startswith("ctl")
         assert done[-1]["client"]["uid"] == os.getuid()
         # the follower shows it in the event log and the state as the job's
         await until(pilot, lambda: any(e.get("action") == "dtype" for e in source.snapshot().events),
-                    "the event in the log", timeout=20)
+                    "the event in the log")
         assert source.snapshot().state == "running" and source.snapshot().playback_state is None
         await pilot.press("q")
         await until(pilot, lambda: not app.is_running, "the app to exit")
@@ -53,7 +53,7 @@ async def test_shift_q_stops_the_job(live_job):
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await pilot.pause()
         await pilot.press("Q")
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=20)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     thread.join(20)
     assert not thread.is_alive() and run.state == "stopped"
     assert interventions(run)[-1]["action"] == "stop"

@@ -386,7 +386,7 @@ async def test_q_stops_at_a_step_boundary_and_flushes_the_session(mlp_script, tm
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await until(pilot, lambda: run.step > 2, "some steps")
         await pilot.press("q")
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     assert not source.alive and not app.forced_exit
     session = read_session(run.session_path)
     assert session.end is not None and session.end["status"] == "stopped"

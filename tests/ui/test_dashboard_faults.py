@@ -29,7 +29,7 @@ from amp_tui.ui.hangup import INPUT_CLOSED
 from amp_tui.ui.screens.help_screen import HelpScreen
 
 from fixed_source import FixedSource, synthetic_records
-from support import HELD_SCRIPT, REPO, SIZE, FullDisk, build_live, restorable, run_async, toasts, until
+from support import HELD_SCRIPT, REPO, SIZE, FullDisk, build_live, notified, restorable, run_async, toasts, until
 
 SCRIPT = REPO / "demos" / "healthy.py"
 EXIT_BOUND_S = 15.0
@@ -170,7 +170,7 @@ async def test_ctrl_c_stops_at_a_step_boundary_flushes_and_exits_like_q(mlp_scri
         await until(pilot, lambda: run.step > 2, "some steps")
         await pilot.press("ctrl+c")
         assert "stopping at the next step boundary" in toasts(app)
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     assert not source.alive and not app.forced_exit
     session = read_session(run.session_path)
     assert session.end is not None and session.end["status"] == "stopped"
@@ -180,23 +180,27 @@ async def test_ctrl_c_stops_at_a_step_boundary_flushes_and_exits_like_q(mlp_scri
 
 @run_async
 async def test_a_second_ctrl_c_forces_the_exit_while_a_step_hangs(write_script, tmp_path):
+    """The second Ctrl+C is shown to force the exit by the app leaving while the step still hangs
+    (the first one's wait is far longer than the test's), no longer by a 5-s bound on the time it
+    took, which a loaded machine can miss."""
     script = write_script(HELD_SCRIPT)
     run, source = build_live(script, tmp_path / "run", dtype="float32")
-    app = create_app(source, stop_timeout=60.0)   # only the second Ctrl+C can end this quickly
+    app = create_app(source, stop_timeout=600.0)   # only the second Ctrl+C can end this before the step is let go
+    said = notified(app)
     try:
         async with app.run_test(size=SIZE, notifications=True) as pilot:
             await until(pilot, lambda: run.step >= 2, "the run to reach the hanging step")
+            held_at = run.step
             await pilot.press("ctrl+c")
-            await until(pilot, lambda: "stopping at the next step boundary" in toasts(app),
+            await until(pilot, lambda: any("stopping at the next step boundary" in t for t in said),
                         "the stopping message")
-            pressed = time.monotonic()
             await pilot.press("ctrl+c")
-            await until(pilot, lambda: not app.is_running, "the app to exit", timeout=5)
-            assert time.monotonic() - pressed < 5
+            await until(pilot, lambda: not app.is_running, "the app to exit")
         assert app.forced_exit
+        assert run.step == held_at and not script.with_name("release").exists(), "left while the step hung"
     finally:
         script.with_name("release").touch()
-        assert source.stop(10.0), "the run stops once the slow step is over"
+        assert source.stop(60.0), "the run stops once the step is let go"
     assert read_session(run.session_path).end["status"] == "stopped"
 
 
@@ -211,7 +215,7 @@ async def test_ctrl_c_quits_from_a_dialog_or_the_help_too(opened):
         await pilot.pause()
         assert isinstance(app.screen, ScaleDialog if opened == "S" else HelpScreen)
         await pilot.press("ctrl+c")
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=5)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     assert source.stopped and source.sent == [] and not app.forced_exit
 
 
@@ -224,7 +228,7 @@ async def test_ctrl_c_leaves_a_replay_or_an_attached_job_as_q_does(mode):
         await pilot.pause()
         assert app.dashboard.active_bindings["ctrl+c"].enabled
         await pilot.press("ctrl+c")
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=5)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     assert source.stopped and source.sent == []
 
 
@@ -243,7 +247,7 @@ async def test_a_full_disk_pauses_the_dashboard_and_resuming_writes_what_was_kep
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await until(pilot, lambda: run.step > 3, "some steps")
         disk.full, disk.room = True, 100      # the disk fills up mid-record
-        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=20)
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause")
         assert run.pending_records()          # kept, not lost
         await until(pilot, lambda: "could not write" in toasts(app), "the notice")
         assert "No space left on device" in toasts(app)
@@ -255,7 +259,7 @@ async def test_a_full_disk_pauses_the_dashboard_and_resuming_writes_what_was_kep
         await pilot.press("space")
         await until(pilot, lambda: run.step > paused_at + 3, "the run to go on")
         await pilot.press("q")
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     session = read_session(run.session_path)
     assert [r["step"] for r in session.steps] == list(range(len(session.steps)))   # none lost
     assert session.skipped_lines == 0                                             # none torn
@@ -282,7 +286,7 @@ async def test_a_checkpoint_that_does_not_fit_pauses_the_dashboard_and_keeps_the
     checkpoints = tmp_path / "run" / "checkpoints"
     app = create_app(source)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
-        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=20)
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause")
         await until(pilot, lambda: "could not write" in toasts(app), "the notice")
         assert "No space left on device" in toasts(app)
         assert sorted(p.name for p in checkpoints.iterdir()) == ["step-0000002.safetensors"]
@@ -291,7 +295,7 @@ async def test_a_checkpoint_that_does_not_fit_pauses_the_dashboard_and_keeps_the
         await pilot.press("space")
         await until(pilot, lambda: (checkpoints / "step-0000006.safetensors").exists(), "the next checkpoint")
         await pilot.press("q")
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     session = read_session(run.session_path)
     errors = [e for e in session.events if e["kind"] == "error"]
     assert [e["during"] for e in errors] == ["save"] and errors[0]["step"] == 4
@@ -360,7 +364,7 @@ async def test_a_full_disk_at_the_end_pauses_and_freeing_space_and_space_writes_
     run, source, disk = live_run_filling_the_disk_at_its_end(mlp_script, tmp_path / "run", monkeypatch)
     app = create_app(source)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
-        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=30)
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause")
         await until(pilot, lambda: "could not write" in toasts(app), "the notice")
         assert "No space left on device" in toasts(app)
         await until(pilot, lambda: "free some space" in toasts(app), "the pause notice")
@@ -371,7 +375,7 @@ async def test_a_full_disk_at_the_end_pauses_and_freeing_space_and_space_writes_
         await until(pilot, lambda: not source.alive, "the run to end")
         assert source.snapshot().state == "finished"
         await pilot.press("q")
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     assert_whole(run, "finished")
     assert run.unwritten == {} and run.exit_status == 0 and run.error is None
 
@@ -382,14 +386,14 @@ async def test_q_on_a_full_disk_says_what_would_be_lost_and_writes_it_once_space
     run, source, disk = live_run_filling_the_disk_at_its_end(mlp_script, tmp_path / "run", monkeypatch)
     app = create_app(source)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
-        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=30)
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause")
         await pilot.press("q")
         await until(pilot, lambda: "would be lost" in toasts(app), "the count of what q would lose")
         assert "the end record" in toasts(app) and "q again" in toasts(app)
         assert app.is_running and source.alive                    # nothing quit yet
         disk.full = False                                         # space is freed: q writes it all
         await pilot.press("q")
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     assert not source.alive
     assert_whole(run, "finished")
     assert run.unwritten == {}
@@ -402,11 +406,11 @@ async def test_a_second_q_quits_without_the_records_and_the_summary_and_status_s
     run, source, disk = live_run_filling_the_disk_at_its_end(mlp_script, tmp_path / "run", monkeypatch)
     app = create_app(source)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
-        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=30)
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause")
         await pilot.press("q")
         await until(pilot, lambda: "would be lost" in toasts(app), "the count of what q would lose")
         await pilot.press("q")                                    # the disk is still full
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     assert not source.alive
     assert run.unwritten.get("end") == 1 and run.exit_status != 0
     session = read_session(run.session_path)
@@ -437,7 +441,7 @@ async def test_a_checkpoint_at_the_last_step_that_does_not_fit_pauses_and_is_wri
     checkpoints = tmp_path / "run" / "checkpoints"
     app = create_app(source)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
-        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause", timeout=30)
+        await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause")
         await until(pilot, lambda: "No space left on device" in toasts(app), "the notice")
         assert run.step == 6 and source.alive                   # trained, held for the checkpoint
         assert sorted(p.name for p in checkpoints.iterdir()) == ["step-0000003.safetensors"]
@@ -445,7 +449,7 @@ async def test_a_checkpoint_at_the_last_step_that_does_not_fit_pauses_and_is_wri
         await pilot.press("space")
         await until(pilot, lambda: not source.alive, "the run to end")
         await pilot.press("q")
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=15)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     assert restorable(checkpoints / "step-0000006.safetensors", mlp_script).step == 6
     session = read_session(run.session_path)
     assert session.end is not None and session.end["status"] == "finished"
