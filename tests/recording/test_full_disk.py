@@ -57,7 +57,8 @@ cp -a "$MNT_RUN" "$out/run"
 
 def _private_mount_prefix() -> tuple[list[str] | None, str]:
     """A command prefix under which `mount -t tmpfs` works and is seen by nothing else, or None
-    and why not."""
+    and why not. A probe that does not answer is no reason to skip (a loaded machine is slow, not
+    unable to mount): it fails the tests, after a deadline only a hang reaches."""
     if not sys.platform.startswith("linux"):
         return None, "a tmpfs mount needs Linux"
     unshare = shutil.which("unshare")
@@ -69,8 +70,8 @@ def _private_mount_prefix() -> tuple[list[str] | None, str]:
         with tempfile.TemporaryDirectory() as folder:
             try:
                 probe = subprocess.run([*prefix, "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
-                                        folder], capture_output=True, text=True, timeout=30)
-            except (OSError, subprocess.TimeoutExpired) as exc:
+                                        folder], capture_output=True, text=True, timeout=300)
+            except OSError as exc:
                 why = str(exc)
                 continue
             if probe.returncode == 0:
@@ -258,7 +259,7 @@ async def main():
         await pilot.press("space")
         await until(pilot, lambda: not source.alive, "the run to end", timeout=60)
         await pilot.press("q")
-        await until(pilot, lambda: not app.is_running, "the app to exit", timeout=30)
+        await until(pilot, lambda: not app.is_running, "the app to exit")
     result["exit_status"] = run.exit_status
     result["unwritten"] = run.unwritten
     json.dump(result, open(os.path.join(out, "result.json"), "w"))
