@@ -118,8 +118,8 @@ def train_rank(args) -> int:
         return _train(args, ranks)
     finally:
         # The run is gone by now. Before the interpreter exits, gloo's threads let go of our
-        # collectives' tensors (freeing one there while it finalizes aborts the process), then
-        # the group is left (job/in_flight.py).
+        # collectives' tensors, then the group ends, its threads joined: one still there as the
+        # interpreter finalizes can abort the process (job/in_flight.py, job/group_end.py).
         ranks.close()
 
 

@@ -79,6 +79,7 @@ from amp_tui.core.text import one_line
 from amp_tui.job.boundary_words import BoundaryWords
 from amp_tui.job.command_codec import decode_commands, encode_commands
 from amp_tui.job.gradient_channel import GradientChannel, unsuitable
+from amp_tui.job.group_end import forget_group
 from amp_tui.job.in_flight import InFlight
 from amp_tui.job.rank_figures import OWN_KINDS, merge_figures, pack_figures
 from amp_tui.job.rank_output import rank_log_path
@@ -227,11 +228,17 @@ class Ranks:
         return ranks
 
     def close(self) -> None:
-        """Leave the process group (a survivor that doesn't may abort as the interpreter exits),
-        once its threads have let go of our collectives' tensors (job/in_flight.py)."""
+        """Leave the process group, once its threads have let go of our collectives' tensors
+        (job/in_flight.py), so that it ends here, its threads joined, rather than as the
+        interpreter finalizes, where one of them can abort the process (job/group_end.py).
+        A group of the user's own is left to them, with nothing of ours holding it."""
         self.voting = False
         self._in_flight.settle(self.timeout_s or DEFAULT_TIMEOUT_S)
+        # What the run attached holds its DDP, and the DDP the group.
+        self.upcoming, self._channel = None, None
         gc.collect()   # a DDP wrapper left in a reference cycle holds the group: freed first
+        if dist.is_initialized():
+            forget_group(dist.group.WORLD)
         if self.owns_group and dist.is_initialized():
             with contextlib.suppress(Exception):  # noqa: BLE001 - a broken group goes all the same
                 dist.destroy_process_group()

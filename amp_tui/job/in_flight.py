@@ -1,15 +1,15 @@
 """The tensors handed to the process group's collectives, held until its threads let go of them.
 
 gloo runs a collective on a thread of its own. `wait()` returns once the result is in; that thread
-lets go of the work, and of the tensors in it, a moment later. A tensor that Python no longer holds
-is then freed on that thread, which takes the GIL to free its Python object; a thread that asks
-for the GIL while the interpreter finalizes is ended by Python (pthread_exit), and the unwinding
-through a noexcept destructor aborts the process: "terminate called without an active exception",
-SIGABRT, after the run's work is done. Leaving the process group does not prevent it: on torch
-2.13 the group and its threads outlive destroy_process_group once DistributedDataParallel was built
-(it imports torch._dynamo). So the tensors of our collectives stay held here until gloo has let go
-of them (their use count is ours alone again); then Python frees them, on the thread that holds
-the GIL. `settle()`, before the ranks part, waits until it has let go of all of them.
+lets go of the work, and of the tensors in it, a moment later, and takes the GIL to let go of a
+tensor that has a Python object; a thread that asks for the GIL while the interpreter finalizes
+is ended by Python (pthread_exit), and the unwinding through a noexcept destructor aborts the
+process: "terminate called without an active exception", SIGABRT, after the run's work is done.
+A group amp-tui set up ends with the run, its threads joined (job/group_end.py); a loop's own
+group may outlive the loop (its DistributedDataParallel holds it), its threads with it. So the
+tensors of our collectives stay held here until gloo has let go of them (their use count is ours
+alone again), and `settle()`, before the ranks part, waits until it has let go of all of them:
+what gloo's threads do with the GIL for them is done while the interpreter is whole.
 """
 
 from __future__ import annotations
