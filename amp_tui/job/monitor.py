@@ -327,6 +327,8 @@ class Monitor(RunController):
             self._forward_autocast.undo()
             self._forward_autocast = None
         self.driver.close()
+        if self.ranks:
+            self.ranks.close()   # the loop's group stays the loop's; nothing of ours in gloo's threads
         restore_handlers(self._previous_signals)
         self._previous_signals = {}
         _SLOT.release(self)
