@@ -31,3 +31,14 @@ def byte_size(count: int) -> str:
         if value < 999.5:
             return f"{value:.3g} {unit}"
     return f"{value:.0f} {_BYTE_UNITS[-1]}"
+
+
+def scale_text(scale: float) -> str:
+    """A loss scale: a far power of two as one ("2^-24", amp-tui's floor), any other as `:g`
+    ("65536", "0.5")."""
+    if not (math.isfinite(scale) and scale > 0):
+        return number(scale)
+    mantissa, exponent = math.frexp(scale)
+    if mantissa == 0.5 and abs(exponent - 1) >= 20:
+        return f"2^{exponent - 1}"
+    return f"{scale:g}"

@@ -23,6 +23,9 @@ CYCLE = {"float16": "bfloat16", "bfloat16": "float32", "float32": "float16"}
 MAX_FINITE = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
 # Smallest positive subnormal of fp16 (2**-24): gradients below it flush to zero.
 FP16_TINY = 2.0**-24
+# The loss scale's floor when the run sets none (--min-scale, min_scale=): GradScaler at scale 0
+# applies NaN updates, so the scale is never let reach it.
+SCALE_FLOOR = 2.0**-24
 
 
 def canonical(name: str) -> str:

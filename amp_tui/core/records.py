@@ -10,7 +10,10 @@ checks its type; a per-field type here would claim what no reader can rely on.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Literal
+
+from amp_tui.core.precision import SCALE_FLOOR
 
 RecordType = Literal["header", "step", "event", "end"]
 RunState = Literal["starting", "running", "paused", "stopped", "finished", "error"]
@@ -24,8 +27,9 @@ EventKind = Literal["intervention", "checkpoint_saved", "checkpoint_restored", "
                     "xray"]
 
 ENDED: frozenset[str] = frozenset({"finished", "stopped", "error"})
-# The events that change a run's state; the others (a checkpoint saved, an alert...) don't.
-STATE_EVENTS: tuple[EventKind, ...] = ("intervention", "checkpoint_restored", "paused", "error")
+# The events that change a run's state or what it trains with (`InForce`); the others (a
+# checkpoint saved, an alert...) don't.
+STATE_EVENTS: tuple[EventKind, ...] = ("intervention", "checkpoint_restored", "paused", "error", "resumed")
 # The events a chart marks on its step axis.
 MARKER_EVENTS: tuple[EventKind, ...] = ("intervention", "checkpoint_restored")
 # What an intervention's `after.state` may set.
@@ -102,3 +106,70 @@ def world_size_of(header: dict) -> int:
     for a header that says nothing sensible)."""
     world = header.get("world_size")
     return world if isinstance(world, int) and not isinstance(world, bool) and world > 1 else 1
+
+
+@dataclass(frozen=True)
+class InForce:
+    """What a run trains with at a point of its recording: the autocast dtype, the modules that
+    run in fp32 whatever the dtype (`--fp32-modules`, `fp32=`, `f`, the autopilot), and the loss
+    scale's floor (`--min-scale`, `min_scale=`)."""
+
+    dtype: str | None = None
+    fp32_modules: tuple[str, ...] = ()
+    min_scale: float | None = None     # the run's own floor; None: amp-tui's default
+
+    @property
+    def scale_floor(self) -> float:
+        return SCALE_FLOOR if self.min_scale is None else self.min_scale
+
+    def runs_in_fp32(self, module: str) -> bool:
+        """Whether `module` runs in fp32: it is one of the fp32 modules, or inside one."""
+        return any(module == name or module.startswith(name + ".") for name in self.fp32_modules)
+
+
+def _names(value: Any) -> tuple[str, ...] | None:
+    return tuple(str(n) for n in value) if isinstance(value, list) else None
+
+
+def _floor(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+    return float(value) if ok else None
+
+
+def next_in_force(in_force: InForce, record: Mapping[str, Any]) -> InForce:
+    """What the run trains with after `record`, given what it trained with before: the header's
+    start, each step's dtype, the `after` of an intervention (a dtype, the fp32 modules: `fp32=`,
+    `f`, the autopilot and its undo) or a restore, a resume's own flags, the end's dtype."""
+    kind = record.get("type")
+    dtype = record.get("dtype")
+    dtype = dtype if isinstance(dtype, str) else None
+    if kind == "header":
+        guards = record.get("guards") if isinstance(record.get("guards"), Mapping) else {}
+        return InForce(dtype, _names(record.get("fp32_modules")) or (), _floor(guards.get("min_scale")))
+    if kind in ("step", "end"):
+        return replace(in_force, dtype=dtype) if dtype and dtype != in_force.dtype else in_force
+    if kind != "event":
+        return in_force
+    event = record.get("kind")
+    if event in ("intervention", "checkpoint_restored"):
+        after = record.get("after")
+        if not isinstance(after, Mapping):
+            return in_force
+        changed = {}
+        if isinstance(after.get("dtype"), str):
+            changed["dtype"] = after["dtype"]
+        if _names(after.get("fp32_modules")) is not None:
+            changed["fp32_modules"] = _names(after["fp32_modules"])
+        return replace(in_force, **changed) if changed else in_force
+    if event == "resumed":   # a process of its own, with its own flags
+        changed = {"min_scale": _floor(record.get("min_scale"))} if "min_scale" in record else {}
+        if _names(record.get("fp32_modules")) is not None:
+            changed["fp32_modules"] = _names(record["fp32_modules"])
+        return replace(in_force, **changed) if changed else in_force
+    return in_force
+
+
+def in_force_after(records: Iterable[Mapping[str, Any]], in_force: InForce = InForce()) -> InForce:
+    for record in records:
+        in_force = next_in_force(in_force, record)
+    return in_force

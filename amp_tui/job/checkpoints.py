@@ -269,7 +269,8 @@ class RunCheckpoints:
                   previous_last_step=last_step, rolled_back=rolled_back,
                   steps=None if stop is None else stop - start, until_step=stop,
                   updates=t.updates_applied, skipped_total=t.skipped_total,
-                  skipped_checkpoints=[{"path": p, "reason": why} for p, why in skipped])
+                  skipped_checkpoints=[{"path": p, "reason": why} for p, why in skipped],
+                  fp32_modules=run.local_fp32.names, min_scale=run.guard.config.min_scale)
         escalate_probes(run, "resume", f"resumed from {self.relative(path)}")
         return stop
 

@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from amp_tui.core.records import world_size_of
-from amp_tui.recording.figures import layer_figures
+from amp_tui.recording.figures import InForceTracker, layer_figures
 
-STEP_COLUMNS = ("step", "loss", "scale", "next_scale", "skipped", "skipped_total", "updates", "dtype",
-                "micro_batches", "lr", "grad_norm", "nonfinite", "min_headroom_bits", "min_headroom_layer",
-                "time", "duration")
-LAYER_COLUMNS = ("step", "layer", "dtype", "max_abs_act", "max_abs_grad", "max_abs_weight", "headroom_bits",
-                 "underflow", "underflow_scaled")
+STEP_COLUMNS = ("step", "loss", "scale", "next_scale", "scale_floor", "skipped", "skipped_total", "updates",
+                "dtype", "fp32_modules", "micro_batches", "lr", "grad_norm", "nonfinite", "min_headroom_bits",
+                "min_headroom_layer", "time", "duration")
+LAYER_COLUMNS = ("step", "layer", "dtype", "fp32", "max_abs_act", "max_abs_grad", "max_abs_weight",
+                 "headroom_bits", "underflow", "underflow_scaled")
 _TOKENS = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}
 _LINE_TOKENS = {f'"{k}"': v for k, v in _TOKENS.items()}
 _NUMBER_START = frozenset("-0123456789")
@@ -141,9 +141,12 @@ class StepsCsv(_CsvSink):
         super().__init__(path, STEP_COLUMNS)
         self._names: list[str] = []
         self._ranks = 1
+        self._in_force = InForceTracker()
+        self._in_force_text: tuple = (None, "", "")   # (in force, its floor's field, its modules' field)
 
     def write(self, record: dict, line: bytes | None = None) -> None:
         kind = record.get("type")
+        self._in_force.observe(record)
         if kind == "header" and not self._started:
             layers = record.get("layers")
             self._names = [str(n) for n in layers] if isinstance(layers, list) else []
@@ -157,19 +160,20 @@ class StepsCsv(_CsvSink):
         self._start()
         r = record
         least, where = "", ""
-        figures = layer_figures(r, len(self._names))
+        figures = layer_figures(r, len(self._names), self._in_force.fp32)
         if figures is not None:
             i = least_index(figures.headroom)
             if i is not None:
                 least, where = bits_text(float(figures.headroom[i])), self._names[i]
+        floor, fp32 = self._in_force_fields()
         skipped = r.get("skipped")
         dtype = r.get("dtype")
         nonfinite = r.get("nonfinite")
         fields = [
             number_text(r.get("step")), number_text(r.get("loss")), number_text(r.get("scale")),
-            number_text(r.get("next_scale")), str(skipped) if isinstance(skipped, bool) else "",
+            number_text(r.get("next_scale")), floor, str(skipped) if isinstance(skipped, bool) else "",
             number_text(r.get("skipped_total")), number_text(r.get("updates")),
-            quoted(dtype) if isinstance(dtype, str) else "", number_text(r.get("micro_batches")),
+            quoted(dtype) if isinstance(dtype, str) else "", fp32, number_text(r.get("micro_batches")),
             number_text(r.get("lr")), number_text(r.get("grad_norm")),
             quoted(nonfinite) if isinstance(nonfinite, str) else "", least, quoted(where) if where else "",
             number_text(r.get("time")), number_text(r.get("duration")),
@@ -179,6 +183,14 @@ class StepsCsv(_CsvSink):
         self._fh.write(",".join(fields) + "\n")
         self.rows += 1
 
+
+    def _in_force_fields(self) -> tuple[str, str]:
+        """The scale floor and the fp32 modules (space-separated) in force, as CSV fields."""
+        in_force = self._in_force.in_force
+        if self._in_force_text[0] != in_force:
+            self._in_force_text = (in_force, repr(in_force.scale_floor),
+                                   quoted(" ".join(in_force.fp32_modules)) if in_force.fp32_modules else "")
+        return self._in_force_text[1], self._in_force_text[2]
 
     def _per_rank(self, values) -> list[str]:
         """One field per rank; empty where the step has no such figure (not gathered)."""
@@ -194,11 +206,14 @@ class LayersCsv(_CsvSink):
         super().__init__(path, LAYER_COLUMNS)
         self._names: list[str] = []
         self._dtypes: dict = {}
+        self._in_force = InForceTracker()
+        self._fp32_fields: tuple = (None, [])   # (the fp32 mask, its `fp32` fields)
 
     def write(self, record: dict, line: bytes | None = None) -> None:
         """Write the rows of one record; `line`, the step's line as recorded, lets the figures be
         copied as they were written instead of formatted again (much faster)."""
         self._start()
+        self._in_force.observe(record)
         kind = record.get("type")
         if kind == "header":
             layers = record.get("layers")
@@ -207,9 +222,12 @@ class LayersCsv(_CsvSink):
         if kind != "step" or not isinstance(record.get("layers"), dict):
             return
         n = len(self._names)
-        figures = layer_figures(record, n)
+        fp32 = self._in_force.fp32
+        figures = layer_figures(record, n, fp32)
         if figures is None:
             return
+        if self._fp32_fields[0] is not fp32 or len(self._fp32_fields[1]) != n:
+            self._fp32_fields = (fp32, [str(bool(fp32 is not None and i < len(fp32) and fp32[i])) for i in range(n)])
         layers = record["layers"]
         dtype = record.get("dtype")
         dtype = dtype if isinstance(dtype, str) else None   # a damaged record: any JSON value
@@ -223,7 +241,8 @@ class LayersCsv(_CsvSink):
             written = [column_texts(layers.get(name), n) if name in layers else empty for name in LINE_ARRAYS]
         act, grad, weight, under, under_scaled = written
         self._fh.write("\n".join(map(",".join, zip(
-            [step] * n, self._names, [dtype_text] * n, act, grad, weight, bits_texts(figures.headroom),
+            [step] * n, self._names, [dtype_text] * n, self._fp32_fields[1], act, grad, weight,
+            bits_texts(figures.headroom),
             under, under_scaled))))
         self._fh.write("\n")
         self.rows += n

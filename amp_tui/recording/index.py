@@ -25,7 +25,7 @@ from array import array
 from pathlib import Path
 
 from amp_tui.core.jsonsafe import read_float
-from amp_tui.core.records import MARKER_EVENTS, STATE_EVENTS
+from amp_tui.core.records import MARKER_EVENTS, STATE_EVENTS, InForce, next_in_force
 from amp_tui.core.text import clip_strings, plural
 from amp_tui.recording.format import KNOWN_TYPES, MAX_LINE_BYTES, STEP_HEAD, SessionFormatError
 from amp_tui.recording.reader import (
@@ -504,6 +504,23 @@ class SessionIndex:
                 self._cache.clear()
             self._cache[k] = e
         return e
+
+    def in_force(self, frame: int, count: int | None = None) -> InForce:
+        """What the run trained with once step record `frame` and the first `count` events (every
+        one by default) were written: core/records.py's reducer over the header, the events that
+        change it (STATE_EVENTS) and the frame's dtype, in file order (-1: before any step)."""
+        count = self.event_count if count is None else count
+        in_force = next_in_force(InForce(), self.header)
+        stepped = frame < 0 or frame >= len(self.steps)
+        for k in self.state_events:
+            if k >= count:
+                break
+            if not stepped and self.event_frames[k] > frame:
+                in_force, stepped = next_in_force(in_force, {"type": "step", "dtype": self.dtype_at(frame)}), True
+            in_force = next_in_force(in_force, self.event(k))
+        if not stepped:
+            in_force = next_in_force(in_force, {"type": "step", "dtype": self.dtype_at(frame)})
+        return in_force
 
     def read_step(self, frame: int) -> dict | None:
         """The full step record of `frame`, or None when it can't be read or parsed."""

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from amp_tui.core.jsonsafe import read_float
-from amp_tui.core.records import note_text, world_size_of
+from amp_tui.core.numfmt import scale_text
+from amp_tui.core.records import InForce, in_force_after, next_in_force, note_text, world_size_of
 from amp_tui.recording.forecast_outcomes import (
     forecast_outcomes,
     is_forecast,
@@ -47,6 +48,11 @@ class Summary:
     rolled_back: int           # recorded iterations undone by a restore or a resume
     final_dtype: str | None
     final_scale: float | None
+    # What the run trained with at its end besides the dtype (core/records.py's InForce): the
+    # modules in fp32, the loss scale's floor, and the run's own floor (None: amp-tui's default)
+    fp32_modules: list[str]
+    scale_floor: float
+    min_scale: float | None
     final_loss: float | None
     nonfinite_events: int
     interventions: int
@@ -101,6 +107,7 @@ class RecordingDigest:
     end: dict | None             # the last end record
     event_kinds: Counter         # events by kind
     errors: list[str]            # the messages of the error events, in file order
+    in_force: InForce = field(default_factory=InForce)   # what the run trained with at its end
     refused: list[dict] = field(default_factory=list)   # `refusal_of` each refused event, in file order
     notes: list[dict] = field(default_factory=list)   # {"step", "text"} of the note events, in file order
     op_traces: list[dict] = field(default_factory=list)   # `op_trace_of` each non-finite event naming an op
@@ -117,6 +124,7 @@ def digest_of(session: Session) -> RecordingDigest:
         header=session.header, path=session.path, steps=len(steps),
         skipped_steps=sum(1 for s in steps if s.get("skipped")), last_step=steps[-1] if steps else None,
         end=session.end, event_kinds=Counter(e.get("kind") for e in events),
+        in_force=in_force_after([session.header, *events, *steps[-1:], *([session.end] if session.end else [])]),
         errors=[str(e.get("message", "")) for e in events if e.get("kind") == "error"],
         refused=[refusal_of(e) for e in events if e.get("kind") == "refused"],
         notes=[_note(e) for e in events if e.get("kind") == "note"],
@@ -175,9 +183,13 @@ def read_digest(target: str | Path) -> RecordingDigest:
             last_xray = _record_at(fh, index.event_offsets[xrays[-1]], index.event_lengths[xrays[-1]], "event") \
                 if xrays else None
             unknown, long_lines = index.unknown_records, index.long_lines
+            in_force = index.in_force(steps - 1)
+            if end is not None:
+                in_force = next_in_force(in_force, end)
     return RecordingDigest(
         header=header, path=path, steps=steps, skipped_steps=skipped_steps, last_step=last, end=end,
-        event_kinds=kinds, errors=errors, refused=refusals, notes=notes, op_traces=op_traces, last_xray=last_xray,
+        event_kinds=kinds, errors=errors, in_force=in_force, refused=refusals, notes=notes, op_traces=op_traces,
+        last_xray=last_xray,
         forecasts=forecast_outcomes(said, last.get("step") if last else None),
         skipped_lines=skipped_lines,
         unknown_records=unknown, long_lines=long_lines)
@@ -228,6 +240,9 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         rolled_back=max(0, d.steps - updates - skipped),
         final_dtype=_text((end or last or {}).get("dtype", header.get("dtype")), None),
         final_scale=_final_scale(end, last),
+        fp32_modules=list(d.in_force.fp32_modules),
+        scale_floor=d.in_force.scale_floor,
+        min_scale=d.in_force.min_scale,
         final_loss=read_float(last.get("loss")) if last else None,
         nonfinite_events=d.event_kinds.get("nonfinite", 0),
         interventions=d.event_kinds.get("intervention", 0),
@@ -321,6 +336,9 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
         ("skipped", str(s.skipped)),
         ("final dtype", s.final_dtype or "?"),
         ("final scale", scale),
+        ("fp32 modules", ", ".join(s.fp32_modules) if s.fp32_modules else "none"),
+        ("scale floor", scale_text(s.scale_floor) + (" (amp-tui's default)" if s.min_scale is None
+                                                     else " (--min-scale)")),
         ("final loss", "?" if s.final_loss is None else f"{s.final_loss:.6g}"),
         ("non-finite events", str(s.nonfinite_events)),
         ("interventions", str(s.interventions)),

@@ -40,7 +40,7 @@ from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import note_text
 from amp_tui.core.text import one_line
 from amp_tui.recording.extras import MissingExtra, require
-from amp_tui.recording.figures import FIGURES, layer_figures
+from amp_tui.recording.figures import FIGURES, InForceTracker, layer_figures
 
 EXTRA = "tensorboard"
 FLUSH_INTERVAL_S = 1.0         # step records reach the file at least this often; events at once
@@ -196,6 +196,7 @@ class TensorBoardWriter:
          self.slow_checksums) = _protos(allow_slow_checksums)
         self._file: EventFile | None = None
         self._names: list[str] = []
+        self._in_force = InForceTracker()   # the fp32 layers' headroom is to fp32's max
         self._tags: list[str] = []
         self._templates: dict[tuple, FixedSummary] = {}   # by the step's tags (see _encode)
         self._fixed = True               # FixedSummary passed its checks (else protobuf builds each event)
@@ -219,6 +220,7 @@ class TensorBoardWriter:
     def write(self, record: dict, line: bytes | None = None) -> None:
         """Write one record (`line`, the step's line in a recording, is not needed here)."""
         kind = record.get("type")
+        self._in_force.observe(record)
         if kind == "end":
             self.close()
             self.records += 1
@@ -258,8 +260,12 @@ class TensorBoardWriter:
         layers = header.get("layers")
         self._set_names([str(n) for n in layers] if isinstance(layers, list) else [])
         command = header.get("command")
+        in_force = self._in_force.in_force
         lines = [f"script: {header.get('script')}", f"dtype: {header.get('dtype')}",
-                 f"init_scale: {header.get('init_scale')}", f"layers: {len(self._names)}"]
+                 f"init_scale: {header.get('init_scale')}", f"layers: {len(self._names)}",
+                 f"fp32 modules: {', '.join(in_force.fp32_modules) or 'none'}",
+                 f"scale floor: {in_force.scale_floor:g}"
+                 + (" (amp-tui's default)" if in_force.min_scale is None else " (--min-scale)")]
         if isinstance(command, list):
             lines.insert(0, "command: " + " ".join(str(a) for a in command))
         self._text("run/header", "  \n".join(_markdown(line) for line in lines), 0, header.get("started"))
@@ -304,7 +310,7 @@ class TensorBoardWriter:
             if not self._names:      # no header seen: name the layers by position
                 acts = layers.get("act")
                 self._set_names([f"{i}" for i in range(len(acts))] if isinstance(acts, list) else [])
-            figures = layer_figures(r, len(self._names))
+            figures = layer_figures(r, len(self._names), self._in_force.fp32)
             if figures is not None:
                 worst = _least(figures.headroom)
                 if worst is not None:

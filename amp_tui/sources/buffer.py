@@ -12,7 +12,7 @@ import collections
 import threading
 
 from amp_tui.core.jsonsafe import read_float, read_floats
-from amp_tui.core.records import MARKER_EVENTS, Mode, RunState, next_state
+from amp_tui.core.records import MARKER_EVENTS, InForce, Mode, RunState, next_in_force, next_state
 from amp_tui.sources.protocol import (
     EVENT_LIMIT,
     HISTORY_POINTS,
@@ -39,6 +39,7 @@ class RunBuffer:
         with self._lock:
             self._header: dict = {}
             self._state: RunState = "starting"
+            self._in_force = InForce()
             self._last: dict | None = None
             self._history = History()
             self._skipped: collections.deque[int] = collections.deque(maxlen=MARKER_LIMIT)
@@ -60,6 +61,7 @@ class RunBuffer:
         kind = record.get("type")
         with self._lock:
             self._version += 1
+            self._in_force = next_in_force(self._in_force, record)
             if kind == "header":
                 self._header = dict(record)
                 self._layers = LayerView(list(record.get("layers", [])), [], [], [], None, None)
@@ -122,7 +124,7 @@ class RunBuffer:
                 total_steps=self._header.get("steps"), steps_per_second=self._rate(),
                 history=self._history_copy(), layers=self._layers, events=list(self._events),
                 events_seen=self._events_seen, error=self._error, version=self._version,
-                ranks=self._ranks, **extra)
+                ranks=self._ranks, in_force=self._in_force, **extra)
 
     def _history_copy(self) -> History:
         h = self._history

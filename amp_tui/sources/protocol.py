@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from amp_tui.core.records import Mode, RunState
+from amp_tui.core.records import InForce, Mode, RunState
 
 if TYPE_CHECKING:
     from amp_tui.core.commands import Command
@@ -88,6 +88,9 @@ class Snapshot:
     notice: str | None = None       # replay: e.g. "3 damaged lines skipped"
     playback_state: PlaybackState | None = None  # replay: its playback; None for a run
     ranks: RankView | None = None   # several ranks: each one's newest figures (world size: header)
+    # What the run trains with: its dtype, the modules in fp32, the loss scale's floor
+    # (core/records.py's reducer over the records shown).
+    in_force: InForce = field(default_factory=InForce)
 
 
 class Playback(Protocol):

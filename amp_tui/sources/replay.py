@@ -382,6 +382,7 @@ class ReplaySource:
             total_steps=idx.frames, steps_per_second=self._rate(i), history=history, layers=layers,
             events=events, events_seen=count, error=error, version=self._version,
             position=position, notice=self._notice(), playback_state=self.playback_state, ranks=ranks,
+            in_force=idx.in_force(i, count),
             playing=self.playing, speed=self.speed, following=self.follow, frame=i)
 
     def _notice(self) -> str | None:

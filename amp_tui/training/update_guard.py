@@ -21,9 +21,10 @@ import math
 
 import torch
 
-# fp16's smallest subnormal: below it a gradient of 1 scaled by the loss scale is 0 in fp16,
-# so no scale under it can train anything, and 1/scale is still far from fp32's max.
-SCALE_FLOOR = 2.0 ** -24
+# SCALE_FLOOR is fp16's smallest subnormal: below it a gradient of 1 scaled by the loss scale is
+# 0 in fp16, so no scale under it can train anything, and 1/scale is still far from fp32's max.
+# It lives in core: the read side shows the floor in force too.
+from amp_tui.core.precision import SCALE_FLOOR
 
 
 def scale_floor(min_scale: float | None) -> float:

@@ -13,7 +13,7 @@ from amp_tui.core import precision
 from amp_tui.core.fixes import applied_by_autopilot, last_verified_fix
 from amp_tui.core.forecast_words import scale_forecast_text
 from amp_tui.core.jsonsafe import read_float
-from amp_tui.core.records import nonfinite_layer, world_size_of
+from amp_tui.core.records import InForce, nonfinite_layer, world_size_of
 from amp_tui.sources.protocol import LayerView, Snapshot
 
 # Headroom thresholds (bits = doublings left before the dtype's largest finite value).
@@ -61,6 +61,8 @@ class LayerRow:
     headroom: float | None      # bits; -inf when a figure is non-finite, None if nothing measured
     limit: str | None           # which figure sets the headroom: "act", "grad" or "weight"
     eta: float | None = None    # the forecast's steps left before the dtype's max (None: no trend)
+    fp32: bool = False          # the module runs in fp32 (an fp32 module, or inside one): its
+                                # headroom is to fp32's max, whatever the run's dtype
 
     @property
     def nonfinite(self) -> bool:
@@ -78,16 +80,19 @@ def headroom(value: float | None, max_finite: float) -> float | None:
     return math.inf if value == 0 else math.log2(max_finite / value)
 
 
-def layer_rows(layers: LayerView, prec: Precision) -> list[LayerRow]:
-    """One row per layer with its headroom to the active dtype's largest finite value.
+def layer_rows(layers: LayerView, prec: Precision, in_force: InForce | None = None) -> list[LayerRow]:
+    """One row per layer with its headroom to the active dtype's largest finite value, or to
+    fp32's for a module that runs in fp32 (`in_force`).
 
     Gradients are recorded unscaled; in fp16 the backward pass holds them multiplied by the loss
     scale, so that product is what has to fit.
     """
     dtype = prec.dtype if prec.dtype in precision.MAX_FINITE else (layers.dtype or "float32")
-    max_finite = precision.MAX_FINITE.get(dtype, precision.MAX_FINITE["float32"])
+    dtype_max = precision.MAX_FINITE.get(dtype, precision.MAX_FINITE["float32"])
     rows = []
     for i, name in enumerate(layers.names):
+        fp32 = in_force is not None and in_force.runs_in_fp32(name)
+        max_finite = precision.MAX_FINITE["float32"] if fp32 else dtype_max
         act = _at(layers.act, i)
         grad = _at(layers.grad, i)
         weight = _at(layers.weight, i)
@@ -96,7 +101,7 @@ def layer_rows(layers: LayerView, prec: Precision) -> list[LayerRow]:
                       (headroom(weight, max_finite), "weight")]
         known = [(bits, which) for bits, which in candidates if bits is not None]
         bits, limit = min(known, key=lambda c: c[0]) if known else (None, None)
-        rows.append(LayerRow(i, name, act, grad, weight, bits, limit, _at(layers.eta, i)))
+        rows.append(LayerRow(i, name, act, grad, weight, bits, limit, _at(layers.eta, i), fp32))
     return rows
 
 

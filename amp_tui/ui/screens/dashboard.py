@@ -206,7 +206,7 @@ class DashboardScreen(Screen):
         h = snap.history
         # What the user caused or must see: the status bar, the layer table and the charts draw
         # it at the same tick, so all show the same step; only the steady ticking of steps is paced.
-        urgent = (snap.state, snap.playback_state, snap.mode, tuple(pending), stopping, playback, prec,
+        urgent = (snap.state, snap.playback_state, snap.mode, tuple(pending), stopping, playback, prec, snap.in_force,
                   snap.error is not None, origin, len(snap.layers.names), newest_notable_event(snap),
                   bool(h.steps),   # "waiting for the first step" goes everywhere at once
                   snap.position if snap.playback_state == "paused" else None)  # a key moved the replay
@@ -237,11 +237,11 @@ class DashboardScreen(Screen):
             else:
                 done = False
         note = " · ".join(n for n in (unmeasured_note(snap), weights_note(snap)) if n) or None
-        layers_key = (snap.layers.step, len(snap.layers.names), prec, origin, note, snap.ranks)
+        layers_key = (snap.layers.step, len(snap.layers.names), prec, snap.in_force, origin, note, snap.ranks)
         if layers_key != self._layers_key:
             if urgent != self._table_urgent or tick - self._table_at >= pace.table_s:
                 self._layers_key, self._table_at, self._table_urgent = layers_key, tick, urgent
-                self.layer_table.show(layer_rows(snap.layers, prec), snap.layers.step,
+                self.layer_table.show(layer_rows(snap.layers, prec, snap.in_force), snap.layers.step,
                                       short_name(prec.dtype), origin, note)
                 self.rank_table.show(rank_summary(snap))   # paced with the layers: both tick with probes
             else:

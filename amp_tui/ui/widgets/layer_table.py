@@ -29,6 +29,8 @@ from amp_tui.ui.view import DANGER_BITS, SORTS, WARN_BITS, LayerRow, sort_rows, 
 
 # Long names are cut in the middle: the tail (".q_proj", ".fc2") is what tells layers apart.
 NAME_WIDTH = 40
+# After the name of a module that runs in fp32 (an fp32 module, or inside one).
+FP32_MARK = " fp32"
 GAP = 2
 
 
@@ -46,7 +48,8 @@ class Column:
 COLUMNS = (
     Column("index", "#", 0, "the layer's place in the model (the order its modules were registered)"),
     Column("name", "layer", 0, "the module's name, cut in the middle when long; reverse red: the module "
-           "the newest non-finite step names as the origin", right=False),
+           "the newest non-finite step names as the origin; fp32 after it: the module runs in fp32 "
+           "(--fp32-modules, fp32=, f, the autopilot), and its headroom is to fp32's max", right=False),
     Column("headroom", "headroom", 12, "bits left before the dtype's max (see headroom bits), then the "
            "figure that sets them: act, grad or weight; a non-finite figure shows as inf act, NaN grad",
            right=False),
@@ -121,10 +124,11 @@ class LayerTable(ScrollView, can_focus=True):
     def show(self, rows: list[LayerRow], step: int | None, dtype_label: str,
              origin: str | None = None, note: str | None = None) -> None:
         self._origin = origin
-        if [r.name for r in rows] != [r.name for r in self._rows]:
+        if [(r.name, r.fp32) for r in rows] != [(r.name, r.fp32) for r in self._rows]:
             self._names = [middle_ellipsis(visible(r.name), NAME_WIDTH) for r in rows]
             self._widths = [max(len(str(max(len(rows) - 1, 0))), 1),
-                            max([len(n) for n in self._names] + [len("layer")]),
+                            max([len(n) + (len(FP32_MARK) if r.fp32 else 0) for n, r in zip(self._names, rows)]
+                                + [len("layer")]),
                             *[c.width for c in COLUMNS[2:]]]
             if self._picked is not None and self._picked >= len(rows):
                 self._picked = None
@@ -133,6 +137,8 @@ class LayerTable(ScrollView, can_focus=True):
         title = Text(f"layers ({summary.total})", style="bold")
         if step is not None:
             title.append(f" step {step} · bits to {dtype_label} max", style="")
+            if any(r.fp32 for r in rows) and dtype_label != "fp32":
+                title.append(f" ({FP32_MARK.strip()} rows: to fp32's)", style="")
         if summary.nonfinite:
             title.append(f" · {summary.nonfinite} non-finite", style="bold red")
         if summary.near:
@@ -290,13 +296,14 @@ def _cells(row: LayerRow, names: list[str], origin: str | None = None) -> list[l
     """The row's cells, each a list of (text, style) pieces."""
     style = _row_style(row)
     name = names[row.index] if row.index < len(names) else visible(row.name)
+    mark = [(FP32_MARK, "bold cyan")] if row.fp32 else []
     if is_origin_row(row.name, origin):
-        return [[(str(row.index), "dim")], [(name, "bold reverse red")], *_cells(row, names)[2:]]
+        return [[(str(row.index), "dim")], [(name, "bold reverse red"), *mark], *_cells(row, names)[2:]]
     # A non-finite figure has no headroom: show the value itself ("inf act", "NaN grad").
     bits = magnitude(getattr(row, row.limit)) if row.nonfinite and row.limit else bits_text(row.headroom)
     head = [(f"{bits:>5} ", style), (f"{row.limit or '':<6}", style or "dim")]
     figures = [[(magnitude(v), _figure_style(v, style))] for v in (row.act, row.grad, row.weight)]
-    return [[(str(row.index), "dim")], [(name, style)], head, [(eta_text(row.eta), style)], *figures]
+    return [[(str(row.index), "dim")], [(name, style), *mark], head, [(eta_text(row.eta), style)], *figures]
 
 
 def eta_text(steps: float | None) -> str:

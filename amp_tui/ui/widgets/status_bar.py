@@ -10,6 +10,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from amp_tui.core.jsonsafe import read_float
+from amp_tui.core.numfmt import scale_text
 from amp_tui.core.precision import short_name
 from amp_tui.core.records import STEERED_MODES
 from amp_tui.core.text import one_line
@@ -83,6 +84,10 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
     text.append(" ")
     text.append(f" {short_name(prec.dtype)} ", style="bold black on cyan")
     text.append(" ")
+    fp32 = fp32_text(snap.in_force.fp32_modules)
+    if fp32:   # what runs in fp32 whatever the dtype: next to the dtype it is an exception to
+        text.append_text(literal(fp32, "bold cyan"))
+        text.append("  ")
     script = header.get("script")
     text.append_text(literal(PurePath(script).name if script else "starting…", "bold"))
     device = header.get("device")
@@ -119,6 +124,7 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
     loss = read_float(last.get("loss"))
     _field(text, "loss", loss_text(loss), "bold red" if loss is not None and not math.isfinite(loss) else "bold")
     _field(text, "scale", f"{prec.scale:g}" if prec.scale is not None else "none")
+    _field(text, "floor", scale_text(snap.in_force.scale_floor))
     skipped = int(last.get("skipped_total", 0) or 0)
     _field(text, "skipped", str(skipped), "bold yellow" if skipped else "bold")
     _field(text, "applied", f"{last.get('updates', 0)}/{iterations}")
@@ -134,6 +140,17 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
         if ranks.slowest is not None:
             _field(text, "slowest", f"rank {ranks.slowest}", "bold yellow")
     return text
+
+
+FP32_SHOWN = 2   # modules named in the status bar; the layer table marks every one
+
+
+def fp32_text(modules: tuple[str, ...]) -> str:
+    """The modules in fp32, short: "fp32: blocks.0.attn, head +3"; "" when none."""
+    if not modules:
+        return ""
+    more = f" +{len(modules) - FP32_SHOWN}" if len(modules) > FP32_SHOWN else ""
+    return "fp32: " + ", ".join(one_line(m) for m in modules[:FP32_SHOWN]) + more
 
 
 def probes_text(probes) -> tuple[str, str] | None:
