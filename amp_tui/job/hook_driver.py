@@ -31,13 +31,13 @@ from torch.amp.grad_scaler import OptState
 
 from amp_tui.core import precision as dtypes
 from amp_tui.job.rank_probes import RankProbes
-from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.engine import StepResult, to_host
+from amp_tui.training.forward_autocast import fixed_autocast_dtype, wrapped_in_autocast
 from amp_tui.training.forward_keeper import ForwardKeeper, KeptForward
 from amp_tui.training.hidden_activation import HiddenActivationWatch
 from amp_tui.training.kept_step_trace import trace_kept_step, xray_kept
-from amp_tui.training.local_fp32 import LocalFp32
+from amp_tui.training.local_fp32 import LocalFp32, match_modules, named_modules
 from amp_tui.training.precision_state import BorrowedScaling, PrecisionRefused
 from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
 from amp_tui.training.probes import LayerFigures, LayerProbe
@@ -57,7 +57,8 @@ class MonitorError(RuntimeError):
 class _Attempt:
     """What one update attempt saw, from its first hook to the step's end."""
 
-    __slots__ = ("gradients", "scaled", "found_inf", "stepped", "scale", "lr", "checked", "held_back")
+    __slots__ = ("gradients", "scaled", "found_inf", "stepped", "scale", "lr", "checked", "held_back",
+                 "through_scaler")
 
     def __init__(self, scale: float | None, lr: float | None):
         self.gradients = False   # the gradients were measured (or there was nothing to measure)
@@ -68,6 +69,7 @@ class _Attempt:
         self.held_back = False   # ... held some, and amp-tui kept the update from applying them
         self.scale = scale       # the loss scale this attempt's backward used
         self.lr = lr
+        self.through_scaler = False   # the loop called the GradScaler (unscale_ or step) in it
 
 
 class HookDriver:
@@ -76,20 +78,24 @@ class HookDriver:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
                  dtype: str | None = None, probe_every: int | str = "auto", probe_budget: float = 1.0,
-                 probe_alert_bits: float = 3.0, underflow_every: int = 10, framework: str | None = None):
+                 probe_alert_bits: float = 3.0, underflow_every: int = 10, framework: str | None = None,
+                 fp32_modules: str | list[str] | tuple[str, ...] = ()):
         check_objects(model, optimizer, scaler, scheduler)
         # A framework's callback starts the dtype it chose, recorded as it is (fp16 without a
         # GradScaler included, which the callback warns about).
         self.framework = framework
         self.model = model
         self.optimizer = inner_optimizer(optimizer)
-        # The scaler the loop calls (maybe disabled: bf16 and fp32 loops often keep one with
-        # enabled=False); the precision state holds the one that scales.
-        self.loop_scaler = scaler
         self.scheduler = scheduler
         self.device = device_of(model)
+        # A loop without an enabled GradScaler gets amp-tui's scaling in fp16 (precision_state.py);
+        # a framework's scaler is the framework's to make.
         fix = f"start {framework} in fp16 for one" if framework else "pass scaler= to amp_tui.monitor"
-        self.precision = BorrowedScaling(self.device, self._starting_dtype(dtype, scaler), scaler, fp16_fix=fix)
+        self.precision = BorrowedScaling(self.device, self._starting_dtype(dtype, scaler), scaler, fp16_fix=fix,
+                                         own=framework is None)
+        # The scaler the loop calls (maybe disabled: bf16 and fp32 loops often keep one with
+        # enabled=False; or amp-tui's, `monitor.scaler`); the precision state holds the one that scales.
+        self.loop_scaler = self.precision.loop_scaler
         self.underflow_every = max(1, int(underflow_every))
         eager = original_module(model)
         self.eager_model = eager
@@ -102,6 +108,11 @@ class HookDriver:
         self.unplanned_figures = True
         self._planned = False                   # this update was planned to be probed
         self.local_fp32 = LocalFp32(eager, self.device.type)
+        self._fp32_patterns = [fp32_modules] if isinstance(fp32_modules, str) else list(fp32_modules)
+        for pattern in self._fp32_patterns:   # checked now, applied by attach()
+            if not match_modules(eager, pattern):
+                raise MonitorError(f"fp32_modules={pattern!r} matches no module of the model (module names "
+                                   f"look like {', '.join(_example_names(eager))})")
         # Each forward of a step kept (references, RNG, autocast), for a replay of the step under
         # the op tracer when it fails, or an X-ray asked for (training/forward_keeper.py).
         self.keeper = ForwardKeeper(model, self.device.type, lambda: self.in_step())
@@ -122,6 +133,9 @@ class HookDriver:
                                     # applied updates reads this)
         self.autocast_used = False          # monitor.autocast() entered this step
         self.autocast_used_last = None      # ... in the last update (None: none yet)
+        self.scaler_used_last = None        # the loop called its GradScaler in the last update
+        self._in_scaler_step = False        # inside the loop's scaler.step()
+        self._unscaled_fp16_said = False
         self.in_step = lambda: False        # set by the monitor
         self._attempt: _Attempt | None = None
         self._closure_said = False   # the loop's closure steps were said to go unchecked
@@ -165,17 +179,16 @@ class HookDriver:
         return bool(self._losses)
 
     def _starting_dtype(self, dtype: str | None, scaler) -> str:
-        """By default fp16 when an enabled GradScaler is given, else bf16 where the device has
-        it (fp32 otherwise)."""
-        scales = scaler is not None and scaler.is_enabled()
+        """By default what the loop already does: fp16 when it scales its loss with an enabled
+        GradScaler, the dtype of the autocast Accelerate fixed around the forward, else fp32 (a
+        loop with no autocast of its own stays in fp32 until `d`)."""
         if dtype is not None:
-            chosen = dtypes.canonical(dtype)
-            if chosen == "float16" and not scales and self.framework is None:
-                raise MonitorError("dtype='fp16' needs an enabled GradScaler: pass scaler=torch.amp.GradScaler(...)")
-            return chosen
-        if scales:
+            return dtypes.canonical(dtype)
+        if scaler is not None and scaler.is_enabled():
             return "float16"
-        return "bfloat16" if unsupported_reason(self.device, "bfloat16") is None else "float32"
+        fixed = wrapped_in_autocast(self.model)   # Accelerate's prepare(): the autocast it fixed
+        fixed_dtype = fixed_autocast_dtype(fixed) if fixed is not None else None
+        return dtypes.canonical(str(fixed_dtype).removeprefix("torch.")) if fixed_dtype is not None else "float32"
 
     # ---- what the controller asks (Driver, TrainingState) --------------------------------------
     def description(self) -> dict:
@@ -196,11 +209,24 @@ class HookDriver:
             self.run.publish(flush=flush)
 
     def set_dtype(self, dtype: str) -> dict:
-        if self.autocast_used_last is False and dtypes.canonical(dtype) != self.dtype:
+        new = dtypes.canonical(dtype)
+        if self.autocast_used_last is False and new != self.dtype:
             raise PrecisionRefused("this loop's forward doesn't run under monitor.autocast() (its own "
                                    "torch.autocast fixes the dtype); wrap the forward in `with "
                                    "monitor.autocast():` so the dashboard can switch it")
+        if new == "float16" != self.dtype and self.scaler_used_last is False and self.precision.made:
+            raise PrecisionRefused(f"fp16 needs loss scaling and this loop steps its optimizer without a "
+                                   f"GradScaler (its fp16 gradients would underflow): {UNSCALED_FIX}")
         return self.precision.set_dtype(dtype)
+
+    def unscaled_fp16_news(self) -> bool:
+        """The last update ran in fp16 with amp-tui's GradScaler (the loop had none) and the loop
+        didn't call it: true once, for an alert."""
+        if self._unscaled_fp16_said or not self.precision.made or self.dtype != "float16" \
+                or self.scaler_used_last is not False:
+            return False
+        self._unscaled_fp16_said = True
+        return True
 
     def describe_precision(self) -> dict:
         return self.precision.describe()
@@ -221,9 +247,14 @@ class HookDriver:
     def close(self) -> None:
         self.detach()
         self.probe.detach()
+        self.precision.give_back()
+        for pattern in list(self.local_fp32.patterns):   # the user's modules as they were
+            self.local_fp32.remove(pattern)
 
     # ---- hooks on the user's objects ---------------------------------------------------------
     def attach(self) -> None:
+        for pattern in self._fp32_patterns:   # from the first step, as `--fp32-modules` does
+            self.local_fp32.add(pattern)
         self._handles.append(self.optimizer.register_step_pre_hook(self._before_optimizer_step))
         self._handles.append(self.optimizer.register_step_post_hook(self._after_optimizer_step))
         self._handles.append(self.model.register_forward_pre_hook(self._forward_starts))
@@ -234,7 +265,9 @@ class HookDriver:
             # Instance attributes over the class's methods: GradScaler.step calls self.unscale_,
             # so an unscale it does on its own is seen too. A disabled scaler is watched as well:
             # where the loop calls its unscale_ is where the gradients are read, before clipping.
-            for name, wrapper in (("unscale_", self._scaler_unscale), ("step", self._scaler_step)):
+            for name, wrapper in (("unscale_", self._scaler_unscale), ("step", self._scaler_step),
+                                  ("state_dict", self._scaler_state_dict),
+                                  ("load_state_dict", self._scaler_load_state_dict)):
                 setattr(self.loop_scaler, name, wrapper(getattr(self.loop_scaler, name)))
                 self._patched.append(name)
 
@@ -260,12 +293,24 @@ class HookDriver:
         if self.in_step() and self.probe.active:
             self.probe.end_forward()
 
+    def _scaler_state_dict(self, original):
+        def state_dict():
+            return self.precision.loop_state_dict(original)
+        return state_dict
+
+    def _scaler_load_state_dict(self, original):
+        def load_state_dict(state_dict):
+            self.precision.loop_load_state_dict(original, state_dict)
+        return load_state_dict
+
     def _scaler_unscale(self, original):
         def unscale_(optimizer):
             result = original(optimizer)
             if optimizer is self.optimizer and self.scaler is not None:
                 self._check_unscaled(optimizer)
             if optimizer is self.optimizer and self.in_step():
+                self._attempt_starts()
+                self._attempt.through_scaler = True
                 self._gradients_seen(scaled=False)
             return result
         return unscale_
@@ -289,11 +334,16 @@ class HookDriver:
             if optimizer is not self.optimizer or not self.in_step():
                 return original(optimizer, *args, **kwargs)
             self._attempt_starts()
+            self._attempt.through_scaler = True
             if self.scaler is not None and unscale_untrusted(self.precision.scale_value) \
                     and self.scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
                 # A fused optimizer would unscale inside its kernel, past any check: unscaled here.
                 self.loop_scaler.unscale_(optimizer)
-            result = original(optimizer, *args, **kwargs)
+            self._in_scaler_step = True
+            try:
+                result = original(optimizer, *args, **kwargs)
+            finally:
+                self._in_scaler_step = False
             if self.scaler is not None:
                 # GradScaler's own decision, for this optimizer, whatever the kind of optimizer.
                 found = self.scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
@@ -320,10 +370,12 @@ class HookDriver:
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not self.in_step():
             return
-        if self.scaler is None:
-            # Without loss scaling, the gradients as the optimizer gets them (a loop with no
-            # unscale_ call to mark the place before its clipping). A closure computes them
-            # inside step(): they are read after it (gradients_ready, or the post-hook).
+        through_scaler = self._in_scaler_step or (self._attempt is not None and self._attempt.through_scaler)
+        if self.scaler is None or not through_scaler:
+            # Without loss scaling (no scaler, or an optimizer stepped without calling it), the
+            # gradients as the optimizer gets them (a loop with no unscale_ call to mark the place
+            # before its clipping). A closure computes them inside step(): they are read after it
+            # (gradients_ready, or the post-hook).
             self._attempt_starts()
             if not _closure_given(args, kwargs):
                 self._gradients_seen(scaled=False)
@@ -336,9 +388,10 @@ class HookDriver:
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._attempt is not None:
             self._attempt.stepped = True
-            if not self._attempt.gradients and self.scaler is None and self.in_step():
+            if not self._attempt.gradients and not self._attempt.through_scaler and self.in_step():
                 self._gradients_seen(scaled=False)   # a closure's, with nobody to say when before
-            if self.scaler is None and not self._attempt.checked and self.in_step():
+            if (self.scaler is None or not self._attempt.through_scaler) and not self._attempt.checked \
+                    and self.in_step():
                 self._unchecked_closure()
 
     def gradients_ready(self) -> None:
@@ -374,7 +427,7 @@ class HookDriver:
     def _attempt_starts(self) -> None:
         if self._attempt is None:
             lr = self.optimizer.param_groups[0].get("lr")
-            self._attempt = _Attempt(self.precision.scale_value,
+            self._attempt = _Attempt(self.precision.scale,
                                      float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None)
 
     def _gradients_seen(self, *, scaled: bool) -> None:
@@ -398,9 +451,10 @@ class HookDriver:
             if self._planned:
                 self.probe.begin(weights=self.probe_schedule.weights_due())
 
-    def block_ends(self, loss: torch.Tensor) -> bool:
-        """A block's loss; True when the update it belongs to happened (or was skipped)."""
-        self._losses.append(loss.detach())
+    def block_ends(self, losses: list[torch.Tensor]) -> bool:
+        """A block's losses (one per micro-batch where it set one each); True when the update
+        they belong to happened (or was skipped)."""
+        self._losses.extend(loss.detach() for loss in losses)
         return self._attempt is not None
 
     def probing(self) -> bool:
@@ -409,7 +463,10 @@ class HookDriver:
     def finish_update(self) -> StepResult:
         """The update's result, from one transfer: the losses, the scale and GradScaler's
         verdict, and the per-layer figures when probed."""
-        attempt, losses, scaler = self._attempt, self._losses, self.scaler
+        attempt, losses = self._attempt, self._losses
+        # The loss scale counts where the loop called the scaler (an optimizer stepped around
+        # amp-tui's own GradScaler ran unscaled).
+        scaler = self.scaler if attempt.through_scaler else None
         extra = [*losses]
         if scaler is not None:
             extra.append(scaler._scale if scaler._scale is not None
@@ -504,6 +561,7 @@ class HookDriver:
 
     def update_done(self) -> None:
         self.autocast_used_last = self.autocast_used
+        self.scaler_used_last = self._attempt.through_scaler if self._attempt is not None else None
         self._forget_update()
         if not self.probing():
             self.probe.end()
@@ -516,6 +574,10 @@ class HookDriver:
         self._losses, self._attempt, self._started, self._forwards = [], None, None, 0
         self.keeper.drop()
         self._xray = None
+
+
+UNSCALED_FIX = ("call amp-tui's, `scaler = monitor.scaler`, then scaler.scale(loss).backward(), "
+                "scaler.step(optimizer), scaler.update() in place of loss.backward() and optimizer.step()")
 
 
 def check_objects(model, optimizer, scaler, scheduler) -> None:
@@ -543,6 +605,11 @@ def device_of(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     raise MonitorError("amp_tui.monitor(model, ...): the model has no parameters to watch")
+
+
+def _example_names(model: torch.nn.Module) -> list[str]:
+    names = [name for name in named_modules(model) if name]
+    return [repr(name) for name in names[:3]] + (["..."] if len(names) > 3 else [])
 
 
 def _closure_given(args: tuple, kwargs: dict) -> bool:

@@ -15,6 +15,11 @@
             break
     monitor.close()
 
+A loop without a GradScaler of its own writes `scaler = monitor.scaler` after making the monitor:
+amp-tui's own, which scales in fp16 only (precision_state.py's BorrowedScaling). The monitor
+starts in the dtype the loop already runs (fp16 with an enabled GradScaler, else fp32) and takes
+`fp32_modules=` as `amp-tui train` takes `--fp32-modules`.
+
 The monitor is the run controller (job/controller.py) with the hook driver (job/hook_driver.py,
 which says how the loop is watched): it records the same session as `amp-tui train` and serves
 the same control socket, so `amp-tui attach RUN_DIR` shows the dashboard and its keys steer the
@@ -44,7 +49,7 @@ from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.core.signals import install_handlers, restore_handlers
 from amp_tui.job.controller import RunController
 from amp_tui.job.distributed import Ranks
-from amp_tui.job.hook_driver import HookDriver, MonitorError
+from amp_tui.job.hook_driver import UNSCALED_FIX, HookDriver, MonitorError
 from amp_tui.job.probe_events import announce_probe_changes
 from amp_tui.job.process_slot import ProcessSlot
 from amp_tui.job.run_records import record_xray
@@ -64,10 +69,24 @@ _SLOT = ProcessSlot()   # one monitor per process: it owns the control socket
 
 
 class MonitoredStep:
-    """What `with monitor.step() as step:` hands the loop: set `step.loss` to the loss tensor."""
+    """What `with monitor.step() as step:` hands the loop: set `step.loss` to the loss tensor.
+    Set once per micro-batch where the block runs several (gradient accumulation), each is kept:
+    the step's loss is their mean. With accumulation, set it to the micro-batch's loss before the
+    loop divides it by the accumulation steps for the backward (docs/user-guide.md)."""
 
     def __init__(self) -> None:
-        self.loss: Any = None
+        self.losses: list[Any] = []   # each value set, in order (the same tensor set twice: once)
+
+    @property
+    def loss(self) -> Any:
+        return self.losses[-1] if self.losses else None
+
+    @loss.setter
+    def loss(self, value: Any) -> None:
+        if value is None:
+            self.losses = []
+        elif not self.losses or value is not self.losses[-1]:
+            self.losses.append(value)
 
 
 class Monitor(RunController):
@@ -77,7 +96,8 @@ class Monitor(RunController):
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
                  probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0, underflow_every=10,
                  checkpoint_every=None, control=True, announce=True, tensorboard_dir=None, framework=None,
-                 on_nonfinite="skip", forecast_horizon=500, min_scale=None):
+                 on_nonfinite="skip", forecast_horizon=500, min_scale=None,
+                 fp32_modules=()):
         if on_nonfinite not in MONITOR_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use {' or '.join(map(repr, MONITOR_POLICIES))}")
         if min_scale is not None and not (isinstance(min_scale, (int, float)) and 0 < min_scale < math.inf):
@@ -88,7 +108,7 @@ class Monitor(RunController):
         self.model = model
         driver = HookDriver(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype,
                             probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
-                            underflow_every=underflow_every, framework=framework)
+                            underflow_every=underflow_every, framework=framework, fp32_modules=fp32_modules)
         self.optimizer = driver.optimizer
         self.scheduler = scheduler
         script = driver.script
@@ -162,6 +182,14 @@ class Monitor(RunController):
         return self.driver.dtype
 
     @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler the loop calls: the one given (scaler=), or, for a loop without one,
+        amp-tui's own, which scales in fp16 only (`scaler = monitor.scaler`, then
+        `scaler.scale(loss).backward()`, `scaler.step(optimizer)`, `scaler.update()`). None under a
+        framework's callback without a scaler."""
+        return self.driver.loop_scaler
+
+    @property
     def probe_every(self) -> int | str:
         return self.driver.probe_every
 
@@ -212,17 +240,17 @@ class Monitor(RunController):
                               enabled=precision.uses_autocast(self.dtype), cache_enabled=cache_enabled)
 
     def _end_of_block(self, step: MonitoredStep) -> None:
-        loss = step.loss
-        if loss is None:
+        if not step.losses:
             self.driver.abandon_update()
             raise MonitorError("step.loss was never set: assign the loss tensor inside "
                                "`with monitor.step() as step:` (step.loss = loss)")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            self.driver.abandon_update()
-            kind = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
-                else f"a {type(loss).__name__}"
-            raise MonitorError(f"step.loss is {kind}: set it to the scalar loss tensor")
-        if not self.driver.block_ends(loss):
+        for loss in step.losses:
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                self.driver.abandon_update()
+                kind = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
+                    else f"a {type(loss).__name__}"
+                raise MonitorError(f"step.loss is {kind}: set it to the scalar loss tensor")
+        if not self.driver.block_ends(step.losses):
             return   # no update in this block (accumulating): it belongs to the next one
         result = self.driver.finish_update()
         # amp-tui's own work on the update: from where its measured duration ends (the transfer
@@ -235,6 +263,10 @@ class Monitor(RunController):
             record_xray(self, result.step, result.xray, self.driver.xray_by)
         announce_probe_changes(self, step=result.step + 1)
         self.driver.update_done()
+        if self.driver.unscaled_fp16_news():
+            self.alert("unscaled_fp16", f"step {result.step} ran in fp16 and the loop stepped its optimizer "
+                       "without a GradScaler", cause="fp16 gradients underflow (and overflow unchecked) "
+                       "without loss scaling", fix=UNSCALED_FIX, step=result.step)
         self.after_update()
         # The boundary after the update: a stop asked for during the step is seen by the loop
         # at its very next `if monitor.should_stop`, and a pause holds the loop here (the time

@@ -19,11 +19,15 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
             probe_budget: float = 1.0, probe_alert_bits: float = 3.0, underflow_every: int = 10,
             checkpoint_every: int | None = None, control: bool = True, announce: bool = True,
             tensorboard_dir: str | Path | None = None, on_nonfinite: str = "skip",
-            forecast_horizon: int = 500, min_scale: float | None = None) -> Monitor:
+            forecast_horizon: int = 500, min_scale: float | None = None,
+            fp32_modules: str | list[str] = ()) -> Monitor:
     """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
 
-    `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default fp16
-    when an enabled GradScaler is given, else bf16 where the device has it (fp32 otherwise).
+    `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default what
+    the loop already does: fp16 when an enabled GradScaler is given, else fp32 (autocast off until
+    `d` or `ctl RUN dtype=...` switches it). `fp32_modules`: modules run in fp32 from the first
+    step, as `amp-tui train --fp32-modules` does (a name or an fnmatch pattern such as
+    'blocks.*.attn', or a list of them; `ctl RUN fp32=...` and the dashboard add more).
     `run_dir`: where the session goes (default: $AMP_TUI_RUN_DIR, set by `amp-tui run`, or
     runs/<time>-<script>). `probe_every`: "auto" (per-layer figures spaced so that they and the
     step records cost at most `probe_budget` percent of the training time, every step from the first sign of trouble,
@@ -40,4 +44,5 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
                    probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
                    underflow_every=underflow_every, checkpoint_every=checkpoint_every, control=control,
                    announce=announce, tensorboard_dir=tensorboard_dir, on_nonfinite=on_nonfinite,
-                   forecast_horizon=forecast_horizon, min_scale=min_scale)
+                   forecast_horizon=forecast_horizon, min_scale=min_scale,
+                   fp32_modules=fp32_modules)

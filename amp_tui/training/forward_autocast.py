@@ -28,6 +28,31 @@ def wrapped_in_autocast(model: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
+def fixed_autocast_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of the autocast fixed around `module.forward` (Accelerate's, kept in the closures
+    of its wrappers), when enabled; None when none is found. What the loop already runs in, so that
+    putting the forward under the monitor's autocast changes nothing until `d`."""
+    seen: set[int] = set()
+    todo: list[Any] = [vars(module).get("forward")]
+    while todo and len(seen) < 64:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.autocast):
+            return item.fast_dtype if item._enabled else None
+        item = getattr(item, "__func__", item)
+        for cell in getattr(item, "__closure__", None) or ():
+            try:
+                todo.append(cell.cell_contents)
+            except ValueError:   # an empty cell
+                continue
+        if not callable(item) or isinstance(item, (type, torch.nn.Module)):
+            continue
+        todo.extend(v for v in getattr(item, "__dict__", {}).values() if callable(v) or isinstance(v, torch.autocast))
+    return None
+
+
 class ForwardAutocast:
     """`module.forward` replaced by its original forward under `autocast_now()`; `undo()` puts
     back what was there (Accelerate's wrapper, or nothing: the class's forward). `in_half()`

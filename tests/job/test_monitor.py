@@ -62,7 +62,9 @@ def loop(run_dir, dtype, zero_grad_at="top", steps=STEPS, monitor_kw=None, befor
     # The snippet as written: bf16 keeps a GradScaler, disabled.
     scaler = torch.amp.GradScaler("cpu", enabled=dtype == "fp16")
     # Every step probed, as `amp-tui train --probe-every 1` does: the two records compare step by step.
-    monitor = amp_tui.monitor(model, opt, scaler=scaler, scheduler=sched, run_dir=run_dir,
+    # The dtype said, as the loop's autocast would say it: by default a loop with no enabled
+    # GradScaler stays in fp32.
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, scheduler=sched, run_dir=run_dir, dtype=dtype,
                               announce=False, **{"probe_every": 1, **(monitor_kw or {})})
     for i in range(steps):
         batch = batches[i % len(batches)]
@@ -364,11 +366,12 @@ def test_closing_leaves_the_users_objects_as_they_were(tmp_path):
 
 
 def test_d_is_refused_when_the_loop_runs_its_own_autocast(tmp_path):
+    """(The monitor starts in fp32, its default for a loop without a GradScaler: `d` asks bf16.)"""
     model, opt, monitor = tiny(tmp_path)
     answer = []
     for i in range(2):
         if i == 1:   # after a step whose forward ran under the loop's own autocast
-            command = Command("dtype", "float32", "test")
+            command = Command("dtype", "bfloat16", "test")
             command.on_done = answer.append
             monitor.submit(command)
         with monitor.step() as step:
@@ -379,16 +382,13 @@ def test_d_is_refused_when_the_loop_runs_its_own_autocast(tmp_path):
             opt.step()
     monitor.close()
     assert answer and not answer[0].ok and "monitor.autocast()" in answer[0].message
-    assert monitor.dtype == "bfloat16"
+    assert monitor.dtype == "float32"
 
 
 def test_wrong_arguments_say_what_is_wrong(tmp_path):
     model = nn.Linear(2, 1)
     with pytest.raises(MonitorError, match="not a torch.optim.Optimizer"):
         amp_tui.monitor(model, "adam", run_dir=tmp_path / "a", announce=False)
-    with pytest.raises(MonitorError, match="needs an enabled GradScaler"):
-        amp_tui.monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype="fp16",
-                        run_dir=tmp_path / "b", announce=False)
     assert "amp_tui" in sys.modules
 
 
@@ -438,3 +438,211 @@ def test_a_monitored_step_costs_one_transfer_to_the_host(tmp_path, monkeypatch):
     assert sum(1 for r in steps if "layers" not in r) >= 1
     assert sorted(ours) == sorted("tolist" if "layers" in r else "to_host" for r in steps), ours
     assert replays.count("done") == sum(1 for r in steps if r.get("nonfinite"))   # the failing ones only
+
+
+def test_a_loop_without_a_grad_scaler_stays_in_fp32_until_d(tmp_path):
+    """The default dtype is what the loop already does: no GradScaler, no autocast of its own
+    enabled: fp32 (not bf16), and `d` switches it; an enabled GradScaler: fp16."""
+    model, opt, monitor = tiny(tmp_path)
+    assert monitor.dtype == "float32"
+    seen = []
+    for i in range(3):
+        if i == 2:
+            monitor.submit(Command("dtype", "bfloat16", "test"))
+        with monitor.step() as step:
+            with monitor.autocast():
+                out = model(torch.ones(1, 2))
+                seen.append(out.dtype)
+                loss = out.float().sum()
+            step.loss = loss
+            loss.backward()
+            opt.step()
+    monitor.close()
+    assert seen == [torch.float32, torch.float32, torch.bfloat16]
+    assert [s["dtype"] for s in read_session(tmp_path / "run").steps] == ["float32", "float32", "bfloat16"]
+    model = nn.Linear(2, 1)
+    scaled = amp_tui.monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), scaler=torch.amp.GradScaler("cpu"),
+                             run_dir=tmp_path / "fp16", announce=False)
+    assert scaled.dtype == "float16"
+    scaled.close()
+
+
+def test_fp32_modules_run_in_fp32_from_the_first_step_and_are_let_go_on_close(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(MonitorError, match=r"fp32_modules='nope' matches no module.*'0'"):
+        amp_tui.monitor(model, opt, dtype="bf16", fp32_modules="nope", run_dir=tmp_path / "bad", announce=False)
+    monitor = amp_tui.monitor(model, opt, dtype="bf16", fp32_modules=["1"], run_dir=tmp_path / "run",
+                              announce=False)
+    seen = {}
+
+    def output_dtype(name):
+        def hook(_module, _inputs, output):
+            seen.setdefault(name, output.dtype)
+        return hook
+    hooks = [model[0].register_forward_hook(output_dtype("0")), model[1].register_forward_hook(output_dtype("1"))]
+    with monitor.step() as step:
+        with monitor.autocast():
+            loss = model(torch.ones(3, 2)).float().sum()
+        step.loss = loss
+        loss.backward()
+        opt.step()
+    monitor.close()
+    assert seen == {"0": torch.bfloat16, "1": torch.float32}
+    assert read_session(tmp_path / "run").header["fp32_modules"] == ["1"]
+    assert "forward" not in vars(model[1])   # the user's module as it was
+    for hook in hooks:
+        hook.remove()
+
+
+def scaled_loop(monitor, model, opt, scaler, steps, *, before=None, big=1.0):
+    """A loop calling its GradScaler; `big` multiplies the targets (large: fp16 overflows at 65536)."""
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        if before is not None:
+            before(i)
+        x = torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        with monitor.step() as step:
+            with monitor.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), x.sum(1, keepdim=True) * big)
+            step.loss = loss
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+
+def test_fp16_without_a_grad_scaler_gets_one_amp_tui_owns(tmp_path):
+    """A loop with no GradScaler (one made only on CUDA) in fp16: amp-tui makes one, the loop
+    calls it as `monitor.scaler`, and its overflows are skipped and halve the scale."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    monitor = amp_tui.monitor(model, opt, dtype="fp16", probe_every=1, run_dir=tmp_path / "run", announce=False)
+    scaler = monitor.scaler
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() and scaler.get_scale() == 2.0 ** 16
+    scaled_loop(monitor, model, opt, scaler, 6, big=3000.0)
+    monitor.close()
+    steps = read_session(tmp_path / "run").steps
+    assert steps[0]["skipped"] and steps[0]["scale"] == 2.0 ** 16 and steps[1]["scale"] == 2.0 ** 15
+    assert all(s["dtype"] == "float16" for s in steps)
+    assert all(math.isfinite(p.item()) for p in model.parameters() for p in p.flatten())
+
+
+def test_a_loop_that_steps_without_amp_tuis_scaler_is_told_and_d_to_fp16_is_refused(tmp_path):
+    model, opt, monitor = tiny(tmp_path)   # fp32: no scaler of the loop's
+    answers = []
+
+    def plain_step():
+        with monitor.step() as step:
+            with monitor.autocast():
+                loss = model(torch.ones(1, 2)).float().sum()
+            step.loss = loss
+            loss.backward()
+            opt.step()
+    plain_step()
+    command = Command("dtype", "float16", "test")
+    command.on_done = answers.append
+    monitor.submit(command)
+    plain_step()
+    monitor.close()
+    assert answers and not answers[0].ok and "monitor.scaler" in answers[0].message
+    assert monitor.dtype == "float32"
+    model, opt, monitor = tiny(tmp_path / "fp16", dtype="fp16")
+    plain_step()
+    monitor.close()
+    alerts = [e for e in read_session(tmp_path / "fp16" / "run").events if e["kind"] == "alert"]
+    assert [a["reason"] for a in alerts] == ["unscaled_fp16"] and "monitor.scaler" in alerts[0]["fix"]
+
+
+def test_a_disabled_grad_scaler_of_the_loop_scales_in_fp16_and_is_given_back_disabled(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)   # the loop's, for bf16 and fp32
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=tmp_path / "run", announce=False)
+    assert monitor.scaler is scaler and monitor.dtype == "float32"
+
+    def before(i):
+        if i == 2:
+            monitor.submit(Command("dtype", "float16", "test"))
+    scaled_loop(monitor, model, opt, scaler, 5, before=before, big=3000.0)
+    assert scaler.is_enabled()
+    monitor.close()
+    assert not scaler.is_enabled()
+    steps = read_session(tmp_path / "run").steps
+    assert [s["scale"] for s in steps[:2]] == [None, None]
+    assert steps[2]["dtype"] == "float16" and steps[2]["scale"] == 2.0 ** 16 and steps[2]["skipped"]
+
+
+def test_the_loops_grad_scaler_state_is_given_back_after_a_stay_in_bf16(tmp_path):
+    """While in bf16 the loop's `scaler.state_dict()` (what its own checkpoints save) holds the
+    fp16 state it had, not amp-tui's scale of 1; back in fp16 the scaler takes it up again, and
+    the records say no scale (null) in bf16."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=tmp_path / "run", announce=False)
+    seen = {}
+
+    def before(i):
+        if i == 3:
+            seen["fp16"] = scaler.state_dict()
+            monitor.submit(Command("dtype", "bfloat16", "test"))
+        if i == 5:
+            seen["bf16"] = scaler.state_dict()
+            seen["bf16 live"] = scaler.get_scale()
+            monitor.submit(Command("dtype", "float16", "test"))
+        if i == 6:
+            seen["back"] = scaler.state_dict()
+    scaled_loop(monitor, model, opt, scaler, 7, before=before)
+    monitor.close()
+    assert seen["fp16"]["scale"] == 1024.0 and seen["fp16"]["_growth_tracker"] == 3
+    assert seen["bf16"] == seen["fp16"] and seen["bf16 live"] == 1.0
+    assert seen["back"] == {**seen["fp16"], "_growth_tracker": 4}   # one more clean fp16 step, counted on
+    steps = read_session(tmp_path / "run").steps
+    assert [(s["dtype"], s["scale"]) for s in steps[3:5]] == [("bfloat16", None)] * 2
+    assert [s["next_scale"] for s in steps[3:5]] == [None, None]
+    assert steps[5]["scale"] == 1024.0
+
+
+def test_a_monitor_closed_in_bf16_gives_the_loop_its_fp16_scaler_state_back(tmp_path):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, dtype="bf16", run_dir=tmp_path / "run", announce=False)
+    scaled_loop(monitor, model, opt, scaler, 2)
+    assert scaler.get_scale() == 1.0
+    monitor.close()
+    assert scaler.get_scale() == 512.0 and "state_dict" not in vars(scaler)
+
+
+def test_micro_batches_in_one_block_record_the_mean_of_the_losses_set_before_the_division(tmp_path):
+    """nanoGPT's way: every micro-batch's forward and backward inside one block, the loss divided
+    by the accumulation steps for the backward. `step.loss` set to each micro-batch's loss before
+    the division (docs/user-guide.md): the step's loss is their mean, the loss as the loop means it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = amp_tui.monitor(model, opt, run_dir=tmp_path / "run", announce=False)
+    g = torch.Generator().manual_seed(2)
+    meant = []
+    for _ in range(2):
+        losses = []
+        with monitor.step() as step:
+            for _ in range(4):
+                with monitor.autocast():
+                    loss = model(torch.randn(2, 4, generator=g)).pow(2).mean()
+                step.loss = loss
+                losses.append(loss.item())
+                loss = loss / 4
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        meant.append(sum(losses) / 4)
+    monitor.close()
+    steps = read_session(tmp_path / "run").steps
+    assert [s["micro_batches"] for s in steps] == [4, 4]
+    assert [s["loss"] for s in steps] == pytest.approx(meant, rel=1e-6)
