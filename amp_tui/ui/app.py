@@ -86,6 +86,7 @@ class AmpTuiApp(App[int]):
         self._last_state: str | None = None
         self._events_seen = 0
         self._toast_shelf = ToastShelf()
+        self._quiet: set[int] = set()   # ids of the commands whose answer needs no toast
         self._error_where: list[tuple[str, str]] = []
         self._stop_job: Command | None = None   # attached: Q sent this; exit once it's done
         self.playback = source.playback   # a recording's controls; None for a run
@@ -271,8 +272,9 @@ class AmpTuiApp(App[int]):
             return False
         return None if self._last_state in ENDED else True
 
-    def send(self, action: Action, value=None) -> bool:
-        """Queue a command for the run; False (and said so) when the source refused it."""
+    def send(self, action: Action, value=None, *, quiet: bool = False) -> bool:
+        """Queue a command for the run; False (and said so) when the source refused it. `quiet`:
+        no toast for its answer unless it failed (the picker's own pause and resume)."""
         command = Command(action, value, COMMAND_SOURCE)
         command.on_done = partial(self._command_done, command)
         ok, message = self.source.send(command)
@@ -280,6 +282,8 @@ class AmpTuiApp(App[int]):
             self.notify(visible(message), title=COMMAND_TITLES.get(action, ""), severity="warning",
                         markup=False)
             return False
+        if quiet:
+            self._quiet.add(id(command))
         self._pending.append(command)
         self.refresh_view_soon()
         return True
@@ -298,8 +302,11 @@ class AmpTuiApp(App[int]):
                 threading.Thread(target=self._wait_for_stop, name="amp-tui-stop", daemon=True).start()
                 return
             self._stop_job = None
-        self.notify(visible(outcome.message), title=COMMAND_TITLES.get(message.command.action, ""),
-                    severity="information" if outcome.ok else "error", markup=False)
+        quiet = id(message.command) in self._quiet
+        self._quiet.discard(id(message.command))
+        if not (quiet and outcome.ok):
+            self.notify(visible(outcome.message), title=COMMAND_TITLES.get(message.command.action, ""),
+                        severity="information" if outcome.ok else "error", markup=False)
         self.refresh_view_soon()
 
     def refresh_view_soon(self) -> None:
@@ -341,15 +348,16 @@ class AmpTuiApp(App[int]):
         run_dir = self.source.run_dir
         # Training on while the user picks would make the restore roll back every update made
         # meanwhile: the run is paused while the picker is open, and goes on once it closes
-        # (from the checkpoint, when one was picked) only if this paused it.
+        # (from the checkpoint, when one was picked) only if this paused it. The status bar says
+        # so; the toast left is the restore's.
         paused_here = self.source.snapshot().state == "running" and not self._paused_or_pausing() \
-            and self.send("pause")
+            and self.send("pause", quiet=True)
 
         def chosen(path: str | None) -> None:
             if path is not None:
                 self.send("restore", path)
             if paused_here:
-                self.send("resume")
+                self.send("resume", quiet=True)
 
         self.push_screen(RestoreDialog(found, Path(run_dir) if run_dir else None), chosen)
 

@@ -8,12 +8,13 @@ running run (live or attached), and closing it lets the run go on only if the pi
 import pytest
 from textual.widgets import OptionList
 
+from amp_tui.core.commands import Outcome
 from amp_tui.training.checkpoint import CheckpointInfo
 from amp_tui.ui.app import create_app
 from amp_tui.ui.dialogs.restore_dialog import RestoreDialog
 
 from fixed_source import FixedSource, synthetic_records
-from support import SIZE, build_live, run_async, until
+from support import SIZE, build_live, run_async, toasts, until
 
 CHECKPOINT = CheckpointInfo("runs/r/checkpoints/step-0000100.safetensors", 100, "float16", "full", 0.0)
 
@@ -92,3 +93,21 @@ async def test_a_live_run_takes_no_step_while_the_picker_is_open(mlp_script, tmp
             await until(pilot, lambda: run.step > paused_at, "the run to go on")
     finally:
         source.stop(5.0)
+
+
+@run_async
+async def test_the_toast_left_is_the_restores_not_the_pickers_own_pause_and_resume():
+    source = steering_source("live")
+    source.answer = Outcome(True, "done")
+    app = create_app(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await pilot.pause()
+        await pilot.press("r")
+        await until(pilot, lambda: app.screen.query(OptionList), "the picker")
+        await pilot.press("enter")
+        await until(pilot, lambda: app.screen is app.dashboard, "the picker to close")
+        await until(pilot, lambda: "restore" in toasts(app), "the restore's answer")
+        await pilot.pause(0.2)
+        titles = [line for line in toasts(app).splitlines() if line != "done"]
+        assert titles == ["restore"], titles
+        assert [c.action for c in source.sent] == ["pause", "restore", "resume"]
