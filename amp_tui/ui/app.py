@@ -146,7 +146,7 @@ class AmpTuiApp(App[int]):
     def refresh_view(self) -> None:
         if not self.dashboard.is_mounted:
             return
-        if self.dashboard.toasts_overflow():
+        if self._toast_shelf.outgrows(self.dashboard.toast_heights(), self.dashboard.toast_room()):
             dropped = self._toast_shelf.give_way()
             if dropped is not None:
                 take_off(self, dropped)

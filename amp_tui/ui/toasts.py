@@ -50,6 +50,12 @@ class ToastShelf:
         self._shown[kind] = (notification, count)
         return notification, gone
 
+    def outgrows(self, heights: dict[str, int], room: int) -> bool:
+        """Whether the toasts on the shelf need more rows than `room` (`heights`: the rows each
+        toast on screen takes, by `box_id`). A toast on its way off the screen doesn't count."""
+        shown = [n for n, _ in self._shown.values() if not n.has_expired]
+        return len(shown) > 1 and sum(heights.get(box_id(n), 0) for n in shown) > room
+
     def give_way(self) -> Notification | None:
         """Take a toast off the shelf, the stack having outgrown its room: never the newest (what
         just happened, a key's answer), else the least severe, the oldest first; None when one or
@@ -59,6 +65,11 @@ class ToastShelf:
         older = list(self._shown)[:-1]
         kind = min(older, key=lambda k: (SEVERITY.get(self._shown[k][0].severity, 0), older.index(k)))
         return self._shown.pop(kind)[0]
+
+
+def box_id(notification: Notification) -> str:
+    """The id of the box Textual's rack holds the notification's toast in."""
+    return ToastRack._toast_id(notification)
 
 
 def take_off(app: App, notification: Notification) -> None:
@@ -71,7 +82,7 @@ def _take_off_now(app: App, notification: Notification) -> None:
     # Textual forgets the notification, but its rack drops only the toast and keeps the box it
     # sat in: empty boxes would pile up and push the next toasts down, out of their room.
     app._unnotify(notification, refresh=False)   # Textual's own way to forget one notification
-    box = ToastRack._toast_id(notification)
+    box = box_id(notification)
     for screen in app.screen_stack:
         try:
             rack = screen.get_child_by_type(ToastRack)

@@ -9,7 +9,7 @@ from textual.widgets._toast import Toast
 
 from amp_tui.core.commands import Outcome
 from amp_tui.ui.app import create_app
-from amp_tui.ui.toasts import MAX_TOASTS, ToastShelf
+from amp_tui.ui.toasts import MAX_TOASTS, ToastShelf, box_id
 
 from fixed_source import FixedSource, synthetic_records
 from support import run_async
@@ -121,3 +121,17 @@ def test_the_shelf_counts_a_kind_while_it_is_shown_and_keeps_a_few():
     expired, _ = shelf.add(("note", "information"), "e", "note", "information", 0, False)
     again, gone = shelf.add(("note", "information"), "f", "note", "information", 60, False)
     assert gone == [expired] and again.title == "note"
+
+
+def test_the_room_counts_the_toasts_on_the_shelf_only():
+    """A toast taken off a moment ago may still be laid out: it must not push out another."""
+    shelf = ToastShelf()
+    gone, _ = shelf.add(("alert", "warning"), "a", "alert at step 1", "warning", 60, False)
+    alert, _ = shelf.add(("alert", "warning"), "b", "alert at step 2", "warning", 60, False)
+    answer, _ = shelf.add(("dtype", "information"), "c", "dtype", "information", 60, False)
+    heights = {box_id(gone): 6, box_id(alert): 6, box_id(answer): 4}
+    assert not shelf.outgrows(heights, room=10)
+    assert shelf.outgrows(heights, room=9)
+    alone = ToastShelf()
+    only, _ = alone.add(("dtype", "information"), "d", "dtype", "information", 60, False)
+    assert not alone.outgrows({box_id(only): 40}, room=9), "one toast alone stays, clipped"

@@ -174,14 +174,18 @@ class DashboardScreen(Screen):
         rack.styles.margin = (region.y, 0, 0, 0)
         rack.styles.max_height = region.height
 
-    def toasts_overflow(self) -> bool:
-        """Whether the newest toast ends below the charts: Textual's rack, drawn hidden, can't
-        scroll to it, so the oldest must give way."""
+    def toast_room(self) -> int:
+        """The rows the toasts have: the charts' height."""
+        return self.chart_row.region.height
+
+    def toast_heights(self) -> dict[str, int]:
+        """The rows each toast on the dashboard takes, its margin included, by the id of the box
+        Textual holds it in (a toast not laid out yet counts 0)."""
         rack = self._toast_rack()
         if rack is None:
-            return False
-        toasts = rack.query(Toast)
-        return len(toasts) > 1 and toasts.last().region.bottom > self.chart_row.region.bottom
+            return {}
+        return {holder.id: sum(t.outer_size.height + t.styles.margin.top for t in holder.query(Toast))
+                for holder in rack.children if holder.id}
 
     def _toast_rack(self) -> ToastRack | None:
         try:
