@@ -71,6 +71,25 @@ def applied_by_autopilot(events: Iterable[dict], fix_event: dict) -> bool:
         for e in events)
 
 
+def fix_in_force(events: Iterable[dict], fix_event: dict) -> bool:
+    """Whether the interventions after `fix_event`'s step left its fix in force (applied by `f`,
+    `d`, `ctl` or the palette alike): the dtype it names is the run's dtype, or the module it
+    names is among the fp32 modules. Each intervention records the state it left (`after`)."""
+    command = fix_command(str(fix_event.get("fix") or ""))
+    if command is None:
+        return False
+    in_force = False
+    for event in events:
+        if event.get("kind") != "intervention" or (event.get("step") or 0) <= (fix_event.get("step") or 0):
+            continue
+        after = event.get("after") if isinstance(event.get("after"), dict) else {}
+        if command.action == "dtype" and "dtype" in after:
+            in_force = after["dtype"] == command.value
+        elif command.action == "fp32" and isinstance(after.get("fp32_modules"), list):
+            in_force = command.value in after["fp32_modules"]
+    return in_force
+
+
 def last_verified_fix(events: Iterable[dict]) -> dict | None:
     """The newest non-finite event whose fix was verified on its step and a command applies."""
     found = None

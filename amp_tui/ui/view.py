@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from amp_tui.core import precision
-from amp_tui.core.fixes import applied_by_autopilot, last_verified_fix
+from amp_tui.core.fixes import applied_by_autopilot, fix_in_force, last_verified_fix
 from amp_tui.core.forecast_words import scale_forecast_text
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import InForce, nonfinite_layer, world_size_of
@@ -212,6 +212,7 @@ class NonfinitePause:
     event_index: int            # events_seen count at the paused event (to notify once)
     where: str = "loss"         # the event's: "activations" for one the loss never saw
     fix: str | None = None      # the verified fix `f` applies (None: none, or the autopilot applied it)
+    fix_applied: bool = False   # that fix is in force already (`f` would be refused)
 
 
 ACT_NOT_MEASURED = "act not measured under torch.compile"
@@ -300,7 +301,8 @@ def nonfinite_pause(snap: Snapshot) -> NonfinitePause | None:
             fixed = last_verified_fix(events)
             fix = fixed["fix"] if fixed is not None and not applied_by_autopilot(events, fixed) else None
             return NonfinitePause(int(step), nonfinite_layer(cause), str(cause.get("loss", "non-finite")),
-                                  cause.get("dtype"), first_index + i + 1, str(cause.get("where", "loss")), fix)
+                                  cause.get("dtype"), first_index + i + 1, str(cause.get("where", "loss")), fix,
+                                  fix is not None and fix_in_force(events, fixed))
     return None
 
 

@@ -7,9 +7,11 @@ from amp_tui.core.records import nonfinite_layer
 from amp_tui.recording.reader import read_session
 from amp_tui.recording.report import read_digest, summarize
 from amp_tui.sources.replay import ReplaySource
+from amp_tui.ui import view
 from amp_tui.ui.app import create_app
-from amp_tui.ui.widgets.notice import PauseNotice
+from amp_tui.ui.widgets.notice import PauseNotice, notice_text
 
+from fixed_source import FixedSource, synthetic_records
 from support import ATTENTION_SCRIPT, SIZE, build_live, run_async, toasts, until
 
 
@@ -114,3 +116,24 @@ def test_a_recording_whose_origin_was_handed_the_nan_shows_the_ops_module():
              "origin_input_nonfinite": True, "op": "aten.bmm", "op_module": "blocks.0.attn"}
     assert nonfinite_layer(event) == "blocks.0.attn"
     assert nonfinite_layer({**event, "op_module": None}) == "blocks.0.attn.out"   # the loss: no module
+
+
+def test_the_pause_notice_stops_offering_f_once_the_fix_is_in_force():
+    records = synthetic_records(ending="nonfinite")
+    cause = next(r for r in reversed(records) if r.get("kind") == "nonfinite")
+    cause.update(fix="--fp32-modules 'h.4.mlp.c_fc'", fix_verified=True)
+    offered = notice_text(view.nonfinite_pause(FixedSource(records).snapshot())).plain
+    assert "verified fix: --fp32-modules 'h.4.mlp.c_fc'" in offered and "f apply the fix" in offered
+
+    def fp32(step, modules):
+        return {"type": "event", "step": step, "kind": "intervention", "action": "fp32",
+                "value": "h.4.mlp.c_fc", "source": "dashboard", "message": "h.4.mlp.c_fc now in fp32",
+                "before": {"fp32_modules": []}, "after": {"fp32_modules": modules}}
+
+    applied = records + [fp32(400, ["h.4.mlp.c_fc"])]
+    said = notice_text(view.nonfinite_pause(FixedSource(applied).snapshot())).plain
+    assert "fix applied: --fp32-modules 'h.4.mlp.c_fc'" in said and "f apply" not in said
+    assert said.splitlines()[1].startswith("space resume")
+    # taken back (the palette's toggle): offered again
+    undone = applied + [fp32(400, [])]
+    assert "f apply the fix" in notice_text(view.nonfinite_pause(FixedSource(undone).snapshot())).plain

@@ -1,6 +1,6 @@
 """A banner for a run that paused itself after a non-finite loss: which step, which layer (the op's
 module where the op replay found it, as the events say), the verified fix, and the keys that
-help (`f` first when there is a fix to apply)."""
+help (`f` first when there is a fix to apply; once it is in force, resuming)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from amp_tui.ui.view import NonfinitePause
 
 HELPFUL_KEYS = (("d", "switch dtype"), ("s", "halve scale"), ("r", "restore"), ("space", "resume"),
                 ("n", "one step"))
+# Once the fix is in force, going on is what helps next.
+RESUME_KEYS = (("space", "resume"), ("n", "one step"))
 
 
 class PauseNotice(Static):
@@ -50,10 +52,13 @@ def notice_text(pause: NonfinitePause) -> Text:
         text.append("; first non-finite layer: ")
         text.append_text(literal(pause.layer, "bold"))
     if pause.fix:
-        text.append("; verified fix: ")
+        text.append("; fix applied: " if pause.fix_applied else "; verified fix: ")
         text.append_text(literal(pause.fix, "bold"))
     text.append("\n")
-    keys = ((("f", "apply the fix"),) if pause.fix else ()) + HELPFUL_KEYS
+    if pause.fix and pause.fix_applied:
+        keys = RESUME_KEYS + HELPFUL_KEYS[:3]
+    else:
+        keys = ((("f", "apply the fix"),) if pause.fix else ()) + HELPFUL_KEYS
     for i, (key, what) in enumerate(keys):
         if i:
             text.append(" · ", style="dim")
