@@ -121,6 +121,9 @@ class AmpTuiApp(App[int]):
         for warning in self.warnings:
             self.notify(visible(warning), title="script warning", severity="warning",
                         timeout=12, markup=False)
+        # A dialog gets a toast rack of its own once composed: it goes where the dashboard's is.
+        self.screen_change_signal.subscribe(
+            self, lambda screen: self.call_after_refresh(self.dashboard.place_toasts_on, screen))
         self.source.start()
         self.call_after_refresh(self.refresh_view)   # the first frame, once the screen is composed
         if self._interrupted:

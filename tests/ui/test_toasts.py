@@ -135,3 +135,21 @@ def test_the_room_counts_the_toasts_on_the_shelf_only():
     alone = ToastShelf()
     only, _ = alone.add(("dtype", "information"), "d", "dtype", "information", 60, False)
     assert not alone.outgrows({box_id(only): 40}, room=9), "one toast alone stays, clipped"
+
+
+@pytest.mark.parametrize("key", ["question_mark", "r"])
+@run_async
+async def test_toasts_over_a_dialog_keep_off_the_layer_table_and_the_events(key):
+    """A dialog (the help, the restore picker) has a toast rack of its own, at the bottom right
+    unless placed: the toasts shown while it is open went over the layer table and the events."""
+    source = FixedSource(synthetic_records(100), answer=Outcome(True, "checkpoint saved: c.safetensors"))
+    app = create_app(source)
+    async with app.run_test(size=(160, 48), notifications=True) as pilot:
+        await pilot.pause()
+        await pilot.press("c")
+        await pilot.press(key)
+        await pilot.pause()
+        assert app.screen is not app.dashboard, "the dialog is open"
+        app.notify("an alert while the dialog is open", title="alert at step 99")
+        toasts = await settled_toasts(pilot, app)
+        assert toasts and not covered(app, toasts)

@@ -74,6 +74,14 @@ class ChartRow(Horizontal):
             self.screen.place_toasts()
 
 
+def toasts_over(rack: ToastRack, region: Region) -> None:
+    """Stack the toasts of `rack` over `region` (the charts), from its top right, within its height."""
+    rack.styles.dock = "top"
+    rack.styles.align = ("right", "top")
+    rack.styles.margin = (region.y, 0, 0, 0)
+    rack.styles.max_height = region.height
+
+
 class DashboardScreen(Screen):
     DEFAULT_CSS = """
     DashboardScreen #main {
@@ -169,10 +177,18 @@ class DashboardScreen(Screen):
         if rack is None or region == self._toasts_over:
             return
         self._toasts_over = region
-        rack.styles.dock = "top"
-        rack.styles.align = ("right", "top")
-        rack.styles.margin = (region.y, 0, 0, 0)
-        rack.styles.max_height = region.height
+        toasts_over(rack, region)
+
+    def place_toasts_on(self, screen: Screen) -> None:
+        """The same place on a dialog or the help over the dashboard: Textual gives every screen a
+        toast rack of its own, at the bottom right, over the layer table and the events."""
+        if screen is self:
+            return
+        try:
+            rack = screen.get_child_by_type(ToastRack)
+        except NoMatches:
+            return
+        toasts_over(rack, self.chart_row.region)
 
     def toast_room(self) -> int:
         """The rows the toasts have: the charts' height."""
