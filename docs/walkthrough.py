@@ -67,7 +67,10 @@ class Walk:
                   "resize-window", "-t", "walk", "-x", str(WIDTH), "-y", str(HEIGHT))
 
     def press(self, *keys: str) -> None:
-        self.tmux("send-keys", "-t", self.target, *keys)
+        # One key at a time: Escape straight before another key reads as Alt+that key.
+        for key in keys:
+            self.tmux("send-keys", "-t", self.target, key)
+            time.sleep(0.5)
 
     def screen(self, colours: bool = False) -> str:
         return self.tmux("capture-pane", "-p", *(["-e"] if colours else []), "-t", self.target)
@@ -123,6 +126,24 @@ def status_line(screen: str) -> str:
     return screen.split("\n", 2)[1] if screen.count("\n") >= 2 else ""
 
 
+def figure_shown(screen: str, name: str) -> int:
+    """A whole number the status bar shows after `name` (`skipped 5`); -1 when none."""
+    words = status_line(screen).split()
+    for word, value in zip(words, words[1:]):
+        if word == name and value.isdigit():
+            return int(value)
+    return -1
+
+
+def step_shown(screen: str) -> int:
+    """The step in the status bar (`step 531` or `step 9/2000`); -1 before there is one."""
+    words = status_line(screen).split()
+    if len(words) < 2 or words[0] != "step":
+        return -1
+    number = words[1].split("/")[0]
+    return int(number) if number.isdigit() else -1
+
+
 def fix_answered(screen: str) -> bool:
     """The run's answer to `f` is on screen: the fix applied (`now in fp32`, `fp16 → bf16`)."""
     return "now in fp32" in screen or "fp16 → bf16" in screen
@@ -130,7 +151,7 @@ def fix_answered(screen: str) -> bool:
 
 def healthy(w: Walk) -> None:
     w.start("amp-tui train demos/healthy.py")
-    w.wait(lambda s: "RUNNING" in s and "step 3" in status_line(s))
+    w.wait(lambda s: "RUNNING" in s and step_shown(s) >= 300)
     w.settle(3)
     w.shot("healthy-running", "amp-tui train demos/healthy.py")
     w.press("?")
@@ -169,7 +190,7 @@ def activation(w: Walk) -> None:
 
 def loss_scale(w: Walk) -> None:
     w.start("amp-tui train demos/loss_scale_overflow.py --dtype fp16 --steps 20000")
-    w.wait(lambda s: "skipped 5 " in status_line(s))
+    w.wait(lambda s: figure_shown(s, "skipped") >= 5)
     w.press("Space")
     w.wait("PAUSED")
     w.settle(3)
