@@ -320,7 +320,10 @@ def test_a_monitored_loop_of_2_ranks_probes_rank_0s_steps_and_escalates_both_on_
     steps (each probed step's record has both ranks' figures), fewer than all while healthy; a
     NaN loss on rank 1 alone, which no collective agrees on in a loop of one's own, goes in the
     boundary's words, and both ranks probe every step after it (a rank escalating alone would
-    gather where the other doesn't: the job would hang, and the timeout fail the test)."""
+    gather where the other doesn't: the job would hang, and the timeout fail the test). DDP's
+    all-reduce carries the NaN into both ranks' gradients, so both hold the update back
+    (training/update_guard.py): a skip on every rank, the sign they share, is the escalation's
+    reason (before updates were held back, the loop applied it, and rank 1's loss was the sign)."""
     script = write_script(OWN_LOOP_NAN_ON_RANK_1, "loop.py")
     run_dir = tmp_path / "run"
     done = torchrun(str(script), str(run_dir), cwd=tmp_path)
@@ -334,8 +337,9 @@ def test_a_monitored_loop_of_2_ranks_probes_rank_0s_steps_and_escalates_both_on_
     assert healthy[:3] == [0, 1, 2] and len(healthy) < 10, probed
     assert set(range(21, 30)) <= set(probed), probed
     [escalation] = [e for e in session.events if e["kind"] == "probes"]
-    assert (escalation["mode"], escalation["reason"], escalation["step"]) == ("every", "nonfinite", 21)
-    assert escalation["message"] == "probing every step: a non-finite value on rank 1"
+    assert (escalation["mode"], escalation["reason"], escalation["step"]) == ("every", "skip", 21)
+    assert escalation["message"] == "probing every step: an update skipped at step 20"
+    assert [s["skipped"] for s in session.steps].count(True) == 1 and session.steps[20]["skipped"]
     counts = dict(re.findall(r"rank (\d) probed (\d+)", out))
     assert counts == {"0": str(len(probed)), "1": str(len(probed))}, out
 
