@@ -5,7 +5,7 @@ pressed again and again) gives a few toasts at most, one per kind, counting the 
 import time
 
 import pytest
-from textual.widgets._toast import Toast
+from textual.widgets._toast import Toast, ToastRack
 
 from amp_tui.core.commands import Outcome
 from amp_tui.ui.app import create_app
@@ -153,3 +153,8 @@ async def test_toasts_over_a_dialog_keep_off_the_layer_table_and_the_events(key)
         app.notify("an alert while the dialog is open", title="alert at step 99")
         toasts = await settled_toasts(pilot, app)
         assert toasts and not covered(app, toasts)
+        # the dashboard's own copies, under the dialog's, are hidden until it closes
+        assert app.dashboard.query_one(ToastRack).display is False
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is app.dashboard and app.dashboard.query_one(ToastRack).display

@@ -181,7 +181,11 @@ class DashboardScreen(Screen):
 
     def place_toasts_on(self, screen: Screen) -> None:
         """The same place on a dialog or the help over the dashboard: Textual gives every screen a
-        toast rack of its own, at the bottom right, over the layer table and the events."""
+        toast rack of its own, at the bottom right, over the layer table and the events. The
+        dashboard's own toasts are hidden meanwhile: the dialog's copies would land over them."""
+        own = self._toast_rack()
+        if own is not None:
+            own.display = screen is self
         if screen is self:
             return
         try:
