@@ -17,8 +17,9 @@ import numpy as np
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.precision import short_name
+from amp_tui.core.records import InForce, next_in_force
 from amp_tui.core.text import one_line
-from amp_tui.recording.figures import layer_figures
+from amp_tui.recording.figures import fp32_mask, layer_figures
 from amp_tui.recording.index import F_LOSS_NONE, F_NONFINITE_LOSS, F_SCALE_NONE, F_SKIPPED, SessionIndex
 from amp_tui.recording.stream import step_records
 
@@ -176,16 +177,34 @@ def _heatmap(index: SessionIndex, x: np.ndarray, names: list[str], columns: int)
     column_of = np.searchsorted(starts, np.arange(len(probed)), side="right") - 1
     heat = np.full((count, n_layers), np.nan)
     j = 0
+    fp32 = Fp32Layers(index, names)
     for frame, record in step_records(index, iter(probed.tolist())):
         while probed[j] != frame:    # a frame step_records left out (its line no longer parses)
             j += 1
-        figures = layer_figures(record, n_layers)
+        figures = layer_figures(record, n_layers, fp32.at(frame))
         if figures is not None:
             c = column_of[j]
             np.fmin(heat[c], figures.headroom, out=heat[c])
     first = x[probed[starts]].astype(np.float64)
     edges = np.append(first, float(x[probed[-1]]) + 1.0)
     return heat.T.copy(), edges, len(probed)
+
+
+class Fp32Layers:
+    """Which layers ran in fp32 at each step record, asked in file order: core/records.py's
+    reducer over the events that change it, as the frames pass them (their headroom is to
+    fp32's max)."""
+
+    def __init__(self, index: SessionIndex, names: list[str]):
+        self.index, self.names, self._next = index, tuple(names), 0
+        self.in_force = next_in_force(InForce(), index.header)
+
+    def at(self, frame: int) -> np.ndarray | None:
+        idx, events = self.index, self.index.state_events
+        while self._next < len(events) and idx.event_frames[events[self._next]] <= frame:
+            self.in_force = next_in_force(self.in_force, idx.event(events[self._next]))
+            self._next += 1
+        return fp32_mask(self.names, self.in_force.fp32_modules)
 
 
 def _fold(heat: np.ndarray, keep: int, must: set[int]) -> list[int]:

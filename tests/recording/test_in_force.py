@@ -6,6 +6,8 @@ import json
 
 from amp_tui.cli import main
 from amp_tui.core.records import InForce, in_force_after
+from amp_tui.recording.index import SessionIndex
+from amp_tui.recording.plot_data import plot_data
 from amp_tui.recording.report import read_digest, summarize, summary_lines
 from amp_tui.sources.buffer import RunBuffer
 from amp_tui.sources.replay import ReplaySource
@@ -73,6 +75,10 @@ def test_fp32_modules_and_the_floor_are_shown_live_in_the_replay_the_report_and_
     layers = [r for r in csv.DictReader(layers_csv.open()) if r["layer"] == "0"]
     assert [r["fp32"] for r in layers] == ["False"] * 3 + ["True"] * 3
     assert float(layers[-1]["headroom_bits"]) > 100 > float(layers[0]["headroom_bits"])
+    # The plot's headroom map: one column a step, layer "0" to fp32's max from step 3 on.
+    with SessionIndex(run_dir) as index:
+        heat = plot_data(index).heat
+    assert (heat[0, :3] < 100).all() and (heat[0, 3:] > 100).all()
 
 
 def test_report_json_says_what_the_run_trained_with(mlp_script, tmp_path, capsys):
