@@ -39,12 +39,13 @@ def fix_command(fix: str, source: str = "api") -> Command | None:
         return None
 
 
-def fix_in_words(fix: str, way: str = TRAIN, run_dir: str | None = None) -> str:
+def fix_in_words(fix: str, way: str | None = TRAIN, run_dir: str | None = None, *, live: bool = True) -> str:
     """A fix flag (`--fp32-modules 'fc'`, `--dtype bf16`, `--init-scale 2048`) as the way of
     running at hand takes it: under `amp-tui train` the flag itself; in a monitored loop the
     argument to give (`fp32_modules=['fc']` to `amp_tui.monitor`, `init_scale=` to its
     GradScaler) and, for what a running job takes, the live command (`…, or live: amp-tui ctl
     RUN fp32=fc`).
+    `live`: with the live command (a recording, which can't be steered, says the argument alone).
     A text that is no single flag is kept as it is."""
     if way != MONITOR:
         return fix
@@ -55,7 +56,7 @@ def fix_in_words(fix: str, way: str = TRAIN, run_dir: str | None = None) -> str:
     if len(words) != 2 or words[0] not in _MONITOR_ARGUMENTS:
         return fix
     said = _MONITOR_ARGUMENTS[words[0]].format(value=words[1])
-    if fix_command(fix) is None:
+    if not live or fix_command(fix) is None:
         return said
     live = shlex.quote(f"{_FLAG_ACTIONS[words[0]]}={words[1]}")
     return f"{said}, or live: amp-tui ctl {shlex.quote(str(run_dir)) if run_dir else 'RUN'} {live}"

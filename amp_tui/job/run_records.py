@@ -38,6 +38,7 @@ def session_header(controller: RunController, described: dict) -> dict:
         "script": described["script"],
         "argv": list(described["argv"]),
         "command": list(described["command"]),
+        "way": controller.WAY,
         "dtype": t.dtype,
         "init_scale": controller.precision.starting_scale,
         "steps": described.get("steps"),

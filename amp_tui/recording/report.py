@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from amp_tui.core.fixes import MONITOR, TRAIN, fix_in_words
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.numfmt import scale_text
 from amp_tui.core.records import InForce, in_force_after, next_in_force, note_text, world_size_of
@@ -76,6 +77,7 @@ class Summary:
     steps_run: int | None = None        # the steps it trained
     unwritten: dict[str, int] = field(default_factory=dict)  # records given up, by type
     recording_error: str | None = None  # why: the OS's words and the path
+    way: str = TRAIN   # how the run was driven (the header's): what its fixes are worded for
 
     def as_json(self) -> dict:
         data = asdict(self)
@@ -253,6 +255,7 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         op_traces=list(d.op_traces),
         xray=_xray_of(d.last_xray, d.path.parent if d.path is not None else None),
         forecasts=list(d.forecasts),
+        way=MONITOR if header.get("way") == MONITOR else TRAIN,
         skipped_lines=d.skipped_lines,
         unknown_records=d.unknown_records,
         long_lines=d.long_lines,
@@ -351,7 +354,7 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
     if s.notes:
         rows.append(("notes", str(len(s.notes))))
     if s.op_traces:
-        rows.append(("first bad op", _op_line(s.op_traces[0])
+        rows.append(("first bad op", _op_line(s.op_traces[0], s.way)
                      + (f" (and {len(s.op_traces) - 1} more steps)" if len(s.op_traces) > 1 else "")))
     if s.xray is not None:
         rows += _xray_rows(s.xray)
@@ -368,9 +371,10 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
     return rows
 
 
-def _op_line(trace: dict) -> str:
+def _op_line(trace: dict, way: str) -> str:
     fix = trace["fix"]
-    said = f"; fix: {fix} ({'verified' if trace['fix_verified'] else 'not verified'})" if fix else ""
+    verified = "verified" if trace["fix_verified"] else "not verified"
+    said = f"; fix: {fix_in_words(fix, way, live=False)} ({verified})" if fix else ""
     return f"step {trace['step']}: {trace['message']}{said}"
 
 

@@ -15,6 +15,7 @@ from torch import nn
 import amp_tui
 from amp_tui.core.commands import Command
 from amp_tui.recording.reader import read_session
+from amp_tui.recording.report import summarize, summary_lines
 
 from support import ATTENTION_SCRIPT
 
@@ -93,6 +94,10 @@ def test_attention_scores_overflowing_in_a_monitored_loop_name_the_product_and_a
                                      f"{tmp_path / 'run'} fp32=blocks.1.attn (verified on this step's forward)")
     assert "--fp32-modules" not in event["message"]
     session = read_session(tmp_path / "run")
+    # `report` words it for the loop too: the session says how it was run
+    assert session.header["way"] == "monitor"
+    [op_row] = [text for name, text in summary_lines(summarize(session)) if name == "first bad op"]
+    assert "fix: fp32_modules=['blocks.1.attn'] (verified)" in op_row and "--fp32-modules" not in op_row
     assert session.steps[0]["skipped"] and session.steps[0]["scale"] == 65536.0
 
 

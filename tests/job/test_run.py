@@ -25,6 +25,7 @@ def test_every_iteration_writes_one_strict_step_record(mlp_script, tmp_path):
     assert header["type"] == "header" and header["format"] == "amp-tui-session" and header["version"] == 1
     assert header["device"]["backend"] == "CPU" and header["device"]["name"]
     assert header["layers"] == ["0", "2"] and header["dtype"] == "float16" and header["init_scale"] == 65536.0
+    assert header["way"] == "train"   # what its fixes are worded for
     steps = [r for r in lines if r["type"] == "step"]
     assert [s["step"] for s in steps] == list(range(7))
     for s in steps:
