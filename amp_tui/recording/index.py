@@ -384,8 +384,9 @@ class SessionIndex:
             f |= F_SKIPPED
             self.skipped_frames.append(frame)
         nonfinite = r.get("nonfinite")
-        if nonfinite:
-            f |= _NONFINITE_FLAGS.get(nonfinite, F_NONFINITE_OTHER)
+        if nonfinite:   # a damaged record can hold any JSON value: only a name is looked up
+            f |= _NONFINITE_FLAGS.get(nonfinite, F_NONFINITE_OTHER) if isinstance(nonfinite, str) \
+                else F_NONFINITE_OTHER
         dtype = r.get("dtype")
         dtype = dtype if isinstance(dtype, str) else str(self.header.get("dtype") or "?")
         tv = read_float(r.get("time"))

@@ -311,7 +311,8 @@ def interventions_as_at(index: IndexLike) -> list[str]:
         if kind not in ("intervention", "checkpoint_restored"):
             continue
         e = idx.event(k)
-        if e.get("source") in AUTOMATIC_SOURCES:
+        source = e.get("source")
+        if isinstance(source, str) and source in AUTOMATIC_SOURCES:
             continue
         action = _at_action(kind, e)
         if action is not None:

@@ -129,3 +129,20 @@ def test_export_takes_probed_steps_whose_dtype_is_not_text(tmp_path):
                  "--tensorboard", str(tmp_path / "tb")]) == 0
     rows = (tmp_path / "layers.csv").read_text().splitlines()
     assert len(rows) > 1 + 20 * 3    # every probed step's layers, the damaged ones with no dtype
+
+
+def test_a_step_whose_nonfinite_and_an_intervention_whose_source_are_not_text(tmp_path, capsys):
+    """Both were looked up in a dict or a set as found: a list there raised TypeError (unhashable)
+    in every reader of the index, and in report --as-at."""
+    path = tmp_path / "session.jsonl"
+    write_run(path)
+    assert main(["report", str(path), "--as-at"]) == 0
+    intact = capsys.readouterr().out
+    data = path.read_bytes()
+    assert b'"nonfinite":"loss"' in data and b'"source":"at"' in data
+    path.write_bytes(data.replace(b'"nonfinite":"loss"', b'"nonfinite":["loss"]')
+                     .replace(b'"source":"at"', b'"source":["at"]'))
+    assert main(["replay", str(path), "--headless"]) == 0
+    assert "step 25" in capsys.readouterr().out
+    assert main(["report", str(path), "--as-at"]) == 0
+    assert capsys.readouterr().out == intact      # a source that names none is the user's

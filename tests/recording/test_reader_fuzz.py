@@ -9,10 +9,12 @@ every reader's command, in-process: `report` (plain, `--json`, `--as-at`), `repl
 
 A reader may read what it can (exit 0) or refuse the file with one line on stderr (exit 1); any
 exception, any other status, a message over more than one line, or a `--json` output that a
-strict parser refuses is a failure, reported with the case that reproduces it.
+strict parser refuses is a failure, reported with its seed, its mutations and the damaged file,
+kept in the test's temporary folder to run the reader on again.
 
 AMP_TUI_FUZZ_FILES sets how many damaged files (CI runs FUZZ_FILES); AMP_TUI_FUZZ_SEED where the
-sequence starts, so a failure is reproduced by its seed alone.
+sequence starts (the mutations of a seed are the same on any machine; the base sessions differ
+in their times).
 """
 
 from __future__ import annotations
@@ -290,7 +292,9 @@ def test_every_reader_reads_or_refuses_every_damaged_session(base_sessions, tmp_
         for argv, json_out in reader_commands(run_dir, case, plot=seed % PLOT_EVERY == 0):
             problem = check_reader(argv, json_out)
             if problem is not None:
-                failures.append(f"seed {seed} ({base}: {', '.join(mutations)}) "
+                kept = tmp_path / f"damaged-{seed}.jsonl"
+                kept.write_bytes(data)
+                failures.append(f"seed {seed} ({base}: {', '.join(mutations)}, kept in {kept}) "
                                 f"amp-tui {' '.join(argv[:1] + argv[2:])}:\n{problem}")
         shutil.rmtree(case)
     elapsed = time.monotonic() - started
@@ -300,7 +304,7 @@ def test_every_reader_reads_or_refuses_every_damaged_session(base_sessions, tmp_
 
 
 def test_the_mutations_are_the_same_for_a_seed_and_damage_the_file(base_sessions):
-    """A failure is reproduced by its seed alone; and every mutation changes the bytes it is given
+    """A seed's mutations are the same every time; and every mutation changes the bytes it is given
     (a fuzz whose mutations did nothing would find nothing)."""
     assert damaged(base_sessions, 7) == damaged(base_sessions, 7)
     data = base_sessions["train"]
