@@ -5,6 +5,7 @@ read. Every `--json` output is strict JSON, and a reader prints text any termina
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -146,3 +147,29 @@ def test_a_step_whose_nonfinite_and_an_intervention_whose_source_are_not_text(tm
     assert "step 25" in capsys.readouterr().out
     assert main(["report", str(path), "--as-at"]) == 0
     assert capsys.readouterr().out == intact      # a source that names none is the user's
+
+
+@pytest.mark.parametrize("name, make, shows", [
+    ("/dev/zero", None, "can't be read"),
+    ("../outside.json", lambda p: p.write_text('{"closest":[{"op":"aten.elsewhere"}]}'), "can't be read"),
+    ("xray-step-0000029.json", lambda p: os.mkfifo(p), "can't be read"),
+    ("xray-step-0000029.json", lambda p: p.symlink_to("/dev/zero"), "can't be read"),
+    ("xray-step-0000029.json", lambda p: p.write_text('{"closest":' + "[" * 100_000 + "]" * 100_000 + "}"),
+     "nested too deep"),
+    ("xray-step-0000029.json", lambda p: p.write_text('{"closest":[1,"x",{"op":"aten.mm","headroom_bits":3}]}'),
+     "3.0 bits  aten.mm"),
+], ids=["a device", "outside the run", "a pipe", "a link to a device", "nested deep", "rows not objects"])
+def test_report_reads_an_xray_only_from_a_file_of_the_run(tmp_path, capsys, name, make, shows):
+    """The X-ray's path comes from the session: /dev/zero or a pipe was read forever, a file
+    nested deep raised RecursionError, a row that is not an object AttributeError."""
+    path = tmp_path / "session.jsonl"
+    write_run(path)
+    lines = path.read_bytes().split(b"\n")
+    lines.insert(len(lines) - 2, b'{"type":"event","step":29,"kind":"xray","message":"x","path":"'
+                 + name.encode() + b'"}')
+    path.write_bytes(b"\n".join(lines))
+    if make is not None:
+        make(tmp_path / name)
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "last X-ray" in out and shows in out and "aten.elsewhere" not in out
