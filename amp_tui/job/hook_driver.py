@@ -30,6 +30,15 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from amp_tui.core import precision as dtypes
+from amp_tui.job.loop_objects import (
+    MonitorError,
+    check_objects,
+    closure_given,
+    device_of,
+    example_names,
+    found_inf,
+    inner_optimizer,
+)
 from amp_tui.job.rank_probes import RankProbes
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.engine import StepResult, to_host
@@ -37,7 +46,7 @@ from amp_tui.training.forward_autocast import fixed_autocast_dtype, wrapped_in_a
 from amp_tui.training.forward_keeper import ForwardKeeper, KeptForward
 from amp_tui.training.hidden_activation import HiddenActivationWatch
 from amp_tui.training.kept_step_trace import trace_kept_step, xray_kept
-from amp_tui.training.local_fp32 import LocalFp32, match_modules, named_modules
+from amp_tui.training.local_fp32 import LocalFp32, match_modules
 from amp_tui.training.precision_state import BorrowedScaling, PrecisionRefused
 from amp_tui.training.probe_schedule import ProbeSchedule, observe_step
 from amp_tui.training.probes import LayerFigures, LayerProbe
@@ -48,10 +57,6 @@ from amp_tui.training.update_guard import (
     nonfinite_flag,
     unscale_untrusted,
 )
-
-
-class MonitorError(RuntimeError):
-    """The monitor was used in a way it can't follow; the message says what to change."""
 
 
 class _Attempt:
@@ -112,7 +117,7 @@ class HookDriver:
         for pattern in self._fp32_patterns:   # checked now, applied by attach()
             if not match_modules(eager, pattern):
                 raise MonitorError(f"fp32_modules={pattern!r} matches no module of the model (module names "
-                                   f"look like {', '.join(_example_names(eager))})")
+                                   f"look like {', '.join(example_names(eager))})")
         # Each forward of a step kept (references, RNG, autocast), for a replay of the step under
         # the op tracer when it fails, or an X-ray asked for (training/forward_keeper.py).
         self.keeper = ForwardKeeper(model, self.device.type, lambda: self.in_step())
@@ -347,7 +352,7 @@ class HookDriver:
             if self.scaler is not None:
                 # GradScaler's own decision, for this optimizer, whatever the kind of optimizer.
                 found = self.scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
-                self._attempt.found_inf = _found_inf(found, self.device)
+                self._attempt.found_inf = found_inf(found, self.device)
                 self._measure_unplanned_skip(optimizer)
             return result
         return step
@@ -377,7 +382,7 @@ class HookDriver:
             # before its clipping). A closure computes them inside step(): they are read after it
             # (gradients_ready, or the post-hook).
             self._attempt_starts()
-            if not _closure_given(args, kwargs):
+            if not closure_given(args, kwargs):
                 self._gradients_seen(scaled=False)
                 self._hold_back_if_nonfinite()
         elif self._attempt is not None and not self._attempt.gradients:
@@ -578,50 +583,3 @@ class HookDriver:
 
 UNSCALED_FIX = ("call amp-tui's, `scaler = monitor.scaler`, then scaler.scale(loss).backward(), "
                 "scaler.step(optimizer), scaler.update() in place of loss.backward() and optimizer.step()")
-
-
-def check_objects(model, optimizer, scaler, scheduler) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise MonitorError(f"amp_tui.monitor(model, ...): model is a {type(model).__name__}, not a torch.nn.Module")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise MonitorError(f"amp_tui.monitor(model, optimizer, ...): optimizer is a {type(optimizer).__name__}, "
-                           "not a torch.optim.Optimizer")
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise MonitorError(f"scaler= is a {type(scaler).__name__}, not a torch.amp.GradScaler")
-    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-        raise MonitorError(f"scheduler= is a {type(scheduler).__name__} with no step() method")
-
-
-def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The torch optimizer inside a wrapper that steps it (Accelerate's AcceleratedOptimizer keeps
-    it as `.optimizer`): the one whose step hooks fire and which GradScaler is handed."""
-    inner = getattr(optimizer, "optimizer", None)
-    while isinstance(inner, torch.optim.Optimizer):
-        optimizer, inner = inner, getattr(inner, "optimizer", None)
-    return optimizer
-
-
-def device_of(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    raise MonitorError("amp_tui.monitor(model, ...): the model has no parameters to watch")
-
-
-def _example_names(model: torch.nn.Module) -> list[str]:
-    names = [name for name in named_modules(model) if name]
-    return [repr(name) for name in names[:3]] + (["..."] if len(names) > 3 else [])
-
-
-def _closure_given(args: tuple, kwargs: dict) -> bool:
-    """Whether `optimizer.step(...)` was handed a closure. A step pre-hook's `args` start with the
-    optimizer itself (`step` is a method): the closure, when positional, comes second."""
-    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
-
-
-def _found_inf(per_device: dict, device: torch.device) -> torch.Tensor | None:
-    """GradScaler's found-inf for one optimizer, on `device` and summed over the devices it
-    came from (one, mostly)."""
-    values = [v.to(device) for v in per_device.values()]
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else sum(values)
