@@ -70,6 +70,8 @@ class RunController:
                  at: list[tuple[int, Command]] = (), steps: int | None = None, flush_interval: float = 1.0,
                  control: bool = False, echo: Callable[[str], None] | None = None):
         self.driver = driver
+        if (schedule := self._schedule) is not None:   # figures of a module in fp32 count to fp32's max
+            schedule.fp32_modules = lambda: driver.local_fp32.names
         self.device = device
         self.run_dir = Path(run_dir)
         self.session_path = self.run_dir / "session.jsonl"

@@ -33,7 +33,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Iterable, Literal
 
 from amp_tui.core.precision import MAX_FINITE, SHORT
 
@@ -98,6 +98,9 @@ class ProbeSchedule:
         self.clean_steps = max(1, int(clean_steps))
         self.weights_every = max(1, int(weights_every))
         self.names = list(names or [])
+        # The modules run in fp32 whatever the dtype (`--fp32-modules`, `fp32=`, `f`, the
+        # autopilot): their figures, and their children's, count to fp32's max. The run sets it.
+        self.fp32_modules: Callable[[], Iterable[str]] = tuple
         self.escalated: str | None = None   # why every step is probed (a trouble's words)
         self.pinned = False                 # `probe=every`: until `probe=auto`
         self._probed = RecentMedian(PROBED_WINDOW)               # a probed step's duration ...
@@ -369,15 +372,18 @@ class ProbeSchedule:
         overflow it makes is a skipped update, a sign of its own. Gradients near the max even
         unscaled are ones no scale of 1 or more can save."""
         top = MAX_FINITE.get(dtype, MAX_FINITE["float32"])
+        held = tuple(self.fp32_modules())
         worst: tuple[str, float] | None = None
         for figures in (act, grad):
             for i, v in enumerate(figures or ()):
                 if v is None or v == 0:
                     continue
                 v = abs(v)
-                bits = math.log2(top / v) if math.isfinite(v) else -math.inf
+                name = self.names[i] if i < len(self.names) else f"layer {i}"
+                limit = MAX_FINITE["float32"] if in_fp32(name, held) else top
+                bits = math.log2(limit / v) if math.isfinite(v) else -math.inf
                 if worst is None or bits < worst[1]:
-                    worst = (self.names[i] if i < len(self.names) else f"layer {i}", bits)
+                    worst = (name, bits)
         return worst
 
     # ---- from outside: commands, dtype changes, restores, resumes -------------------------------
@@ -436,6 +442,11 @@ class ProbeSchedule:
     def status_field(self) -> list:
         """The schedule in `ctl status`: the record's field, or ["every_n", N] for a fixed one."""
         return self.record_field() or ["every_n", self.every]
+
+
+def in_fp32(name: str, held: Iterable[str]) -> bool:
+    """Whether layer `name` runs in fp32 with the modules `held` there: one of them, or inside one."""
+    return any(name == module or name.startswith(module + ".") for module in held)
 
 
 def observe_step(schedule: ProbeSchedule, result, *, planned: bool) -> None:

@@ -229,3 +229,23 @@ def test_a_cost_lost_in_the_noise_keeps_the_last_spacing_instead_of_probing_ever
         seen.append(planned)
         noisy.observe(planned=planned, duration=PLAIN * (1.5 if step % 2 else 0.5), step=step)
     assert sum(seen[100:]) <= 500 / 8 and noisy.share() < 0.05
+
+
+def test_a_layer_run_in_fp32_is_judged_against_fp32s_max():
+    """A module put in fp32 (`f`, `fp32=`, --fp32-modules) keeps activations past fp16's max, as
+    it should: judged against fp16's, every step was trouble and the run probed every step for
+    good after the fix."""
+    schedule = ProbeSchedule("auto", budget=1.0, live_seconds=1e9, clean_steps=10, names=["inp", "amplifier"])
+    run(schedule, 100)
+    run(schedule, 1, first_step=100, nonfinite="loss", skipped=True)
+    assert [c.reason for c in schedule.drain()] == ["nonfinite"]
+    schedule.fp32_modules = lambda: ["amplifier"]
+    for step in range(101, 111):
+        schedule.observe(planned=schedule.probing(step), duration=PLAIN, step=step, dtype="float16",
+                         act=[10.0, 7.1e5], grad=[0.05, 1e-7], scale=65536.0, next_scale=65536.0)
+    assert [c.reason for c in schedule.drain()] == ["clean"]
+    # a layer inside a module in fp32 is in fp32 too; one beside it is not
+    schedule.names = ["amplifier.proj"]
+    assert schedule.least_headroom("float16", [7.1e5], None)[1] > 100
+    schedule.names = ["amplifier2"]
+    assert schedule.least_headroom("float16", [7.1e5], None)[1] < 0
