@@ -13,6 +13,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
+from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.precision import SHORT
 from amp_tui.core.records import EventKind, nonfinite_layer, note_text
 from amp_tui.core.text import one_line, plural
@@ -172,7 +173,8 @@ def _scale_after(idx: SessionIndex, b: int) -> float | None:
         return idx.scale_at(b + 1)
     if idx.end is not None:
         scale = idx.end.get("scale")
-        return float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
+        # read_float: a whole number past float's range (a damaged end record) is infinite, not an error
+        return read_float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
     return None
 
 

@@ -173,3 +173,16 @@ def test_report_reads_an_xray_only_from_a_file_of_the_run(tmp_path, capsys, name
     assert main(["report", str(path)]) == 0
     out = capsys.readouterr().out
     assert "last X-ray" in out and shows in out and "aten.elsewhere" not in out
+
+
+def test_replay_headless_takes_an_end_scale_past_floats_range(tmp_path, capsys):
+    """A storm of skips up to the last step is told with the end record's scale: a whole number
+    of 400 digits there raised OverflowError."""
+    path = tmp_path / "session.jsonl"
+    write_run(path, steps=3)   # steps 0-2 overflow: the storm runs to the end
+    lines = path.read_bytes().split(b"\n")
+    assert lines[-2].startswith(b'{"type":"end"')
+    lines[-2] = lines[-2].replace(b'"scale":', b'"scale":' + b"9" * 400 + b',"was":', 1)
+    path.write_bytes(b"\n".join(lines))
+    assert main(["replay", str(path), "--headless"]) == 0
+    assert "inf" in capsys.readouterr().out
