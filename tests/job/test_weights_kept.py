@@ -45,6 +45,20 @@ def _finite(model: nn.Module) -> bool:
     return all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def _mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(model(x).float(), y)
+
+
+def _scaled_step(monitor, scaler, opt, loss_fn, *args) -> None:
+    """One monitored step of the canonical loop: `loss_fn(*args)`, the scaled backward, step, update."""
+    with monitor.step() as s:
+        s.loss = loss = loss_fn(*args)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
 def _steps_and_alerts(run_dir):
     session = read_session(run_dir / "session.jsonl")
     return session.steps, [e for e in session.events if e["kind"] == "alert"]
@@ -62,13 +76,8 @@ def test_a_collapsing_gradscaler_never_applies_nan_in_a_monitored_loop(tmp_path,
     monitor.driver.replay_failing = False
     for step in range(OVERFLOWING + FINITE_AFTER):
         x, y = _batch(step)
-        with monitor.step() as s:
-            loss = _loss(model, step, x, y)   # fp32: fp16's own arithmetic is not what is judged
-            s.loss = loss
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        # fp32: fp16's own arithmetic is not what is judged
+        _scaled_step(monitor, scaler, opt, _loss, model, step, x, y)
         assert _finite(model), f"NaN weights after step {step} (scale {scaler.get_scale():g})"
     monitor.close()
     assert scaler.get_scale() >= SCALE_FLOOR
@@ -86,14 +95,7 @@ def test_a_gradscaler_handed_over_at_scale_0_is_raised_to_the_floor(tmp_path):
     monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=tmp_path / "run", control=False, announce=False)
     for step in range(3):
         x, y = _batch(OVERFLOWING + step)
-        with monitor.step() as s:
-            with monitor.autocast():
-                loss = _loss(model, OVERFLOWING + step, x, y)
-            s.loss = loss
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        _scaled_step(monitor, scaler, opt, _loss, model, OVERFLOWING + step, x, y)
     monitor.close()
     assert _finite(model)
     _, alerts = _steps_and_alerts(tmp_path / "run")
@@ -110,13 +112,10 @@ def test_the_unscaled_check_catches_what_gradscaler_misses_below_scale_1(tmp_pat
                               announce=False, min_scale=1e-30)
     x = torch.full((2, 4), 1e9)
     with monitor.step() as s:
-        loss = (model(x) * 1e30).sum()   # finite in fp32 (1e30·1e9·…); × 1e-30 scale: ~1e9 gradients
-        s.loss = loss
+        s.loss = loss = model(x).sum()
         opt.zero_grad()
-        scaled = scaler.scale(loss)
-        scaled.backward()
-        # a gradient of ~1e9 · 1e30 in the scaled loss's terms: finite, unscaled by 1e30 → overflow
-        with torch.no_grad():
+        scaler.scale(loss).backward()
+        with torch.no_grad():   # a finite scaled gradient that unscaling by 1e30 takes past fp32's max
             model.weight.grad.fill_(3e38)
         scaler.step(opt)
         scaler.update()
@@ -242,14 +241,7 @@ def test_a_fix_applied_at_a_collapsed_scale_says_to_set_the_scale_back(tmp_path)
         if step == 1:
             monitor.submit(parse_action("fp32=0", "api"))
         x, y = _batch(OVERFLOWING)
-        with monitor.step() as s:
-            with monitor.autocast():
-                loss = nn.functional.mse_loss(model(x).float(), y)
-            s.loss = loss
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        _scaled_step(monitor, scaler, opt, _mse, model, x, y)
     monitor.close()
     session = read_session(tmp_path / "run" / "session.jsonl")
     [fix] = [e for e in session.events if e["kind"] == "intervention" and e["action"] == "fp32"]
