@@ -71,7 +71,11 @@ class RunController:
                  control: bool = False, echo: Callable[[str], None] | None = None):
         self.driver = driver
         if (schedule := self._schedule) is not None:   # figures of a module in fp32 count to fp32's max
-            schedule.fp32_modules = lambda: driver.local_fp32.names
+            # The modules themselves, not the driver: a schedule held by the driver that held the
+            # driver back would be a cycle, keeping the model (and a DDP model's process group,
+            # with gloo's threads) alive past destroy_process_group until the interpreter's end.
+            local = driver.local_fp32
+            schedule.fp32_modules = lambda: local.names
         self.device = device
         self.run_dir = Path(run_dir)
         self.session_path = self.run_dir / "session.jsonl"
