@@ -71,9 +71,7 @@ class RunController:
                  control: bool = False, echo: Callable[[str], None] | None = None):
         self.driver = driver
         if (schedule := self._schedule) is not None:   # figures of a module in fp32 count to fp32's max
-            # The modules themselves, not the driver: a schedule held by the driver that held the
-            # driver back would be a cycle, keeping the model (and a DDP model's process group,
-            # with gloo's threads) alive past destroy_process_group until the interpreter's end.
+            # Not the driver: a cycle through it kept a DDP model's group (gloo's threads) to the end.
             local = driver.local_fp32
             schedule.fp32_modules = lambda: local.names
         self.device = device
