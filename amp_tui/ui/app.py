@@ -174,7 +174,8 @@ class AmpTuiApp(App[int]):
             self._announced.add(("pause", pause.event_index))
             where = f"; first non-finite layer: {brief(pause.layer)}" if pause.layer else ""
             what = "activation" if pause.where == "activations" else "loss"
-            self.notify(f"non-finite {what} at step {pause.step}{where}. Paused: d dtype, "
+            offer = f"f applies {pause.fix}, " if pause.fix and not pause.fix_applied else ""
+            self.notify(f"non-finite {what} at step {pause.step}{where}. Paused: {offer}d dtype, "
                         "s halve scale, r restore", title="paused", severity="warning",
                         timeout=10, markup=False)
         for event in self._new_events(snap):

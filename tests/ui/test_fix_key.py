@@ -12,7 +12,7 @@ from amp_tui.ui.app import create_app
 from amp_tui.ui.widgets.notice import PauseNotice, notice_text
 
 from fixed_source import FixedSource, synthetic_records
-from support import ATTENTION_SCRIPT, SIZE, build_live, run_async, toasts, until
+from support import ATTENTION_SCRIPT, SIZE, build_live, notified, run_async, toasts, until
 
 
 def test_a_fix_flag_becomes_the_command_that_applies_it():
@@ -88,6 +88,7 @@ async def test_the_pause_banner_and_the_highlighted_rows_name_the_ops_module_and
     keys offer f with the fix it applies."""
     run, source = build_live(write_script(ATTENTION_SCRIPT), tmp_path / "run", steps=3)
     app = create_app(source)
+    said = notified(app)
     try:
         async with app.run_test(size=SIZE, notifications=True) as pilot:
             notice = app.dashboard.query_one(PauseNotice)
@@ -97,6 +98,8 @@ async def test_the_pause_banner_and_the_highlighted_rows_name_the_ops_module_and
             text = str(notice.render())
             assert "first non-finite layer: blocks.1.attn;" in text
             assert f"verified fix: {event['fix']}" in text and "f apply the fix" in text
+            # the pause's toast offers it too (it listed d, s and r alone)
+            await until(pilot, lambda: f"f applies {event['fix']}" in " ".join(said), "the pause's toast")
             table = app.dashboard.layer_table
             await until(pilot, lambda: table._origin == "blocks.1.attn", "the origin's rows")
             # the name cell marked as the origin's (non-finite figures have a red style of their own)
