@@ -277,7 +277,9 @@ def test_amp_tui_run_follows_a_torchrun_loop_with_a_monitor(write_script, tmp_pa
     assert session.header["probe_every"] == "auto"   # rank 0's schedule, agreed at each boundary
     probed = [r for r in session.steps if "layers" in r]
     assert probed and all(len(r["rank_loss"]) == 2 for r in probed)   # both ranks probed them
-    ends = dict(re.findall(r"rank (\d) stopped at (\d+; dtypes .*)", out))
+    # The ranks' lines reach one pipe unbuffered, a line's text and its newline in two writes, so
+    # one rank's line can run into the other's: each ends at its list's closing bracket.
+    ends = dict(re.findall(r"rank (\d) stopped at (\d+; dtypes \[[^\]]*\])", out))
     assert set(ends) == {"0", "1"} and ends["0"] == ends["1"], out   # the same step, the same switch
     switch = next(e for e in session.events if e.get("action") == "dtype")
     assert f"({switch['step']}, 'torch.bfloat16')" in ends["0"]

@@ -108,7 +108,7 @@ def test_lightning_model_parallel_strategy_is_watched_on_both_ranks(write_script
     assert all(math.isfinite(g) and g > 0 for r in updated for g in r["layers"]["grad"] + r["layers"]["weight"])
     # Both ranks' GradScalers skipped and halved together (found_inf reduced through the DTensors),
     # and the recorded scales are theirs.
-    scales = {rank: json.loads(seen) for rank, seen in re.findall(r"rank (\d) scales (\[.*\])", out)}
+    scales = {rank: json.loads(seen) for rank, seen in re.findall(r"rank (\d) scales (\[[^\]]*\])", out)}
     assert set(scales) == {"0", "1"} and scales["0"] == scales["1"], out
     assert [r["next_scale"] for r in session.steps] == scales["0"]
     # Each layer's figures over the shards are the whole layer's, as the optimizer got it.
