@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from amp_tui.core.commands import Command, Outcome
-from amp_tui.core.fixes import TRAIN, fix_in_words, fix_to_apply, last_verified_fix
+from amp_tui.core.fixes import TRAIN, fix_in_words
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.records import RunState, end_status, traced_module
 from amp_tui.job import autopilot
@@ -34,6 +34,7 @@ from amp_tui.job import command_handlers as handlers
 from amp_tui.job.checkpoints import RunCheckpoints, TrainingState
 from amp_tui.job.commands import CommandQueue, Handler, apply_command
 from amp_tui.job.driver import Driver
+from amp_tui.job.fix_choice import VerifiedFixes
 from amp_tui.job.forecasts import RunForecasts
 from amp_tui.job.full_disk import FullDisk
 from amp_tui.job.recorder import Observers, RankEcho, Recorder
@@ -107,10 +108,7 @@ class RunController:
             "probe": partial(handlers.set_probes, self), "resume": self._resume, "step": self._single_step,
             "xray": partial(handlers.xray, self), "undo": partial(autopilot.undo, self), "fix": self._apply_fix,
         }
-        # What `fix` chooses from: the newest non-finite event with a verified fix, and the
-        # autopilot's interventions after it; the step whose fix `fix` applied last.
-        self._fix_events: list[dict] = []
-        self._fixed_step: int | None = None
+        self.fixes = VerifiedFixes(self.refused)   # what `fix` applies (job/fix_choice.py)
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in at:
             self._scheduled.setdefault(step, []).append(command)
@@ -252,10 +250,7 @@ class RunController:
         self.publish()   # the steps before it first, in the order they happened
         record = event_record(self.step_index if step is None else step, kind, message, **fields)
         self.recorder.emit(record)
-        if kind == "nonfinite" and last_verified_fix([record]) is not None:
-            self._fix_events = [record]
-        elif kind == "intervention" and fields.get("source") == "autopilot" and self._fix_events:
-            self._fix_events.append(record)
+        self.fixes.seen(record)
         return record
 
     def fix_words(self, fix: str) -> str:
@@ -426,7 +421,7 @@ class RunController:
         (or a full disk) brought to any rank stops them all here."""
         if not self.ranks:
             return self.queued(self.step_index)
-        commands, stop = self.ranks.agree_commands(lambda: self._chosen_fixes(self.queued(self.step_index)))
+        commands, stop = self.ranks.agree_commands(lambda: self.fixes.chosen(self.queued(self.step_index)))
         if stop is not None:
             self._checkpoint_on_stop = self._checkpoint_on_stop or stop.checkpoint
             self._stop_reason = self._stop_reason or stop.reason
@@ -437,33 +432,8 @@ class RunController:
         """The `--at` commands of boundary `step`, then those queued meanwhile."""
         return self._scheduled.pop(step, []) + self.commands.drain()
 
-    def _chosen_fixes(self, commands: list[Command]) -> list[Command]:
-        """Rank 0's `fix` as the command it chose (or refused here), so that every rank applies the
-        same change whatever its own events hold."""
-        chosen = []
-        for command in commands:
-            if command.action != "fix":
-                chosen.append(command)
-                continue
-            choice = self._choose_fix(command)
-            if isinstance(choice, Outcome):
-                if command.on_done is not None:
-                    command.on_done(choice)
-            else:
-                chosen.append(choice)
-        return chosen
-
-    def _choose_fix(self, command: Command) -> Command | Outcome:
-        """The command that applies the run's last verified fix, or its refusal (recorded)."""
-        choice = fix_to_apply(self._fix_events, self._fixed_step, command.source)
-        if isinstance(choice, str):
-            return self.refused(command, choice)
-        self._fixed_step = self._fix_events[0].get("step")
-        choice.client, choice.on_done = command.client, command.on_done
-        return choice
-
     def _apply_fix(self, command: Command) -> Outcome:
-        choice = self._choose_fix(command)
+        choice = self.fixes.choose(command)
         if isinstance(choice, Outcome):
             return choice
         choice.on_done = None   # the fix command's own is answered with this outcome
