@@ -24,7 +24,7 @@ Mode = Literal["live", "replay", "attached", "launched"]
 STEERED_MODES: frozenset[str] = frozenset({"live", "attached", "launched"})
 EventKind = Literal["intervention", "checkpoint_saved", "checkpoint_restored", "nonfinite", "alert",
                     "error", "refused", "paused", "stopping", "resumed", "note", "probes", "forecast_checked",
-                    "xray"]
+                    "xray", "calibration"]
 
 ENDED: frozenset[str] = frozenset({"finished", "stopped", "error"})
 # The events that change a run's state or what it trains with (`InForce`); the others (a

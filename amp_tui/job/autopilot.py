@@ -27,6 +27,7 @@ from typing import Any
 
 from amp_tui.core import precision
 from amp_tui.core.commands import Command, Outcome
+from amp_tui.core.numfmt import scale_text
 from amp_tui.job import command_handlers as handlers
 from amp_tui.job.run_records import nonfinite_fields
 from amp_tui.training.autocast import unsupported_reason
@@ -192,11 +193,12 @@ class Autopilot:
                 return
             now = self.run.precision.scale
         before = {"dtype": result.dtype, "scale": result.scale}
-        message = (f"autopilot: loss scale {result.scale:g} → {now:g}: the backward overflowed at "
-                   f"{result.scale:g} (halved, as GradScaler's backoff does)")
+        was, is_now = scale_text(result.scale), scale_text(now)
+        message = (f"autopilot: loss scale {was} → {is_now}: the backward overflowed at "
+                   f"{was} (halved, as GradScaler's backoff does)")
         self._record("scale", now, before, {"dtype": result.dtype, "scale": now}, message,
-                     f"loss scale {result.scale:g} → {now:g}", result,
-                     reason=f"non-finite gradients at scale {result.scale:g}")
+                     f"loss scale {was} → {is_now}", result,
+                     reason=f"non-finite gradients at scale {was}")
 
     # ---- the ladder -----------------------------------------------------------------------
     def _fall_back(self, result: StepResult, why: str, *, rollback_before: int | None = None) -> None:

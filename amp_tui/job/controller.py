@@ -38,7 +38,13 @@ from amp_tui.job.fix_choice import VerifiedFixes
 from amp_tui.job.forecasts import RunForecasts
 from amp_tui.job.full_disk import FullDisk
 from amp_tui.job.recorder import Observers, RankEcho, Recorder
-from amp_tui.job.run_records import FORWARD_KINDS, nonfinite_fields, nonfinite_message, session_header
+from amp_tui.job.run_records import (
+    FORWARD_KINDS,
+    calibration_message,
+    nonfinite_fields,
+    nonfinite_message,
+    session_header,
+)
 from amp_tui.job.states import EXIT_ERROR, EXIT_NONFINITE_STOP, EXIT_OK, IoPolicy, PauseReason
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.training import checkpoint as ckpt
@@ -324,6 +330,9 @@ class RunController:
         """What a recorded step raises: its non-finite event, the guards' alerts and moves."""
         if result.nonfinite:
             self._on_nonfinite(result)
+        elif result.calibration:
+            self.event("calibration", calibration_message(result), step=result.step,
+                       scale=encode_float(result.scale), next_scale=encode_float(result.next_scale))
         self._apply_guards(result)
 
     def _apply_guards(self, result: StepResult) -> None:

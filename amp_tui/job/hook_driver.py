@@ -40,6 +40,7 @@ from amp_tui.job.loop_objects import (
     inner_optimizer,
 )
 from amp_tui.job.rank_probes import RankProbes
+from amp_tui.training.calibration import ScaleCalibration
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.engine import StepResult, to_host
 from amp_tui.training.forward_autocast import fixed_autocast_dtype, wrapped_in_autocast
@@ -134,6 +135,7 @@ class HookDriver:
         self.step_index = 0
         self.updates_applied = 0
         self.skipped_total = 0
+        self.calibration = ScaleCalibration()
         self.last_skipped = False   # the last update was skipped (a scheduler stepped only after
                                     # applied updates reads this)
         self.autocast_used = False          # monitor.autocast() entered this step
@@ -241,6 +243,7 @@ class HookDriver:
 
     def restore_scaler(self, state: dict | None) -> None:
         self.precision.restore_scaler(state)
+        self.calibration.end()
 
     def checkpoint_extra(self) -> dict:
         return {**self.precision.checkpoint_fields(), "updates_applied": self.updates_applied,
@@ -501,6 +504,11 @@ class HookDriver:
         skipped = skipped or attempt.held_back
         if attempt.held_back and nonfinite is None:
             nonfinite = "gradients"
+        # GradScaler finding its scale at the start is no failure: nothing to locate or replay.
+        calibrating = self.calibration.judge(skipped=skipped, gradients_only=nonfinite == "gradients"
+                                             and not attempt.held_back, scale=used_scale)
+        if calibrating:
+            nonfinite = None
         self.last_skipped = skipped
         # The step counter moves on here, first, then the counts take the step in: `ctl status`,
         # read from another thread (the counts, then the step) while the step is recorded or
@@ -521,7 +529,7 @@ class HookDriver:
             skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
             micro_batches=max(self._forwards, n), nonfinite=nonfinite, first_nonfinite_layer=first,
             lr=attempt.lr, figures=figures, next_scale=self.precision.scale, held_back=attempt.held_back,
-            duration=(ended := time.perf_counter()) - self._started)
+            calibration=calibrating, duration=(ended := time.perf_counter()) - self._started)
         self.update_ended = ended
         observe_step(self.probe_schedule, result, planned=self._planned)
         if nonfinite is not None and self.replay_failing:

@@ -19,6 +19,7 @@ from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.numfmt import number
 from amp_tui.core.records import traced_module
 from amp_tui.recording.xray_file import xray_file_name, xray_message
+from amp_tui.training.calibration import CALIBRATION_SKIPS
 from amp_tui.training.devices import describe_device
 from amp_tui.training.engine import StepResult
 
@@ -118,6 +119,13 @@ def _step_message(result: StepResult) -> str:
         return (f"gradients overflowed at scale {result.scale:g}{on}{where}: update skipped, "
                 f"scale now {result.next_scale:g}")
     return f"non-finite gradients{on} in {short}{where}: {outcome}"
+
+
+def calibration_message(result: StepResult) -> str:
+    """A skip of GradScaler finding its scale at the start (training/calibration.py), said as such."""
+    return (f"GradScaler calibrating its scale: the gradients overflowed at scale {result.scale:g}, update "
+            f"skipped, scale now {result.next_scale:g} (an fp16 run's first steps find the scale this way; "
+            f"calibration skip {result.skipped_total} of at most {CALIBRATION_SKIPS})")
 
 
 # The non-finite kinds the forward made: --on-nonfinite pause and stop act on them (a gradient

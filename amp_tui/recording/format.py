@@ -132,6 +132,8 @@ def step_record(result) -> EncodedStep:
         record["grad_norm"] = enc(result.grad_norm, FIGURE_DIGITS)
     if result.nonfinite:
         record["nonfinite"] = result.nonfinite
+    if getattr(result, "calibration", False):   # a skip of GradScaler finding its scale at the start
+        record["calibration"] = True
     probes = getattr(result, "probes", None)
     if probes is not None:   # the adaptive schedule's state, for the status bar
         record["probes"] = probes

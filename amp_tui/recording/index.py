@@ -52,6 +52,7 @@ F_SCALE_NONE = 4               # "scale" null (no GradScaler active)
 F_NONFINITE_LOSS = 8
 F_NONFINITE_GRADIENTS = 16
 F_NONFINITE_OTHER = 32
+F_CALIBRATION = 64             # a skip of GradScaler finding its scale at the start ("calibration")
 
 
 def _step_head(p: bytes) -> re.Pattern:
@@ -302,6 +303,8 @@ class SessionIndex:
                                 f |= (F_NONFINITE_LOSS if b'"nonfinite":"loss"' in rest else
                                       F_NONFINITE_GRADIENTS if b'"nonfinite":"gradients"' in rest
                                       else F_NONFINITE_OTHER)
+                            if rest and b'"calibration":true' in rest:
+                                f |= F_CALIBRATION
                             if f & F_LOSS_NONE:
                                 self.loss_none += 1
                             code = dtype_code.get(dt)
@@ -387,6 +390,8 @@ class SessionIndex:
         if nonfinite:   # a damaged record can hold any JSON value: only a name is looked up
             f |= _NONFINITE_FLAGS.get(nonfinite, F_NONFINITE_OTHER) if isinstance(nonfinite, str) \
                 else F_NONFINITE_OTHER
+        if r.get("calibration") is True:
+            f |= F_CALIBRATION
         dtype = r.get("dtype")
         dtype = dtype if isinstance(dtype, str) else str(self.header.get("dtype") or "?")
         tv = read_float(r.get("time"))

@@ -58,6 +58,7 @@ class Summary:
     nonfinite_events: int
     interventions: int
     checkpoints: int
+    calibration_skips: int = 0   # of the skips: GradScaler finding its scale at the start, no trouble
     errors: list[str] = field(default_factory=list)
     # The commands the run refused, {"step", "command", "reason", "source"}, in order: apart from
     # the errors (a refusal leaves the run as it was).
@@ -247,6 +248,7 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         min_scale=d.in_force.min_scale,
         final_loss=read_float(last.get("loss")) if last else None,
         nonfinite_events=d.event_kinds.get("nonfinite", 0),
+        calibration_skips=d.event_kinds.get("calibration", 0),
         interventions=d.event_kinds.get("intervention", 0),
         checkpoints=d.event_kinds.get("checkpoint_saved", 0),
         errors=list(d.errors),
@@ -336,7 +338,8 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
     rows += [
         ("updates applied", f"{s.updates_applied} of {s.steps}" + (
             f" ({s.rolled_back} rolled back by a restore or resume)" if s.rolled_back else "")),
-        ("skipped", str(s.skipped)),
+        ("skipped", str(s.skipped) + (f" ({s.calibration_skips} GradScaler calibrating its scale at the start)"
+                                      if s.calibration_skips else "")),
         ("final dtype", s.final_dtype or "?"),
         ("final scale", scale),
         ("fp32 modules", ", ".join(s.fp32_modules) if s.fp32_modules else "none"),

@@ -17,7 +17,13 @@ from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.precision import SHORT
 from amp_tui.core.records import EventKind, nonfinite_layer, note_text
 from amp_tui.core.text import one_line, plural
-from amp_tui.recording.index import F_NONFINITE_GRADIENTS, F_NONFINITE_LOSS, F_SKIPPED, SessionIndex
+from amp_tui.recording.index import (
+    F_CALIBRATION,
+    F_NONFINITE_GRADIENTS,
+    F_NONFINITE_LOSS,
+    F_SKIPPED,
+    SessionIndex,
+)
 
 if TYPE_CHECKING:
     from amp_tui.core.commands import Command
@@ -93,7 +99,7 @@ def timeline_lines(index: IndexLike) -> list[str]:
     for k in range(idx.event_count):
         kind = idx.event_kind(k)
         step = idx.event_steps[k]
-        if kind == "nonfinite" and _in_storm(idx, step):
+        if kind in ("nonfinite", "calibration") and _in_storm(idx, step):
             continue
         e = idx.event(k)
         after = e.get("after")
@@ -114,7 +120,8 @@ def timeline_lines(index: IndexLike) -> list[str]:
 
 
 def _in_storm(idx: SessionIndex, step: int) -> bool:
-    """A nonfinite event whose step record was a skipped update is told by its storm line."""
+    """A nonfinite or calibration event whose step record was a skipped update is told by its
+    storm line."""
     frame = idx.frame_of(step)
     return frame >= 0 and idx.steps[frame] == step and bool(idx.flags[frame] & F_SKIPPED)
 
@@ -139,20 +146,23 @@ def _storms(idx: SessionIndex) -> list[tuple[int, int, str]]:
 
 def _storm_text(idx: SessionIndex, a: int, b: int) -> str:
     count = b - a + 1
-    loss = grads = 0
+    loss = grads = calibrating = 0
     for f in idx.flags[a:b + 1]:
         loss += bool(f & F_NONFINITE_LOSS)
         grads += bool(f & F_NONFINITE_GRADIENTS)
+        calibrating += bool(f & F_CALIBRATION) and not f & (F_NONFINITE_LOSS | F_NONFINITE_GRADIENTS)
     dtypes = {idx.dtype_at(f) for f in (a, b)}
     dtype = " or ".join(sorted(_short(d) for d in dtypes))
     what = []
+    if calibrating:
+        what.append(f"GradScaler calibrating its scale ×{calibrating}")
     if loss:
         what.append(f"non-finite loss ×{loss}")
     if grads:
         what.append(f"non-finite gradients ×{grads}" if idx.scale_at(a) is None
                     else f"gradient overflow ×{grads}")
-    if count - loss - grads > 0:
-        what.append(f"other ×{count - loss - grads}")
+    if count - loss - grads - calibrating > 0:
+        what.append(f"other ×{count - loss - grads - calibrating}")
     text = f"{_steps(idx.steps[a], idx.steps[b])}: {plural(count, 'skipped update')} in {dtype}"
     if what:
         text += f" ({', '.join(what)})"

@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from amp_tui.training.autocast import autocast
+from amp_tui.training.calibration import ScaleCalibration
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.diagnose import Diagnosis, diagnose
 from amp_tui.training.hidden_activation import HiddenActivationWatch
@@ -77,6 +78,7 @@ class StepResult:
     xray: dict | None = None      # the step traced op by op on request (request_xray; op_xray.py)
     eta: list | None = None       # each layer's steps left before the dtype's max (job/forecasts.py)
     held_back: bool = False       # amp-tui kept an update with inf/NaN gradients from applying (update_guard.py)
+    calibration: bool = False     # a skip of GradScaler finding its scale at the start (calibration.py)
 
 
 @dataclass
@@ -157,6 +159,7 @@ class GuardedTrainer:
         self.step_index = 0
         self.updates_applied = 0
         self.skipped_total = 0
+        self.calibration = ScaleCalibration()
         self._started: _StartedStep | None = None  # a forward run ahead by start_step()
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         # Parameters the optimizer steps but no probed module owns: their gradients still need
@@ -227,6 +230,7 @@ class GuardedTrainer:
 
     def restore_scaler(self, state: dict | None) -> None:
         self.precision.restore_scaler(state)
+        self.calibration.end()
 
     # ---- the guarded step ---------------------------------------------------------------
     def probing_next(self) -> bool:
@@ -339,14 +343,21 @@ class GuardedTrainer:
             figures = self._unplanned_gradient_figures(used_scale)
         if not skipped and self.scheduler is not None:
             self.scheduler.step()   # only after an update really applied: skipped steps don't count
-        first, diagnosis = self._locate_nonfinite_gradient(micro_batches, used_scale, figures) if skipped \
-            else (self._hidden_activation(figures), None)
-        nonfinite = "gradients" if skipped else "activations" if first is not None else None
+        # GradScaler finding its scale at the start is no failure: nothing to locate or replay.
+        calibrating = self.calibration.judge(skipped=skipped, gradients_only=True,
+                                             scale=used_scale if self.scaler is not None else None)
+        if calibrating:
+            first, diagnosis = None, None
+        elif skipped:
+            first, diagnosis = self._locate_nonfinite_gradient(micro_batches, used_scale, figures)
+        else:
+            first, diagnosis = self._hidden_activation(figures), None
+        nonfinite = "gradients" if skipped and not calibrating else "activations" if first is not None else None
         # A hidden activation is found in the forward, replayed on the weights after the update.
         op_trace = self._trace_ops(micro_batches, range(n), used_scale, backward=skipped) if nonfinite else None
         return self._finish(mean_loss, used_scale, lr, skipped=skipped, nonfinite=nonfinite, first_layer=first,
                             figures=figures, micro=n, grad_norm=grad_norm, diagnosis=diagnosis,
-                            op_trace=op_trace)
+                            op_trace=op_trace, calibration=calibrating)
 
     def _forward_and_backward(self, micro_batches, first_loss: torch.Tensor | None):
         """Autocast forward and scaled backward of each micro-batch, stopping once a loss is
@@ -399,6 +410,7 @@ class GuardedTrainer:
         """No update: the gradients (of the backward several ranks ran) go, and nothing of the
         scaler moves (no unscale_, step or update). Then find where the forward went non-finite."""
         self._zero_grad()
+        self.calibration.end()
         figures = probe.collect()[0] if probe else None
         diagnosis = self._diagnose([micro_batches[bad]], used_scale, backward=False)
         # Several ranks: one whose own losses were finite skips because another's were not, and
@@ -504,7 +516,7 @@ class GuardedTrainer:
         return lr
 
     def _finish(self, loss, scale, lr, *, skipped, nonfinite, first_layer, figures, micro,
-                grad_norm=None, diagnosis=None, op_trace=None):
+                grad_norm=None, diagnosis=None, op_trace=None, calibration=False):
         step, self.step_index = self.step_index, self.step_index + 1   # before the counts (ctl status)
         if skipped:
             self.skipped_total += 1
@@ -516,7 +528,8 @@ class GuardedTrainer:
             dtype=self.dtype, micro_batches=micro, nonfinite=nonfinite,
             first_nonfinite_layer=first_layer, grad_norm=grad_norm,
             lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None,
-            figures=figures, diagnosis=diagnosis, next_scale=self.scale, op_trace=op_trace)
+            figures=figures, diagnosis=diagnosis, next_scale=self.scale, op_trace=op_trace,
+            calibration=calibration)
 
     def _diagnose(self, micro_batches, scale: float | None, *, backward: bool) -> Diagnosis | None:
         """The second, checked pass over a bad step's micro-batches (the first that shows it)."""

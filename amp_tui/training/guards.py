@@ -142,11 +142,14 @@ class PrecisionGuard:
         self._trends.setdefault(result.dtype, LossTrend()).add(result.loss)
         if result.first_nonfinite_layer:
             self._last_layer = result.first_nonfinite_layer
+        # GradScaler's calibration skips at the start are how it finds its scale, not a share of
+        # trouble; they still count as drops of the scale (a 5th in a row is no calibration).
+        troubled = bool(result.skipped) and not result.calibration
         if len(self._window) == self._window.maxlen:
             self._window_skips -= self._window[0]
-        self._window.append(bool(result.skipped))
+        self._window.append(troubled)
         self._window_skips += self._window[-1]
-        self._storm.append((result.step, result.skipped))
+        self._storm.append((result.step, troubled))
         self._bad_streak = self._bad_streak + 1 if bad else 0
 
         if new_scale is not None and result.scale is not None:

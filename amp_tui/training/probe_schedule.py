@@ -260,14 +260,19 @@ class ProbeSchedule:
     # ---- after a step -----------------------------------------------------------------------
     def observe(self, *, planned: bool, duration: float, skipped: bool = False, nonfinite: str | None = None,
                 scale: float | None = None, next_scale: float | None = None, dtype: str = "float32",
-                act: list | None = None, grad: list | None = None, step: int | None = None) -> None:
+                act: list | None = None, grad: list | None = None, step: int | None = None,
+                calibration: bool = False) -> None:
         """A step's outcome: `planned` whether it was probed as planned, its duration, and its
-        figures (`act`, `grad`: None when not measured)."""
+        figures (`act`, `grad`: None when not measured). `calibration`: a skip of GradScaler
+        finding its scale at the start (training/calibration.py), which is no trouble."""
         self.observed += 1
-        trouble = self._trouble(skipped, nonfinite, scale, next_scale, dtype, act, grad, step)
+        trouble = None if calibration else self._trouble(skipped, nonfinite, scale, next_scale, dtype, act, grad,
+                                                         step)
         if planned:
             self.probed_steps += 1
-        self._measure(planned, duration, counted=trouble is None and self.observed > FIRST_PROBED)
+        # A skipped step's time (no optimizer step) says nothing of a step's cost either.
+        self._measure(planned, duration,
+                      counted=trouble is None and not calibration and self.observed > FIRST_PROBED)
         if trouble is not None:
             self.clean = 0
             if self.escalated is None and self.auto:
@@ -454,7 +459,8 @@ def observe_step(schedule: ProbeSchedule, result, *, planned: bool) -> None:
     f = result.figures
     schedule.observe(planned=planned, duration=result.duration, skipped=result.skipped,
                      nonfinite=result.nonfinite, scale=result.scale, next_scale=result.next_scale,
-                     dtype=result.dtype, act=f.act if f else None, grad=f.grad if f else None, step=result.step)
+                     dtype=result.dtype, act=f.act if f else None, grad=f.grad if f else None, step=result.step,
+                     calibration=result.calibration)
     result.probes = schedule.record_field()
 
 

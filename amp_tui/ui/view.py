@@ -332,6 +332,7 @@ EVENT_LABELS = {
     # kind -> (label, style)
     "nonfinite": ("NaN/inf", "bold red"),
     "skip": ("skipped", "yellow"),
+    "calibration": ("calibrate", "dim"),   # GradScaler finding its scale at the start: no trouble
     "intervention": ("intervene", "cyan"),
     "checkpoint_saved": ("saved", "green"),
     "checkpoint_restored": ("restored", "green"),

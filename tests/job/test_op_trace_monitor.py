@@ -166,7 +166,8 @@ def test_a_backward_overflow_in_a_monitored_loop_is_replayed_from_the_models_own
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = torch.amp.GradScaler("cpu")
+    # A start above GradScaler's default: the first skip is the overflow, not its calibration.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)
     monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=tmp_path / "run", announce=False)
     for _ in range(2):
         with monitor.step() as step:
@@ -235,7 +236,8 @@ def test_a_backward_overflow_is_replayed_from_the_gradient_that_reached_the_outp
     torch.manual_seed(0)
     model = Amplifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = torch.amp.GradScaler("cpu")
+    # A start above GradScaler's default: the first skip is the overflow, not its calibration.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)
     monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=tmp_path / "run", announce=False)
     with monitor.step() as step:
         with monitor.autocast():

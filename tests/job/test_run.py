@@ -19,7 +19,7 @@ def run_cli(args, tmp_path, name="run"):
 
 
 def test_every_iteration_writes_one_strict_step_record(mlp_script, tmp_path):
-    status, run_dir, lines = run_cli([str(mlp_script), "--steps", "7"], tmp_path)
+    status, run_dir, lines = run_cli([str(mlp_script), "--steps", "7", "--probe-every", "1"], tmp_path)
     assert status == 0
     header = lines[0]
     assert header["type"] == "header" and header["format"] == "amp-tui-session" and header["version"] == 1
@@ -44,8 +44,11 @@ def test_skips_halve_the_scale_and_a_small_init_scale_skips_none(write_script, t
         if b["step"] == a["step"] + 1:
             assert b["scale"] == a["scale"] / 2
     assert steps[-1]["skipped_total"] == len(skipped)
+    # The first four are GradScaler's calibration; every skip after them is a non-finite event.
+    calibration = [r["step"] for r in lines if r["type"] == "event" and r["kind"] == "calibration"]
+    assert calibration == [0, 1, 2, 3] and [s["step"] for s in steps if s.get("calibration")] == calibration
     events = [r for r in lines if r["type"] == "event" and r["kind"] == "nonfinite"]
-    assert [e["step"] for e in events] == [s["step"] for s in skipped]
+    assert [e["step"] for e in events] == [s["step"] for s in skipped if not s.get("calibration")]
     _, _, lines = run_cli([str(script), "--steps", "12", "--init-scale", "4"], tmp_path, "small")
     assert not any(r["skipped"] for r in lines if r["type"] == "step")
 
@@ -211,9 +214,10 @@ def test_report_prints_the_summary(mlp_script, tmp_path, capsys):
 
 def test_headless_prints_events_and_a_summary(write_script, tmp_path, capsys):
     script = write_script(OVERFLOW_SCRIPT.replace("ACC", "1"))
-    run_cli([str(script), "--steps", "3"], tmp_path)
+    run_cli([str(script), "--steps", "6"], tmp_path)
     out = capsys.readouterr().out
-    assert "nonfinite" in out and "gradients overflowed at scale 65536" in out
+    assert "calibration" in out and "the gradients overflowed at scale 65536, update skipped" in out
+    assert "nonfinite" in out and "gradients overflowed at scale 4096" in out
     assert "updates applied" in out and "run dir" in out
 
 

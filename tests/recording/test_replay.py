@@ -318,7 +318,8 @@ def test_timeline_of_a_real_run(real_run):
     lines = timeline_lines(real_run)
     assert lines[0].startswith("overflow.py on CPU") and "fp16 (init_scale 65536)" in lines[0]
     assert lines[0].endswith("12 steps recorded of 12")
-    assert lines[1].startswith("steps 0–") and "skipped updates in fp16 (gradient overflow" in lines[1]
+    assert lines[1].startswith("steps 0–")
+    assert "skipped updates in fp16 (GradScaler calibrating its scale ×4, gradient overflow" in lines[1]
     assert "scale 65536 → " in lines[1]
     body = "\n".join(lines)
     assert "step 5: intervention: dtype fp16 → bf16 [at]" in body

@@ -168,7 +168,9 @@ def records(tmp_path_factory) -> list[dict]:
                  "--steps", "3", "--on-nonfinite", "isolate", "--at", "2:undo"]) == 0
     out.extend(strict_lines(folder / "isolate" / "session.jsonl"))
     script.write_text(SCRIPT.replace("FAIL_AFTER = None", "FAIL_AFTER = 3"), encoding="utf-8")
-    train("error", "--steps", "5", status=1)
+    # A start above GradScaler's default (no calibration): step 0's gradient overflow is replayed,
+    # and the replay meets the script's error (`op_trace_error`).
+    train("error", "--steps", "5", "--init-scale", "1048576", status=1)
     script.write_text(SCRIPT, encoding="utf-8")
     code = main(["train", str(script), "--headless", "--resume", str(steered), "--steps", "2"])
     assert code == 0

@@ -138,7 +138,9 @@ async def test_a_key_that_moves_a_paused_replay_brings_the_table_to_the_same_ste
     from amp_tui.sources.replay import ReplaySource
 
     run_dir = tmp_path / "run"
-    assert main(["train", str(mlp_script), "--headless", "--steps", "12", "--run-dir", str(run_dir)]) == 0
+    # Every step probed: the table has a row of figures for each step the replay moves to.
+    assert main(["train", str(mlp_script), "--headless", "--steps", "12", "--probe-every", "1",
+                 "--run-dir", str(run_dir)]) == 0
     monkeypatch.setattr(dashboard, "REPLAY_PACE", dashboard.Pacing(
         status_s=0.0, table_s=1e9, charts_s=1e9))
     source = ReplaySource(run_dir, autoplay=False)
