@@ -19,6 +19,20 @@ def _deterministic():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _monitor_left_open():
+    """A test that fails with its monitor still open leaves it here: closed, so that the next test
+    in the process can make its own (one monitor per process) and one failure stays one."""
+    yield
+    from amp_tui.job.monitor import _SLOT
+    left = _SLOT.holder
+    if left is not None and not left._closed:
+        try:
+            left.close()
+        except Exception:  # noqa: BLE001 - the test has failed already; its own error says why
+            pass
+
+
 @pytest.fixture
 def write_script(tmp_path):
     def write(body: str, name: str = "train_script.py") -> Path:

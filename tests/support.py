@@ -111,6 +111,17 @@ def wait_for(predicate, timeout=60.0):
     return False
 
 
+def recorded_steps(run_dir) -> list[dict]:
+    """The step records of a run that may be starting: none while its session file is missing or
+    its header is still being written."""
+    from amp_tui.recording.format import NoSessionError, SessionStarting
+    from amp_tui.recording.reader import read_session
+    try:
+        return read_session(run_dir).steps
+    except (NoSessionError, SessionStarting, FileNotFoundError):
+        return []
+
+
 def step_count(path):
     try:
         return sum(1 for line in path.read_text().splitlines() if '"type":"step"' in line)
@@ -653,7 +664,7 @@ def monitored_loop(run_dir, steps, *, probe_every="auto", init_scale=2.0 ** 40, 
     x = torch.randn(16, 4)
     for i in range(steps):
         if plan and i in plan:
-            monitor.submit(parse_action(plan[i], source="api"))
+            monitor.controller.submit(parse_action(plan[i], source="api"))
         opt.zero_grad()
         with monitor.step() as step:
             with monitor.autocast():

@@ -20,6 +20,10 @@ class ProcessSlot:
                 raise refusal(self._holder)
             self._holder = holder
 
+    @property
+    def holder(self) -> Any:
+        return self._holder
+
     def release(self, holder: Any) -> None:
         with self._lock:
             if self._holder is holder:

@@ -35,6 +35,10 @@ class SessionFormatError(Exception):
     version)."""
 
 
+class SessionStarting(SessionFormatError):
+    """The file holds a first line still being written (a run that has just started)."""
+
+
 class NoSessionError(SessionFormatError):
     """The path names no session at all: neither a session file nor a run directory with one."""
 

@@ -20,6 +20,7 @@ from amp_tui.recording.format import (
     VERSION,
     NoSessionError,
     SessionFormatError,
+    SessionStarting,
 )
 
 _SKIP_BYTES = 1 << 20   # an over-long line is read past in pieces of this size
@@ -129,7 +130,13 @@ def read_session(target: str | Path) -> Session:
         first = next(lines, b"")
         if first is None:
             raise SessionFormatError(too_long_message(path))
-        header = check_header(parse_record(first.decode("utf-8", "replace")), path)
+        parsed = parse_record(first.decode("utf-8", "replace"))
+        if parsed is None and first and os.fstat(fh.fileno()).st_size == len(first):
+            # One line without its newline: what a run that has just started has written of its
+            # header so far.
+            raise SessionStarting(f"{path} has no complete header yet: a run that has just started "
+                                  "is writing it (or the file was cut short)")
+        header = check_header(parsed, path)
         session = Session(header=header, path=path)
         for raw in lines:
             if raw is None:

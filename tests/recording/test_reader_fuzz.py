@@ -313,3 +313,14 @@ def test_the_mutations_are_the_same_for_a_seed_and_damage_the_file(base_sessions
     data = base_sessions["train"]
     for mutation in MUTATIONS:
         assert any(mutation(data, random.Random(seed)) != data for seed in range(20)), mutation.__name__
+
+
+def test_a_header_still_being_written_is_said_to_be_so_not_called_foreign(tmp_path):
+    """A reader that comes as a run starts may find the header's first bytes without its newline:
+    that is a run starting (SessionStarting), not a file that is no session."""
+    from amp_tui.recording.format import SessionStarting
+    from amp_tui.recording.reader import read_session
+    path = tmp_path / "session.jsonl"
+    path.write_bytes(b'{"type":"header","format":"amp-tui-se')
+    with pytest.raises(SessionStarting, match="no complete header yet"):
+        read_session(path)
