@@ -57,7 +57,7 @@ def scaled_run(run_dir, *, init_scale: float, steps: int, horizon: int | None = 
                               control=False, dtype="fp16", **extra)
     for i in range(steps):
         if i in (commands or {}):
-            monitor.submit(parse_action(commands[i]))
+            monitor.controller.submit(parse_action(commands[i]))
         opt.zero_grad()
         with monitor.step() as step:
             with monitor.autocast():

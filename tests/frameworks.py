@@ -70,7 +70,7 @@ def at_steps(plan: dict[int, str], monitor_of):
         def on_step_end(self, args, state, control, **kwargs):
             text = plan.get(state.global_step)
             if text:
-                monitor_of().submit(parse_action(text, "api"))
+                monitor_of().controller.submit(parse_action(text, "api"))
     return Scheduled()
 
 

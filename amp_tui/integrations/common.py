@@ -34,7 +34,7 @@ def options(dtype: str | None, framework: str, setting: str, given: dict) -> dic
 def warn(monitor: Monitor, reason: str, message: str, *, cause: str, fix: str) -> None:
     """One line on stderr now, and an alert in the recording (the dashboard shows it too)."""
     print(f"amp-tui: {message}", file=sys.stderr, flush=True)
-    monitor.alert(reason, message, cause=cause, fix=fix)
+    monitor.controller.alert(reason, message, cause=cause, fix=fix)
 
 
 def loss_tensor(value):
@@ -48,12 +48,12 @@ def refuse_engine_keys(monitor: Monitor, engine: str) -> None:
     """An engine such as DeepSpeed scales the loss inside its own optimizer step, fixes the dtype
     and holds the optimizer's state in its own (partitioned) form: the keys that would change or
     save them are refused, and the run says so once."""
-    monitor.refuse("scale", f"scale change refused: {engine} owns the loss scale (its engine scales "
+    monitor.controller.refuse("scale", f"scale change refused: {engine} owns the loss scale (its engine scales "
                    "inside its own optimizer step, with no torch GradScaler amp-tui can set)")
-    monitor.refuse("dtype", f"dtype change refused: {engine} fixes the dtype in its engine")
-    monitor.refuse("fp32", f"fp32 for a module refused: {engine} fixes the dtype in its engine")
+    monitor.controller.refuse("dtype", f"dtype change refused: {engine} fixes the dtype in its engine")
+    monitor.controller.refuse("fp32", f"fp32 for a module refused: {engine} fixes the dtype in its engine")
     for action in ("save", "restore"):
-        monitor.refuse(action, f"checkpoint {action} refused: {engine} keeps the optimizer state in its "
+        monitor.controller.refuse(action, f"checkpoint {action} refused: {engine} keeps the optimizer state in its "
                        "own form, which amp-tui's checkpoints can't restore; use the framework's own "
                        "checkpointing")
     warn(monitor, "scale_keys_off", f"{engine} owns this run's loss scale: the scale keys (s, S), "

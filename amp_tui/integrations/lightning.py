@@ -108,7 +108,7 @@ class AmpTuiCallback(_pl.Callback):
             plugin.forward_context = lambda: self.monitor.autocast(cache_enabled=False)
             self._plugin = plugin
         else:
-            self.monitor.refuse("dtype", f"dtype change refused: Lightning's {type(plugin).__name__} "
+            self.monitor.controller.refuse("dtype", f"dtype change refused: Lightning's {type(plugin).__name__} "
                                 f"(precision={plugin.precision!r}) fixes the dtype; d switches the autocast of "
                                 'precision="16-mixed", "bf16-mixed" and "32-true" runs')
         if dtype == "float16" and scaler is None:

@@ -23,12 +23,12 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from amp_tui.core import precision
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.numfmt import scale_text
 from amp_tui.job import command_handlers as handlers
+from amp_tui.job.run_context import RunContext
 from amp_tui.job.run_records import nonfinite_fields
 from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.engine import PrecisionRefused, StepResult
@@ -39,8 +39,6 @@ SOURCE = "autopilot"
 MOST_MODULES = 8   # modules one isolation puts in fp32 together before it widens instead
 FORWARD = ("loss", "activations")
 
-# The controller (job/controller.py), which imports this module: named, not imported.
-RunController = Any
 
 
 @dataclass
@@ -55,7 +53,7 @@ class Autopilot:
     """Every run has one; it decides only when `on` (--on-nonfinite isolate). Off, the guard's
     ladder moves go through it unchanged."""
 
-    def __init__(self, run: RunController, on: bool, config: GuardConfig):
+    def __init__(self, run: RunContext, on: bool, config: GuardConfig):
         self.run = run
         self.on = on
         self.widen = max(0, int(config.isolate_widen))
@@ -101,7 +99,7 @@ class Autopilot:
         chain = widening(root, str(module))
         held = local.names
         chain = [m for m in chain if not _covered(m, held)]
-        failed = getattr(self.run.driver, "failed_step", None)
+        failed = self.run.driver.failed_step
         if failed is not None and result.step == self.run.step_index - 1:
             self._isolate_verified(result, module, chain, failed, _verdicts(event))
         else:
@@ -260,7 +258,7 @@ NO_AUTOPILOT = ("undo takes back the autopilot's last decision, and this run has
                 "(--on-nonfinite isolate, or amp_tui.monitor(on_nonfinite='isolate'))")
 
 
-def undo(run: RunController, command: Command) -> Outcome:
+def undo(run: RunContext, command: Command) -> Outcome:
     """Put the autopilot's last decision's `before` back: the modules in fp32, the scale or the dtype."""
     pilot = run.autopilot
     if not pilot.on:
@@ -278,7 +276,7 @@ def undo(run: RunController, command: Command) -> Outcome:
     return run.intervention(command, before, after, f"undid the autopilot's {decision.what}")
 
 
-def _put_back(run: RunController, decision: Decision) -> tuple[dict, dict]:
+def _put_back(run: RunContext, decision: Decision) -> tuple[dict, dict]:
     if decision.action == "fp32":
         local = run.local_fp32
         before = {"fp32_modules": local.names}

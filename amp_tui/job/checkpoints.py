@@ -133,7 +133,7 @@ class RunCheckpoints:
         run, t = self.run, self.run.training
         if not is_sharded(t.model):
             return "full", "the model is not sharded: one file"
-        mode = getattr(run, "fsdp_checkpoint", "auto")
+        mode = run.fsdp_checkpoint
         chosen = None
         if not run.ranks or run.ranks.is_main:
             whole = layouts.state_bytes(t.model, t.optimizer) if mode == "auto" else 0

@@ -6,21 +6,20 @@ commands that move the run's own state (pause, resume, step, stop) are the contr
 
 from __future__ import annotations
 
-from typing import Any
+import shlex
 
 from amp_tui.core import precision
 from amp_tui.core.commands import Command, CommandError, Outcome, note_text
 from amp_tui.job.probe_events import escalate_probes
+from amp_tui.job.run_context import RunContext
+from amp_tui.job.states import PauseReason
 from amp_tui.training.engine import PrecisionRefused
 from amp_tui.training.guards import LadderMove
 from amp_tui.training.local_fp32 import ModuleMatchError, match_modules
 from amp_tui.training.probe_schedule import dtype_change_reason
 
-# The run controller (job/controller.py), which imports this module: named, not imported.
-RunController = Any
 
-
-def set_dtype(run: RunController, command: Command) -> Outcome:
+def set_dtype(run: RunContext, command: Command) -> Outcome:
     try:
         change = run.training.set_dtype(str(command.value))
     except PrecisionRefused as exc:
@@ -37,7 +36,7 @@ def set_dtype(run: RunController, command: Command) -> Outcome:
     return outcome
 
 
-def set_scale(run: RunController, command: Command) -> Outcome:
+def set_scale(run: RunContext, command: Command) -> Outcome:
     try:
         change = run.precision.set_scale(command.value)
     except PrecisionRefused as exc:
@@ -50,7 +49,7 @@ def set_scale(run: RunController, command: Command) -> Outcome:
     return run.intervention(command, b, a, text)
 
 
-def save(run: RunController, command: Command) -> Outcome:
+def save(run: RunContext, command: Command) -> Outcome:
     info = run.save_checkpoint(source=command.source)
     if info is None:
         return Outcome(False, "checkpoint not saved (see the error event)")
@@ -58,12 +57,12 @@ def save(run: RunController, command: Command) -> Outcome:
     return run.intervention(command, {}, {"checkpoint": path}, f"checkpoint saved: {path}")
 
 
-def restore(run: RunController, command: Command) -> Outcome:
+def restore(run: RunContext, command: Command) -> Outcome:
     run.driver.settle()   # the steps the restore undoes are recorded before it
     return run.checkpointing.restore(command)
 
 
-def toggle_fp32(run: RunController, command: Command) -> Outcome:
+def toggle_fp32(run: RunContext, command: Command) -> Outcome:
     pattern = str(command.value)
     local = run.local_fp32
     before = {"fp32_modules": local.names}
@@ -79,7 +78,7 @@ def toggle_fp32(run: RunController, command: Command) -> Outcome:
                             f"{', '.join(changed) or pattern} {verb}{collapsed_scale_note(run)}")
 
 
-def collapsed_scale_note(run: RunController) -> str:
+def collapsed_scale_note(run: RunContext) -> str:
     """A fix applied while fp16's loss scale lies collapsed below 1 trains little: its gradients
     underflow at that scale. Said with the fix, with how to set the scale back."""
     scale, start = run.precision.scale, run.precision.starting_scale
@@ -90,7 +89,7 @@ def collapsed_scale_note(run: RunController) -> str:
             f"underflow, so set it back ({back}) for this fix to train")
 
 
-def note(run: RunController, command: Command) -> Outcome:
+def note(run: RunContext, command: Command) -> Outcome:
     """A note of the user's, recorded at this boundary (what changed outside the run). Checked
     here too: a program may submit a Command without the parser."""
     try:
@@ -102,11 +101,9 @@ def note(run: RunController, command: Command) -> Outcome:
     return Outcome(True, "note recorded")
 
 
-def set_probes(run: RunController, command: Command) -> Outcome:
+def set_probes(run: RunContext, command: Command) -> Outcome:
     """`probe=every` probes every step until `probe=auto` lets the schedule decide again."""
-    schedule = getattr(run.training, "probe_schedule", None)
-    if schedule is None:
-        return run.refused(command, "this run has no probes")
+    schedule = run.driver.probe_schedule
     change = schedule.set_mode(str(command.value))
     if change is None:
         return Outcome(True, "probing every step already" if schedule.mode == "every"
@@ -116,7 +113,7 @@ def set_probes(run: RunController, command: Command) -> Outcome:
     return Outcome(True, change.message)
 
 
-def xray(run: RunController, command: Command) -> Outcome:
+def xray(run: RunContext, command: Command) -> Outcome:
     """`xray`: the next step traced op by op (engine.py before it runs; in the user's own loop as
     its first forward starts: hook_driver.py); its file and event come once the step ran
     (run_records.py, `record_xray`)."""
@@ -127,7 +124,7 @@ def xray(run: RunController, command: Command) -> Outcome:
     return Outcome(True, f"step {run.step_index} will be X-rayed: its file and event come once it ran")
 
 
-def fall_back(run: RunController, move: LadderMove, source: str = "fallback") -> None:
+def fall_back(run: RunContext, move: LadderMove, source: str = "fallback") -> None:
     """The fallback ladder's move (--on-nonfinite fallback, or the autopilot's: `source`): with
     --rollback, restore the newest checkpoint from before the trouble began first, then the next
     dtype down."""
@@ -148,3 +145,38 @@ def fall_back(run: RunController, move: LadderMove, source: str = "fallback") ->
               value=move.to_dtype, source=source, reason=move.reason, before=before, after=after)
     if before["dtype"] != after["dtype"]:
         escalate_probes(run, "dtype", dtype_change_reason(before["dtype"], after["dtype"]))
+
+
+# ---- pause, resume, a single step ------------------------------------------------------------
+def pause(run: RunContext, command: Command) -> Outcome:
+    # The paused state (ctl status, attach) comes with the last step in the file.
+    run.driver.settle(flush=True)
+    before = {"state": run.state}
+    run.single_steps = 0
+    run.pause_reason = PauseReason.COMMAND
+    run.set_state("paused")
+    return run.intervention(command, before, {"state": run.state}, "paused")
+
+
+def resume(run: RunContext, command: Command) -> Outcome:
+    before = {"state": run.state}
+    run.single_steps, run.pause_reason = 0, None
+    run.set_state("running")
+    return run.intervention(command, before, {"state": run.state}, "resumed")
+
+
+def single_step(run: RunContext, command: Command) -> Outcome:
+    if run.state != "paused":
+        return run.refused(command, _pause_first(run, command.source))
+    run.single_steps += 1
+    return run.intervention(command, {"state": run.state}, {"state": run.state}, f"single step {run.step_index}")
+
+
+def _pause_first(run: RunContext, source: str) -> str:
+    """Why a single step was refused, in the terms of whoever asked for it."""
+    if source == "dashboard":
+        return "single step works while paused (press space first)"
+    if source.startswith("ctl"):
+        return (f"step works while the job is paused: send pause first "
+                f"(amp-tui ctl {shlex.quote(str(run.run_dir))} pause), then step")
+    return "a single step works while the run is paused: pause it first"

@@ -25,6 +25,7 @@ from pathlib import Path
 from amp_tui.core.commands import CommandError, Outcome, parse_action
 from amp_tui.core.precision import short_name
 from amp_tui.core.text import plural
+from amp_tui.job.run_context import RunContext
 
 SOCKET_NAME = "control.sock"
 POINTER_NAME = "control.path"   # holds the socket's path when it had to live elsewhere
@@ -89,7 +90,7 @@ class ControlServer:
     ("terminate called without an active exception", exit 134) after a clean finish.
     """
 
-    def __init__(self, run, run_dir: Path):
+    def __init__(self, run: RunContext, run_dir: Path):
         self.run = run
         self.run_dir = Path(run_dir)
         self.path = self._choose_path()

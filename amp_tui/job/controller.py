@@ -7,15 +7,14 @@ Two drivers run the steps (docs/architecture.md, "One step, two drivers"):
 - the hook driver (job/hook_driver.py, `amp_tui.monitor` and the framework callbacks): the user's
   loop, seen through hooks on its optimizer and GradScaler.
 
-The controller knows neither loop. A driver hands it each step's `StepResult` (`record_step`) and
-calls `boundary()` between steps, where the queued and `--at` commands apply, a pause holds and a
+The controller knows neither loop. A driver hands it each step's `StepResult` (`end_step`, the one
+end of a step) and calls `boundary()` between steps, where the queued and `--at` commands apply, a pause holds and a
 stop ends the run. A command is one handler in `_handlers`, whatever runs the steps.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 import threading
 import time
 import traceback
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from amp_tui.core.commands import Command, Outcome
-from amp_tui.core.fixes import TRAIN, fix_in_words
+from amp_tui.core.fixes import fix_in_words
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.records import RunState, end_status, traced_module
 from amp_tui.job import autopilot
@@ -37,15 +36,25 @@ from amp_tui.job.driver import Driver
 from amp_tui.job.fix_choice import VerifiedFixes
 from amp_tui.job.forecasts import RunForecasts
 from amp_tui.job.full_disk import FullDisk
+from amp_tui.job.probe_events import announce_probe_changes
 from amp_tui.job.recorder import Observers, RankEcho, Recorder
 from amp_tui.job.run_records import (
     FORWARD_KINDS,
     calibration_message,
     nonfinite_fields,
     nonfinite_message,
+    record_xray,
     session_header,
 )
-from amp_tui.job.states import EXIT_ERROR, EXIT_NONFINITE_STOP, EXIT_OK, IoPolicy, PauseReason
+from amp_tui.job.states import (
+    EXIT_ERROR,
+    EXIT_NONFINITE_STOP,
+    EXIT_OK,
+    TRAIN_LOOP,
+    IoPolicy,
+    LoopKind,
+    PauseReason,
+)
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.training import checkpoint as ckpt
 from amp_tui.training.autocast import unsupported_reason
@@ -68,15 +77,15 @@ class RunController:
     """The run around a driver's steps (see the module docstring). Thread-safe from outside:
     `submit`, `request_stop`, `status`, `checkpoints`; everything else on the training thread."""
 
-    STOP_ANSWER = "stopping at this step boundary"
-    WAY = TRAIN   # how the user runs it: what a fix is worded as (core/fixes.py)
+    fsdp_checkpoint = "auto"   # how checkpoints write a sharded model (`Run`: --fsdp-checkpoint)
 
     def __init__(self, driver: Driver, *, device: torch.device, run_dir: Path, script: Path,
                  ranks: Ranks | None = None, guard: GuardConfig | None = None, on_nonfinite: str = "skip",
                  io_policy: IoPolicy = IoPolicy.STOP, checkpoint_every: int | None = None,
                  at: list[tuple[int, Command]] = (), steps: int | None = None, flush_interval: float = 1.0,
-                 control: bool = False, echo: Callable[[str], None] | None = None):
+                 control: bool = False, echo: Callable[[str], None] | None = None, loop: LoopKind = TRAIN_LOOP):
         self.driver = driver
+        self.loop = loop
         if (schedule := self._schedule) is not None:   # figures of a module in fp32 count to fp32's max
             # Not the driver: a cycle through it kept a DDP model's group (gloo's threads) to the end.
             local = driver.local_fp32
@@ -110,8 +119,9 @@ class RunController:
         self._handlers: dict[str, Handler] = {
             "dtype": partial(handlers.set_dtype, self), "scale": partial(handlers.set_scale, self),
             "save": partial(handlers.save, self), "restore": partial(handlers.restore, self), "stop": self._stop,
-            "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self), "pause": self._pause,
-            "probe": partial(handlers.set_probes, self), "resume": self._resume, "step": self._single_step,
+            "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self),
+            "pause": partial(handlers.pause, self), "resume": partial(handlers.resume, self),
+            "step": partial(handlers.single_step, self), "probe": partial(handlers.set_probes, self),
             "xray": partial(handlers.xray, self), "undo": partial(autopilot.undo, self), "fix": self._apply_fix,
         }
         self.fixes = VerifiedFixes(self.refused)   # what `fix` applies (job/fix_choice.py)
@@ -123,6 +133,7 @@ class RunController:
         self._published_at = time.monotonic()
         self.published_seconds = 0.0   # spent formatting records so far (publish), told apart from the rest
         self.held_seconds = 0.0        # spent at boundaries that had something to do (a pause, a command)
+                                       # and saving checkpoints every N steps
         self.should_stop = False                    # the run stops at this boundary (stopping ran)
         self.stop_requested = threading.Event()
         self._checkpoint_on_stop = False
@@ -138,7 +149,7 @@ class RunController:
         self.unwritten: dict[str, int] = {}       # records given up at the end, by type
         self.recording_error: str | None = None   # why they were: the OS's words and the path
         self._control = None
-        self._thread: threading.Thread | None = None   # the thread that runs the steps
+        self.training_thread: threading.Thread | None = None   # the thread that runs the steps
         self.started_at = time.time()
 
     # ---- what the driver holds ------------------------------------------------------------
@@ -161,8 +172,8 @@ class RunController:
 
     @property
     def _schedule(self):
-        """The driver's probe schedule, told what recording the steps costs (None: none)."""
-        return getattr(self.training, "probe_schedule", None)
+        """The driver's probe schedule, told what recording the steps costs."""
+        return self.driver.probe_schedule
 
     @property
     def observers(self) -> Observers:
@@ -223,7 +234,7 @@ class RunController:
                 "scale": self.precision.scale, "updates": updates, "skipped": skipped,
                 "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
                 "run_dir": str(self.run_dir), "script": str(self.script),
-                **({"probes": schedule.status_field()} if (schedule := getattr(t, "probe_schedule", None)) else {}),
+                "probes": self._schedule.status_field(),
                 **(self.ranks.header_fields() if self.ranks else {})}
 
     def outcome(self) -> RunOutcome:
@@ -261,7 +272,7 @@ class RunController:
 
     def fix_words(self, fix: str) -> str:
         """A fix flag (`--dtype bf16`) as this way of running takes it."""
-        return fix_in_words(fix, self.WAY, str(self.run_dir))
+        return fix_in_words(fix, self.loop.way, str(self.run_dir))
 
     def alert(self, reason: str, message: str, *, cause: str, fix: str, step: int | None = None) -> dict:
         """An alert in the recording: what was seen, its likely cause and the fix, in one text."""
@@ -270,6 +281,31 @@ class RunController:
 
     def set_state(self, state: RunState) -> None:
         self.state = state
+
+    def end_step(self, result: StepResult, *, since: float, apart: float, held: bool = False,
+                 batched: bool = True, boundary: Callable[[], object] | None = None) -> None:
+        """The end of every step, for either driver, in this order: the step recorded (`held`:
+        kept back until every rank's figures are in, for the driver's `settle()` to record), its
+        X-ray, the probe schedule's changes, what the driver alone can tell, a checkpoint every N
+        steps, the driver's `boundary` where the step's end is one (the user's loop: it decides
+        when the next step starts), and last the run's own work on the step, told to the probe
+        budget: from `since`, less what `apart_seconds` counted from `apart` on. A new per-step
+        effect goes here, once, for both drivers."""
+        if held:
+            self.last_result = result
+            self.recorder.hold()
+            self.after_step(result)   # what decides from the step uses what the ranks agreed on
+        else:
+            self.record_step(result, batched=batched)
+        if result.xray is not None:
+            record_xray(self, result.step, result.xray, self.driver.xray_by)
+        announce_probe_changes(self, step=result.step + 1)
+        for alert in self.driver.news(result):
+            self.alert(alert.reason, alert.message, cause=alert.cause, fix=alert.fix, step=result.step)
+        self.after_update()
+        if boundary is not None:
+            boundary()
+        self.own_work_done(since, apart)
 
     def record_step(self, result: StepResult, *, batched: bool = False) -> None:
         """Record a step, then what it raises (a non-finite event, the guards' alerts and moves).
@@ -420,9 +456,12 @@ class RunController:
         return True
 
     def after_update(self) -> None:
-        """A step is done: a checkpoint every N steps."""
+        """A step is done: a checkpoint every N steps (not what every step costs: told apart from
+        the run's own work, as a boundary that held is)."""
         if self.checkpoint_every and self.step_index % self.checkpoint_every == 0:
+            started, published = time.perf_counter(), self.published_seconds
             self.save_checkpoint(source="checkpoint_every")
+            self.held_seconds += time.perf_counter() - started - (self.published_seconds - published)
 
     def _boundary_commands(self) -> list[Command]:
         """What applies at this step boundary: the `--at` commands of this step, then those
@@ -513,42 +552,12 @@ class RunController:
             self.checkpoint_due = None
         return info
 
-    def _pause(self, command: Command) -> Outcome:
-        # The paused state (ctl status, attach) comes with the last step in the file.
-        self.driver.settle(flush=True)
-        before = {"state": self.state}
-        self.single_steps = 0
-        self.pause_reason = PauseReason.COMMAND
-        self.set_state("paused")
-        return self.intervention(command, before, {"state": self.state}, "paused")
-
-    def _resume(self, command: Command) -> Outcome:
-        before = {"state": self.state}
-        self.single_steps, self.pause_reason = 0, None
-        self.set_state("running")
-        return self.intervention(command, before, {"state": self.state}, "resumed")
-
-    def _single_step(self, command: Command) -> Outcome:
-        if self.state != "paused":
-            return self.refused(command, self._pause_first(command.source))
-        self.single_steps += 1
-        return self.intervention(command, {"state": self.state}, {"state": self.state},
-                                 f"single step {self.step_index}")
-
-    def _pause_first(self, source: str) -> str:
-        """Why a single step was refused, in the terms of whoever asked for it."""
-        if source == "dashboard":
-            return "single step works while paused (press space first)"
-        if source.startswith("ctl"):
-            run_dir = shlex.quote(str(self.run_dir))
-            return (f"step works while the job is paused: send pause first "
-                    f"(amp-tui ctl {run_dir} pause), then step")
-        return "a single step works while the run is paused: pause it first"
-
     def _stop(self, command: Command) -> Outcome:
         self.intervention(command, {"state": self.state}, {"state": "stopped"}, "stop requested")
         self.stop_requested.set()
-        return Outcome(True, self.STOP_ANSWER)
+        if self.loop.stops_at_once:
+            self._stopping()
+        return Outcome(True, self.loop.stop_answer)
 
     def checkpoint_refused(self, source: str, message: str) -> None:
         self.full_disk.checkpoint_refused(source, message)
@@ -560,7 +569,7 @@ class RunController:
         freed (or the user gives the records up); otherwise the records are given up, counted in
         `unwritten`, and the exit status says so."""
         self.driver.close()
-        if self.full_disk.ending.is_set() and threading.current_thread() is not self._thread:
+        if self.full_disk.ending.is_set() and threading.current_thread() is not self.training_thread:
             # The training thread is writing the end, or waiting for space to: it gives up
             # itself (two threads never write to the file at once).
             self.unattended()
@@ -573,7 +582,7 @@ class RunController:
         if self.recorder.opened and not self.recorder.closed:
             self.publish()
             self.full_disk.finish(end_status(self.state),
-                                  on_training_thread=threading.current_thread() is self._thread)
+                                  on_training_thread=threading.current_thread() is self.training_thread)
         if self._control is not None:   # after the end: ctl resume may be what completes it
             self._control.close()
             self._control = None

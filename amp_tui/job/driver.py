@@ -8,7 +8,11 @@ from typing import Protocol
 import torch
 
 from amp_tui.job.checkpoints import TrainingState
+from amp_tui.training.engine import StepResult
+from amp_tui.training.guards import Alert
+from amp_tui.training.isolation import FailedStep
 from amp_tui.training.local_fp32 import LocalFp32
+from amp_tui.training.probe_schedule import ProbeSchedule
 
 
 class Driver(Protocol):
@@ -18,6 +22,17 @@ class Driver(Protocol):
     local_fp32: LocalFp32
     model: torch.nn.Module       # the model as the user gave it
     optimizer: torch.optim.Optimizer
+    probe_schedule: ProbeSchedule   # which steps are probed, told what the run's own work costs
+    xray_by: dict                   # who asked for the last step's X-ray (StepResult.xray)
+
+    @property
+    def failed_step(self) -> FailedStep | None:
+        """The last step that went non-finite, kept for the autopilot to replay with a module in
+        fp32 (None: none, or a driver that can't replay a step)."""
+
+    def news(self, result: StepResult) -> list[Alert]:
+        """What the driver alone can tell about the step just ended, once (the controller raises
+        each as an alert)."""
 
     def description(self) -> dict:
         """The session header's fields that only the driver knows (see `session_header`)."""

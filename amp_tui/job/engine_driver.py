@@ -19,11 +19,12 @@ from amp_tui.job.distributed import Ranks, RanksLost, communication_failure
 from amp_tui.job.feed import BatchFeed
 from amp_tui.job.probe_events import announce_probe_changes
 from amp_tui.job.rank_probes import RankProbes
-from amp_tui.job.run_records import record_xray
 from amp_tui.recording.format import step_record
 from amp_tui.training.engine import GuardedTrainer, LossError, StepResult
+from amp_tui.training.guards import Alert
 from amp_tui.training.isolation import FailedStep
 from amp_tui.training.local_fp32 import LocalFp32
+from amp_tui.training.probe_schedule import ProbeSchedule
 from amp_tui.training.script import ScriptError, TrainSetup, describe_exception
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class EngineDriver:
         for pattern in config.fp32_modules:
             self.local_fp32.add(pattern)  # ModuleMatchError names a pattern that matches nothing
         self.run: RunController | None = None
-        self._xray_by: dict = {}   # who asked for the X-ray of the next step (its event says)
+        self.xray_by: dict = {}   # who asked for the X-ray of the next step (its event says)
         # Several ranks: the last probed step's figures on their way to rank 0 (what waits for
         # them, and the step's own result), its record held until then.
         self._figures_due: tuple[Callable[..., StepResult], StepResult] | None = None
@@ -92,11 +93,15 @@ class EngineDriver:
                 "layers": self.trainer.layer_names, "compile": self.trainer.compile_info()}
 
     def request_xray(self, by: dict | None = None) -> None:
-        self._xray_by = by or {}
+        self.xray_by = by or {}
         self.trainer.request_xray()
 
     def fp32_root(self) -> torch.nn.Module:
         return self.trainer.model
+
+    @property
+    def probe_schedule(self) -> ProbeSchedule:
+        return self.trainer.probe_schedule
 
     @property
     def failed_step(self) -> FailedStep | None:
@@ -165,26 +170,19 @@ class EngineDriver:
             raise StepFailure(step, f"step {step}: the script raised {where}", exc) from exc
         if due is not None:
             # Recorded once every rank's figures are in; what comes meanwhile is held behind it.
-            # What decides from this step (the guards) uses what the ranks agreed on, the same in
-            # this rank's own result.
-            run.last_result = result
             self._figures_due = (due, result)
-            run.recorder.hold()
-            run.after_step(result)
-        else:
-            # Batched (a few steps formatted together, at most PUBLISH_INTERVAL late; a non-finite
-            # or paused step at once): formatting one between every two steps finds the caches
-            # cold, and several ranks keep their order through the recorder's hold instead.
-            run.record_step(result, batched=not self.ranks)
-        if result.xray is not None:
-            record_xray(run, result.step, result.xray, self._xray_by)
-        announce_probe_changes(run)
-        run.own_work_done(after, apart)
-        if self.trainer.act_unmeasured and not self._act_unmeasured_said:
-            self._act_unmeasured_said = True
-            run.alert("act_not_measured", self.trainer.act_unmeasured, step=result.step,
+        # Batched (a few steps formatted together, at most PUBLISH_INTERVAL late; a non-finite or
+        # paused step at once): formatting one between every two steps finds the caches cold, and
+        # several ranks keep their order through the recorder's hold instead.
+        run.end_step(result, since=after, apart=apart, held=due is not None, batched=not self.ranks)
+
+    def news(self, result: StepResult) -> list[Alert]:
+        if not self.trainer.act_unmeasured or self._act_unmeasured_said:
+            return []
+        self._act_unmeasured_said = True
+        return [Alert("act_not_measured", self.trainer.act_unmeasured,
                       cause="the compiled graph was built before amp-tui attached its hooks",
-                      fix="leave the first call of the compiled model to amp-tui (none in setup())")
+                      fix="leave the first call of the compiled model to amp-tui (none in setup())")]
 
     def settle(self, *, failed: bool = False, flush: bool = False) -> None:
         """Record the probed step whose figures were on their way from every rank, then what was

@@ -14,22 +14,18 @@ recorded: the GradScaler's growth tracker read then is this step's, whichever dr
 
 from __future__ import annotations
 
-from typing import Any
-
 from amp_tui.core.forecast_words import SKIP_WITHIN, scale_forecast_text
 from amp_tui.core.precision import SHORT
+from amp_tui.job.run_context import RunContext
 from amp_tui.training.engine import StepResult
 from amp_tui.training.headroom_trend import HeadroomForecast, LayerEta
 from amp_tui.training.scale_forecast import ScaleOutlook, largest, scale_outlook
-
-# The run controller (job/controller.py), which imports this module: named, not imported.
-RunController = Any
 
 DEFAULT_HORIZON = 500   # steps: a layer's ETA under this raises its alert
 
 
 class RunForecasts:
-    def __init__(self, run: RunController, horizon: int = DEFAULT_HORIZON):
+    def __init__(self, run: RunContext, horizon: int = DEFAULT_HORIZON):
         self.run = run
         self.horizon = horizon
         self.layers = HeadroomForecast()

@@ -8,14 +8,11 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any
 
 from amp_tui.core.commands import Command, Outcome
+from amp_tui.job.run_context import RunContext
 from amp_tui.job.states import EXIT_ERROR, IoPolicy, PauseReason
 from amp_tui.recording.format import event_record
-
-# The run controller (job/controller.py), which imports this module: named, not imported.
-RunController = Any
 
 
 def describe_records(counts: dict[str, int]) -> str:
@@ -29,7 +26,7 @@ class FullDisk:
     """A run's answer to a disk that refuses its writes (on the training thread; `ending` and
     `ended` tell another thread's `close` whether the training thread is writing the end)."""
 
-    def __init__(self, run: RunController):
+    def __init__(self, run: RunContext):
         self.run = run
         self.last_refusal: str | None = None      # the last write the disk refused
         self._said = False                        # CARRY_ON: the refusal was said once

@@ -45,6 +45,7 @@ from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.engine import StepResult, to_host
 from amp_tui.training.forward_autocast import fixed_autocast_dtype, wrapped_in_autocast
 from amp_tui.training.forward_keeper import ForwardKeeper, KeptForward
+from amp_tui.training.guards import Alert
 from amp_tui.training.hidden_activation import HiddenActivationWatch
 from amp_tui.training.kept_step_trace import trace_kept_step, xray_kept
 from amp_tui.training.local_fp32 import LocalFp32, match_modules
@@ -226,14 +227,18 @@ class HookDriver:
                                    f"GradScaler (its fp16 gradients would underflow): {UNSCALED_FIX}")
         return self.precision.set_dtype(dtype)
 
-    def unscaled_fp16_news(self) -> bool:
-        """The last update ran in fp16 with amp-tui's GradScaler (the loop had none) and the loop
-        didn't call it: true once, for an alert."""
+    def news(self, result: StepResult) -> list[Alert]:
+        """Once: the last update ran in fp16 with amp-tui's GradScaler (the loop had none) and the
+        loop didn't call it."""
         if self._unscaled_fp16_said or not self.precision.made or self.dtype != "float16" \
                 or self.scaler_used_last is not False:
-            return False
+            return []
         self._unscaled_fp16_said = True
-        return True
+        return [Alert("unscaled_fp16", f"step {result.step} ran in fp16 and the loop stepped its optimizer "
+                      "without a GradScaler", cause="fp16 gradients underflow (and overflow unchecked) "
+                      "without loss scaling", fix=UNSCALED_FIX)]
+
+    failed_step = None   # the user's loop can't be replayed with a module in fp32: its step is its own
 
     def describe_precision(self) -> dict:
         return self.precision.describe()

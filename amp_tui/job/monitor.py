@@ -20,7 +20,7 @@ amp-tui's own, which scales in fp16 only (precision_state.py's BorrowedScaling).
 starts in the dtype the loop already runs (fp16 with an enabled GradScaler, else fp32) and takes
 `fp32_modules=` as `amp-tui train` takes `--fp32-modules`.
 
-The monitor is the run controller (job/controller.py) with the hook driver (job/hook_driver.py,
+The monitor owns a run controller (job/controller.py) and the hook driver (job/hook_driver.py,
 which says how the loop is watched): it records the same session as `amp-tui train` and serves
 the same control socket, so `amp-tui attach RUN_DIR` shows the dashboard and its keys steer the
 loop at step boundaries. It never drives the loop, and the user's objects are left as they were
@@ -43,17 +43,15 @@ from typing import Any, Iterator
 
 import torch
 
-from amp_tui.core import fixes, precision
-from amp_tui.core.commands import Command, Outcome
+from amp_tui.core import precision
 from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.core.signals import install_handlers, restore_handlers
 from amp_tui.job.controller import RunController
 from amp_tui.job.distributed import Ranks
-from amp_tui.job.hook_driver import UNSCALED_FIX, HookDriver, MonitorError
+from amp_tui.job.hook_driver import HookDriver, MonitorError
 from amp_tui.job.probe_events import announce_probe_changes
 from amp_tui.job.process_slot import ProcessSlot
-from amp_tui.job.run_records import record_xray
-from amp_tui.job.states import IoPolicy
+from amp_tui.job.states import MONITOR_LOOP, IoPolicy
 from amp_tui.training.autocast import autocast, torch_dtype
 from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
 from amp_tui.training.guards import GuardConfig
@@ -89,9 +87,10 @@ class MonitoredStep:
             self.losses.append(value)
 
 
-class Monitor(RunController):
-    STOP_ANSWER = "stopping: monitor.should_stop is now True"
-    WAY = fixes.MONITOR
+class Monitor:
+    """The loop's side of a run (the module docstring shows it): `step()`, `autocast()`,
+    `should_stop`, `close()`, `scaler`; `begin_step`/`end_step`/`fail_step` for a framework's
+    callback. The run itself, what records and steers it, is `controller` (job/controller.py)."""
 
     def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
                  probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0, underflow_every=10,
@@ -106,27 +105,27 @@ class Monitor(RunController):
         # steps from its hooks.
         self.framework = framework
         self.model = model
-        driver = HookDriver(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype,
-                            probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
-                            underflow_every=underflow_every, framework=framework, fp32_modules=fp32_modules)
+        self.driver = driver = HookDriver(
+            model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, probe_every=probe_every,
+            probe_budget=probe_budget, probe_alert_bits=probe_alert_bits, underflow_every=underflow_every,
+            framework=framework, fp32_modules=fp32_modules)
         self.optimizer = driver.optimizer
         self.scheduler = scheduler
-        script = driver.script
         # A loop under torchrun: rank 0 records and serves the socket, every rank agrees at the
         # boundaries (job/distributed.py).
         ranks = Ranks.of_loop(model)
-        run_dir = Path(run_dir or os.environ.get(RUN_DIR_VARIABLE) or default_run_dir(script))
+        run_dir = Path(run_dir or os.environ.get(RUN_DIR_VARIABLE) or default_run_dir(driver.script))
         if ranks:
             driver.probe_like_every_rank(ranks)
             run_dir = Path(ranks.share(str(run_dir)))
         main = not ranks or ranks.is_main
-        super().__init__(driver, device=driver.device, run_dir=run_dir, script=script, ranks=ranks,
-                         on_nonfinite=on_nonfinite,
-                         guard=GuardConfig(fallback=on_nonfinite == "isolate", forecast_horizon=forecast_horizon,
-                                           min_scale=min_scale),
-                         io_policy=IoPolicy.CARRY_ON, checkpoint_every=checkpoint_every,
-                         control=control and main)
-        driver.run = self
+        guard = GuardConfig(fallback=on_nonfinite == "isolate", forecast_horizon=forecast_horizon,
+                            min_scale=min_scale)
+        self.controller = RunController(
+            driver, device=driver.device, run_dir=run_dir, script=driver.script, ranks=ranks,
+            on_nonfinite=on_nonfinite, guard=guard, io_policy=IoPolicy.CARRY_ON,
+            checkpoint_every=checkpoint_every, control=control and main, loop=MONITOR_LOOP)
+        driver.run = self.controller
         driver.in_step = lambda: self._open_step is not None
         self._open_step: MonitoredStep | None = None
         self._open_block: AbstractContextManager | None = None   # begin_step()'s, until end_step()
@@ -136,21 +135,26 @@ class Monitor(RunController):
         self._closed = False
         self._previous_signals: dict = {}
         if tensorboard_dir is not None and main:   # before anything is made: a missing package
-            self.recorder.observers.append(_tensorboard_observer(Path(tensorboard_dir)))
+            self.controller.recorder.observers.append(_tensorboard_observer(Path(tensorboard_dir)))
+        self._start(main, announce)
+
+    def _start(self, main: bool, announce: bool) -> None:
+        """Claim the process's one monitor, hook the loop, write the header, and go."""
+        run, driver = self.controller, self.driver
         _SLOT.claim(self, still_open=lambda m: not m._closed, refusal=lambda m: MonitorError(
             f"a monitor already watches a loop in this process (recording to {m.run_dir}): close it "
             "first (monitor.close())"))
         try:
             driver.attach()
-            if wrapped_in_autocast(model) is not None:
+            if wrapped_in_autocast(self.model) is not None:
                 # Accelerate's prepare() fixed the forward's autocast: put it under ours, so that
                 # the dtype in force is what runs (and `d` switches it).
-                self.autocast_forward(wrapped_in_autocast(model))
-            if ranks:   # a rank's step time ends with its forward, before DDP's all-reduce
-                driver.add_hook(model.register_forward_hook(ranks.forward_done))
+                self.autocast_forward(wrapped_in_autocast(self.model))
+            if run.ranks:   # a rank's step time ends with its forward, before DDP's all-reduce
+                driver.add_hook(self.model.register_forward_hook(run.ranks.forward_done))
             if main:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.open_recording(self.header())
+                run.run_dir.mkdir(parents=True, exist_ok=True)
+            run.open_recording(run.header())
             self._raise_to_floor()
         except BaseException:
             self._let_go()
@@ -160,26 +164,41 @@ class Monitor(RunController):
             # progress, stop at the next step boundary; the loop reads monitor.should_stop.
             self._previous_signals = install_handlers(STOP_SIGNALS, self._on_signal)
         atexit.register(self._close_at_exit)
-        self.state = "running"
+        run.state = "running"
         if announce and main:
-            print(f"amp-tui: recording this loop to {self.run_dir} ({precision.SHORT[self.dtype]}); "
-                  f"watch and steer it with: amp-tui attach {self.run_dir}", file=sys.stderr, flush=True)
+            print(f"amp-tui: recording this loop to {run.run_dir} ({precision.SHORT[self.dtype]}); "
+                  f"watch and steer it with: amp-tui attach {run.run_dir}", file=sys.stderr, flush=True)
 
     def _raise_to_floor(self) -> None:
         """A GradScaler handed over below the floor (0 included, where it applies NaN updates) is
         raised to it before the loop's first step, and that is said."""
-        floor, scale = scale_floor(self.guard.config.min_scale), self.precision.scale
+        run = self.controller
+        floor, scale = scale_floor(run.guard.config.min_scale), run.precision.scale
         if scale is None or scale >= floor:
             return
-        self.precision.clamp(floor)
-        self.alert("min_scale", f"the loop's GradScaler came with scale {scale:g}, below its floor {floor:g}: "
-                   f"raised to {floor:g}", cause="the scale collapsed before amp-tui watched the loop (at 0 "
-                   "GradScaler applies NaN updates)", fix="start the GradScaler at its init_scale (65536 by "
-                   "default), or lower min_scale", step=self.step_index)
+        run.precision.clamp(floor)
+        run.alert("min_scale", f"the loop's GradScaler came with scale {scale:g}, below its floor {floor:g}: "
+                  f"raised to {floor:g}", cause="the scale collapsed before amp-tui watched the loop (at 0 "
+                  "GradScaler applies NaN updates)", fix="start the GradScaler at its init_scale (65536 by "
+                  "default), or lower min_scale", step=run.step_index)
 
     @property
     def dtype(self) -> str:
         return self.driver.dtype
+
+    @property
+    def run_dir(self) -> Path:
+        return self.controller.run_dir
+
+    @property
+    def step_index(self) -> int:
+        """The index of the loop's next step."""
+        return self.controller.step_index
+
+    @property
+    def should_stop(self) -> bool:
+        """The run stops here: a stop command, a signal, or the run's policy (break out of the loop)."""
+        return self.controller.should_stop
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -209,18 +228,18 @@ class Monitor(RunController):
         if self._open_step is not None:
             raise MonitorError("monitor.step() inside another monitor.step(): close the first one "
                                "(one `with monitor.step() as step:` block per step, not nested)")
-        entered, apart = time.perf_counter(), self.apart_seconds
+        entered, apart = time.perf_counter(), self.controller.apart_seconds
         if not self.driver.accumulating:      # between updates: the boundary where commands apply
             # The update before ended at a boundary already (which held the loop while paused):
             # hold here only before the first update, or for a pause asked for since.
-            paused_before = self.state == "paused"
+            paused_before = self.controller.state == "paused"
             self._boundary(hold=False)
-            if not self._released or (self.state == "paused" and not paused_before):
+            if not self._released or (self.controller.state == "paused" and not paused_before):
                 self._boundary(hold=True)
             self._released = False
         step = self._open_step = MonitoredStep()
         self.driver.block_starts()
-        self._entry_seconds = time.perf_counter() - entered - (self.apart_seconds - apart)
+        self._entry_seconds = time.perf_counter() - entered - (self.controller.apart_seconds - apart)
         try:
             yield step
         except BaseException as exc:
@@ -235,8 +254,8 @@ class Monitor(RunController):
         `cache_enabled`: torch.autocast's (None: torch's default)."""
         self.driver.autocast_used = True
         if cache_enabled is None:
-            return autocast(self.device.type, self.dtype)
-        return torch.autocast(self.device.type, dtype=torch_dtype(self.dtype),
+            return autocast(self.controller.device.type, self.dtype)
+        return torch.autocast(self.controller.device.type, dtype=torch_dtype(self.dtype),
                               enabled=precision.uses_autocast(self.dtype), cache_enabled=cache_enabled)
 
     def _end_of_block(self, step: MonitoredStep) -> None:
@@ -255,30 +274,20 @@ class Monitor(RunController):
         result = self.driver.finish_update()
         # amp-tui's own work on the update: from where its measured duration ends (the transfer
         # of its figures is the update's) to the boundary after it, and the entry of its block.
-        after, apart = self.driver.update_ended - self._entry_seconds, self.apart_seconds
-        if self.ranks:
-            result = self.ranks.gather_step(result, self.driver.probe.names, details=False)
-        self.record_step(result, batched=True)
-        if result.xray is not None:
-            record_xray(self, result.step, result.xray, self.driver.xray_by)
-        announce_probe_changes(self, step=result.step + 1)
+        after, apart = self.driver.update_ended - self._entry_seconds, self.controller.apart_seconds
+        if self.controller.ranks:
+            result = self.controller.ranks.gather_step(result, self.driver.probe.names, details=False)
         self.driver.update_done()
-        if self.driver.unscaled_fp16_news():
-            self.alert("unscaled_fp16", f"step {result.step} ran in fp16 and the loop stepped its optimizer "
-                       "without a GradScaler", cause="fp16 gradients underflow (and overflow unchecked) "
-                       "without loss scaling", fix=UNSCALED_FIX, step=result.step)
-        self.after_update()
         # The boundary after the update: a stop asked for during the step is seen by the loop
         # at its very next `if monitor.should_stop`, and a pause holds the loop here (the time
         # held is told apart from the update's own work).
-        self._boundary()
-        self.own_work_done(after, apart)
+        self.controller.end_step(result, since=after, apart=apart, boundary=self._boundary)
 
     def _boundary(self, *, hold: bool = True) -> None:
-        if self.ranks and not hold:
+        if self.controller.ranks and not hold:
             return   # several ranks agree at the boundaries that hold, one after each update
-        self.boundary(hold=hold)
-        if self.ranks:
+        self.controller.boundary(hold=hold)
+        if self.controller.ranks:
             announce_probe_changes(self)   # what the boundary's words changed, from the next step on
         if hold:
             self._released = True
@@ -288,7 +297,7 @@ class Monitor(RunController):
         self.driver.abandon_update()
         if isinstance(exc, (KeyboardInterrupt, GeneratorExit, MonitorError)):
             return
-        self.fail(f"step {self.step_index}: {type(exc).__name__}: {exc}", exc)
+        self.controller.fail(f"step {self.controller.step_index}: {type(exc).__name__}: {exc}", exc)
 
     # ---- for a framework's callback (amp_tui.integrations) -------------------------------------
     def begin_step(self) -> MonitoredStep:
@@ -318,7 +327,7 @@ class Monitor(RunController):
         block, self._open_block = self._open_block, None
         if block is not None:
             block.__exit__(type(exc), exc, exc.__traceback__)
-        elif self.state != "error":
+        elif self.controller.state != "error":
             self._failed(exc)
 
     def gradients_ready(self) -> None:
@@ -343,14 +352,15 @@ class Monitor(RunController):
             return
         self._closed = True
         atexit.unregister(self._close_at_exit)
-        if self.ranks:
-            self.ranks.voting = False   # no boundary after the last one: stops are this rank's own
+        run = self.controller
+        if run.ranks:
+            run.ranks.voting = False   # no boundary after the last one: stops are this rank's own
         if self._open_step is not None:
-            self.error = self.error or "monitor.close() inside monitor.step(): that step is not recorded"
-        if self.state not in ("error", "stopped"):
-            self.state = "stopped" if self.should_stop else "finished"
+            run.error = run.error or "monitor.close() inside monitor.step(): that step is not recorded"
+        if run.state not in ("error", "stopped"):
+            run.state = "stopped" if run.should_stop else "finished"
         try:
-            super().close()
+            self.controller.close()
         finally:
             self._let_go()
 
@@ -359,8 +369,8 @@ class Monitor(RunController):
             self._forward_autocast.undo()
             self._forward_autocast = None
         self.driver.close()
-        if self.ranks:
-            self.ranks.close()   # the loop's group stays the loop's; nothing of ours in gloo's threads
+        if self.controller.ranks:   # the loop's group stays the loop's; nothing of ours in gloo's threads
+            self.controller.ranks.close()
         restore_handlers(self._previous_signals)
         self._previous_signals = {}
         _SLOT.release(self)
@@ -370,17 +380,12 @@ class Monitor(RunController):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None and not isinstance(exc, (KeyboardInterrupt, GeneratorExit)) \
-                and self.state != "error":
+                and self.controller.state != "error":
             self._failed(exc)
         self.close()
 
-    def _stop(self, command: Command) -> Outcome:
-        outcome = super()._stop(command)
-        self._stopping()   # at once: the loop reads monitor.should_stop right after this step
-        return outcome
-
     def _on_signal(self, signum, _frame) -> None:
-        self.request_stop(checkpoint=True, reason=signal.Signals(signum).name)
+        self.controller.request_stop(checkpoint=True, reason=signal.Signals(signum).name)
 
     def _close_at_exit(self) -> None:
         """The script ended without monitor.close(): end the recording anyway, before the

@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 from datetime import datetime
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -18,16 +18,14 @@ from amp_tui.core import precision
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.numfmt import number
 from amp_tui.core.records import traced_module
+from amp_tui.job.run_context import RunContext
 from amp_tui.recording.xray_file import xray_file_name, xray_message
 from amp_tui.training.calibration import CALIBRATION_SKIPS
 from amp_tui.training.devices import describe_device
 from amp_tui.training.engine import StepResult
 
-# The run controller (job/controller.py), which imports this module: named, not imported.
-RunController = Any
 
-
-def session_header(controller: RunController, described: dict) -> dict:
+def session_header(controller: RunContext, described: dict) -> dict:
     """The header of a session: the same keys in the same order whatever drives the steps."""
     t, driver = controller.training, controller.driver
     ranks = controller.ranks
@@ -39,7 +37,7 @@ def session_header(controller: RunController, described: dict) -> dict:
         "script": described["script"],
         "argv": list(described["argv"]),
         "command": list(described["command"]),
-        "way": controller.WAY,
+        "way": controller.loop.way,
         "dtype": t.dtype,
         "init_scale": controller.precision.starting_scale,
         "steps": described.get("steps"),
@@ -154,7 +152,7 @@ def nonfinite_fields(result: StepResult) -> dict:
             **(result.op_trace or {})}
 
 
-def record_xray(run: RunController, step: int, xray: dict, by: dict | None = None) -> None:
+def record_xray(run: RunContext, step: int, xray: dict, by: dict | None = None) -> None:
     """The X-ray of `step` (StepResult.xray) as JSON in the run directory, then its event naming
     the file and the op closest to its dtype's max, and who asked for it (`by`: the command's
     `source` and `client`). Written whole or not at all (a temporary file renamed): a reader never

@@ -4,6 +4,9 @@ how it ended (the exit status the CLI returns)."""
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+
+from amp_tui.core import fixes
 
 
 class IoPolicy(enum.Enum):
@@ -22,3 +25,16 @@ class PauseReason(enum.Enum):
 EXIT_OK = 0
 EXIT_ERROR = 1          # the script raised, or the session/checkpoints could not be written
 EXIT_NONFINITE_STOP = 3  # --on-nonfinite stop ended the run
+
+
+@dataclass(frozen=True)
+class LoopKind:
+    """Whose loop runs the steps, in the terms the run speaks to its user in."""
+
+    way: str                 # what a fix is worded as (core/fixes.py: TRAIN, MONITOR)
+    stop_answer: str         # what a stop command answers
+    stops_at_once: bool      # a stop ends the run at once (the loop reads should_stop right after)
+
+
+TRAIN_LOOP = LoopKind(fixes.TRAIN, "stopping at this step boundary", stops_at_once=False)
+MONITOR_LOOP = LoopKind(fixes.MONITOR, "stopping: monitor.should_stop is now True", stops_at_once=True)

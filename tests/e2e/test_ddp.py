@@ -27,6 +27,7 @@ from support import (
     rank_command,
     rank_end,
     rank_events,
+    recorded_steps,
     run_async,
     steer_to_its_end,
     step_count,
@@ -267,7 +268,7 @@ def test_amp_tui_run_follows_a_torchrun_loop_with_a_monitor(write_script, tmp_pa
     def steer():
         assert wait_for(lambda: step_count(run_dir / "session.jsonl") >= 3, RANK_TIMEOUT_S)
         assert send(run_dir, "dtype=bf16")["ok"]
-        assert wait_for(lambda: any(r.get("dtype") == "bfloat16" for r in read_session(run_dir).steps),
+        assert wait_for(lambda: any(r.get("dtype") == "bfloat16" for r in recorded_steps(run_dir)),
                         RANK_TIMEOUT_S)
         assert send(run_dir, "stop")["ok"]
     out = steer_to_its_end(job, steer)

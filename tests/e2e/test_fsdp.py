@@ -26,6 +26,7 @@ from support import (
     rank_end,
     rank_events,
     rank_pid,
+    recorded_steps,
     steer_to_its_end,
     step_count,
     train_ranks,
@@ -288,7 +289,7 @@ def test_amp_tui_run_follows_a_torchrun_loop_that_shards_its_own_model(write_scr
     def steer():
         assert wait_for(lambda: step_count(run_dir / "session.jsonl") >= 3, RANK_TIMEOUT_S)
         assert send(run_dir, "dtype=bf16")["ok"]
-        assert wait_for(lambda: any(r.get("dtype") == "bfloat16" for r in read_session(run_dir).steps),
+        assert wait_for(lambda: any(r.get("dtype") == "bfloat16" for r in recorded_steps(run_dir)),
                         RANK_TIMEOUT_S)
         assert send(run_dir, "stop")["ok"]
     out = steer_to_its_end(job, steer)

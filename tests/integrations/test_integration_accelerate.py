@@ -85,7 +85,7 @@ def test_d_switches_what_the_prepared_forward_runs_in_and_close_gives_back_accel
         if i == 3:
             order = command("dtype=fp32")
             order.on_done = answers.append
-            monitor.submit(order)
+            monitor.controller.submit(order)
     train(accelerator, model, optimizer, loader, monitor, before=before)
     monitor.close()
     assert answers and answers[0].ok, answers
@@ -104,7 +104,7 @@ def test_fp16_with_a_gradscaler_counts_skips_halves_the_scale_and_s_sets_it(tmp_
 
     def before(i):
         if i == 8:   # a boundary (the first micro-batch of the fifth update)
-            monitor.submit(command("scale=8"))
+            monitor.controller.submit(command("scale=8"))
     train(accelerator, model, optimizer, loader, monitor, before=before, clip=True)
     monitor.close()
     session = read_session(tmp_path / "run")

@@ -65,7 +65,7 @@ def test_lightnings_16_mixed_on_a_gpu_skips_by_the_scale_and_s_sets_it(tmp_path,
     class Plan(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == 6:
-                callback.monitor.submit(command("scale=4"))
+                callback.monitor.controller.submit(command("scale=4"))
     trainer = pl_trainer([callback, Plan()], steps=10, accelerator="gpu", precision="16-mixed")
     torch.manual_seed(0)
     trainer.fit(lightning_module_class()(gain=300.0, optimizer=optimizer), regression_loader())

@@ -21,7 +21,7 @@ from amp_tui.job.control import send
 from amp_tui.recording.reader import read_session
 
 from frameworks import command, lightning_module_class, pl_trainer, regression_loader
-from support import ATTENTION_SCRIPT, wait_for
+from support import ATTENTION_SCRIPT, recorded_steps, wait_for
 
 
 class Seen(Callback):
@@ -39,7 +39,7 @@ class Seen(Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
         text = self.plan.get(trainer.global_step)
         if text and batch_idx % trainer.accumulate_grad_batches == trainer.accumulate_grad_batches - 1:
-            self.monitor_of().submit(command(text))
+            self.monitor_of().controller.submit(command(text))
 
     def on_train_end(self, trainer, pl_module):
         self.hooks.append("on_train_end")
@@ -106,7 +106,7 @@ def test_the_keys_over_the_socket_apply_at_lightnings_step_boundaries(tmp_path):
     thread = threading.Thread(target=trainer.fit, args=(module, regression_loader()), daemon=True)
     thread.start()
     run_dir = tmp_path / "run"
-    assert wait_for(lambda: (run_dir / "session.jsonl").exists() and len(read_session(run_dir).steps) >= 2)
+    assert wait_for(lambda: len(recorded_steps(run_dir)) >= 2)
     answers = [send(run_dir, text) for text in ("dtype=fp32", "save", "pause")]
 
     def held():
@@ -116,7 +116,7 @@ def test_the_keys_over_the_socket_apply_at_lightnings_step_boundaries(tmp_path):
     assert wait_for(held)
     count = held()
     answers.append(send(run_dir, "step"))
-    assert wait_for(lambda: len(read_session(run_dir).steps) == count + 1)
+    assert wait_for(lambda: len(recorded_steps(run_dir)) == count + 1)
     answers += [send(run_dir, text) for text in ("resume", "stop")]
     thread.join(120)
     assert not thread.is_alive() and all(a["ok"] for a in answers), answers
@@ -196,7 +196,7 @@ def test_fp16_weights_with_no_gradscaler_are_said_and_d_says_why_it_cant_switch(
             if batch_idx == 0:
                 order = command("dtype=bf16")
                 order.on_done = answers.append
-                callback.monitor.submit(order)
+                callback.monitor.controller.submit(order)
     trainer = pl_trainer([callback, Ask()], steps=2, precision="16-true")
     trainer.fit(lightning_module_class()(), regression_loader())
     assert "precision='16-true' with no GradScaler: nothing scales the loss" in capsys.readouterr().err
@@ -220,7 +220,7 @@ def test_an_engine_that_owns_the_scale_turns_the_scale_keys_off_and_says_why(tmp
     answers = []
     order = command("scale=half")
     order.on_done = answers.append
-    callback.monitor.submit(order)
+    callback.monitor.controller.submit(order)
     callback.on_train_batch_start(trainer, module, None, 0)
     callback.on_train_end(trainer, module)
     assert not answers[0].ok and "DeepSpeed owns the loss scale" in answers[0].message

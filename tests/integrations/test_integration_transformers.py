@@ -18,7 +18,7 @@ from amp_tui.job.control import send
 from amp_tui.recording.reader import read_session
 
 from frameworks import at_steps, command, hf_trainer, tiny_gpt2
-from support import wait_for
+from support import recorded_steps, wait_for
 
 
 def watched(tmp_path, **kwargs):
@@ -117,7 +117,7 @@ def test_the_keys_over_the_socket_apply_at_the_trainers_step_boundaries(tmp_path
     thread = threading.Thread(target=lambda: result.setdefault("out", trainer.train()), daemon=True)
     thread.start()
     run_dir = tmp_path / "run"
-    assert wait_for(lambda: (run_dir / "session.jsonl").exists() and len(read_session(run_dir).steps) >= 2)
+    assert wait_for(lambda: len(recorded_steps(run_dir)) >= 2)
     answers = [send(run_dir, text) for text in ("dtype=fp32", "save", "pause")]
     def held():   # the steps before the pause, all on file (the Trainer waits at the boundary)
         session = read_session(run_dir)
@@ -126,7 +126,7 @@ def test_the_keys_over_the_socket_apply_at_the_trainers_step_boundaries(tmp_path
     assert wait_for(held)
     held = held()
     answers.append(send(run_dir, "step"))
-    assert wait_for(lambda: len(read_session(run_dir).steps) == held + 1)
+    assert wait_for(lambda: len(recorded_steps(run_dir)) == held + 1)
     answers += [send(run_dir, text) for text in ("resume", "stop")]
     thread.join(120)
     assert not thread.is_alive() and all(a["ok"] for a in answers), answers
@@ -208,7 +208,7 @@ def test_an_engine_that_owns_the_scale_turns_the_scale_keys_off_and_says_why(tmp
     for text in ("scale=1024", "dtype=fp32", "save"):
         order = command(text)
         order.on_done = answers.append
-        callback.monitor.submit(order)
+        callback.monitor.controller.submit(order)
     callback.on_step_begin(args, state, control)
     callback.on_train_end(args, state, control)
     assert [a.ok for a in answers] == [False, False, False]

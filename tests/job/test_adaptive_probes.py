@@ -242,7 +242,7 @@ def lightning_fit(run_dir, steps, plan):
     class Planned(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step in plan:
-                callback.monitor.submit(command(plan[trainer.global_step]))
+                callback.monitor.controller.submit(command(plan[trainer.global_step]))
     trainer = pl_trainer([callback, Planned()], steps=steps)
     torch.manual_seed(0)
     trainer.fit(lightning_module_class()(), regression_loader())
@@ -315,7 +315,7 @@ def fp32_monitored_loop(run_dir, steps, *, note_at=None):
     x = torch.randn(16, 4)
     for i in range(steps):
         if i == note_at:
-            monitor.submit(parse_action("note=a note", source="api"))
+            monitor.controller.submit(parse_action("note=a note", source="api"))
         opt.zero_grad()
         with monitor.step() as step:
             loss = model(x).pow(2).mean()
@@ -352,7 +352,7 @@ def test_a_boundary_that_holds_the_loop_is_not_counted_as_the_monitors_own_work(
     monitor = fp32_monitored_loop(tmp_path / "run", 20, note_at=10)
     schedule = monitor.driver.probe_schedule
     monitor.close()
-    assert monitor.held_seconds >= held
+    assert monitor.controller.held_seconds >= held
     assert schedule.total_seconds < held
     notes = [e for e in read_session(tmp_path / "run").events if e["kind"] == "note"]
     assert len(notes) == 1

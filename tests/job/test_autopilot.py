@@ -131,11 +131,11 @@ def test_undo_over_ctl_takes_the_isolation_back_and_refuses_when_nothing_is_left
     thread.start()
     try:
         assert wait_for(lambda: run.state == "paused", 120)
-        assert run.local_fp32.names == ["attn"]
+        assert run.controller.local_fp32.names == ["attn"]
         run_dir = str(run.run_dir)
         assert main(["ctl", run_dir, "undo"]) == 0
         assert "undid the autopilot's attn in fp32" in capsys.readouterr().out
-        assert run.local_fp32.names == []
+        assert run.controller.local_fp32.names == []
         assert main(["ctl", run_dir, "undo"]) == 1
         assert "nothing to undo: every decision of the autopilot is undone already" in capsys.readouterr().out
         assert main(["ctl", run_dir, "resume"]) == 0
@@ -156,7 +156,7 @@ def test_undo_over_ctl_takes_the_isolation_back_and_refuses_when_nothing_is_left
 def test_undo_without_the_autopilot_says_why(mlp_script, tmp_path):
     run = train_run(mlp_script, tmp_path / "run", device="cpu", steps=1, control=False)
     assert run.run() == 0
-    outcome = run.apply(Command("undo", None, "api"))
+    outcome = run.controller.apply(Command("undo", None, "api"))
     assert not outcome.ok and "--on-nonfinite isolate" in outcome.message
 
 
@@ -164,7 +164,7 @@ def test_a_monitored_loop_isolates_from_the_next_step(write_script, tmp_path):
     namespace: dict = {}
     exec(compile(ATTENTION, "attention_loop", "exec"), namespace)
     monitor, losses = namespace["loop"](tmp_path / "loop", on_nonfinite="isolate")
-    assert monitor.local_fp32.names == []   # close() gave the model its own forwards back
+    assert monitor.controller.local_fp32.names == []   # close() gave the model its own forwards back
     session = read_session(tmp_path / "loop")
     decisions = autopilot(session)
     assert decisions[-1]["after"] == {"fp32_modules": ["attn"]}
@@ -190,7 +190,7 @@ def test_a_monitored_loop_without_the_op_widens_from_the_first_non_finite_layer(
     decisions = autopilot(session)
     assert [(d["value"], d["verified"], d["widened"]) for d in decisions] == [("attn.o", None, 0), ("attn", None, 1)]
     assert (decisions[1]["before"], decisions[1]["after"]) == ({"fp32_modules": ["attn.o"]}, {"fp32_modules": ["attn"]})
-    assert monitor.local_fp32.names == []   # close() gave the model its own forwards back
+    assert monitor.controller.local_fp32.names == []   # close() gave the model its own forwards back
     assert [s["skipped"] for s in session.steps[:3]] == [True, True, False]
     assert all(math.isfinite(loss) for loss in losses[2:])
 

@@ -119,11 +119,11 @@ def test_closing_the_control_socket_joins_its_threads_and_answers_waiting_client
         # A client that connected and sent nothing yet; a status answered after it connected
         # proves the job accepted it (connections are accepted in order).
         silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        silent.connect(str(run._control.path))
+        silent.connect(str(run.controller._control.path))
         assert send(run.run_dir, "status")["ok"]
         # And a command that the run will never apply: it never reaches the loop.
         submitted = []
-        run.submit = submitted.append
+        run.controller.submit = submitted.append
         answers = []
         queued = threading.Thread(target=lambda: answers.append(send(run.run_dir, "save")))
         queued.start()

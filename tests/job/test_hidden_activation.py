@@ -81,7 +81,7 @@ def monitored_loop(run_dir, inputs: list[float], *, probe_every: int | str, on_n
     scaler = torch.amp.GradScaler("cpu")
     monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=run_dir, probe_every=probe_every, announce=False)
     if on_nonfinite is not None:
-        monitor.on_nonfinite = on_nonfinite   # the policy the run controller holds (train's --on-nonfinite)
+        monitor.controller.on_nonfinite = on_nonfinite   # the policy the run controller holds (train's --on-nonfinite)
     for value in inputs:
         with monitor.step() as step:
             with monitor.autocast():

@@ -20,7 +20,7 @@ from amp_tui.job.control import send
 from amp_tui.job.monitor import MonitorError
 from amp_tui.recording.reader import read_session
 
-from support import wait_for
+from support import recorded_steps, wait_for
 
 # One file, two ways to train it: setup() for `amp-tui train`, loop() with the monitor. The
 # regression targets are large, so fp16 at init_scale 65536 overflows its first backwards.
@@ -162,7 +162,7 @@ def test_ctl_status_never_counts_a_step_the_counter_has_not_passed(tmp_path):
 
     def watch(i, monitor):
         if i == 0:
-            monitor.observers.append(lambda record: seen.append((record, monitor.status()))
+            monitor.controller.observers.append(lambda record: seen.append((record, monitor.controller.status()))
                                      if record.get("type") == "step" else None)
     twin.loop(tmp_path / "run", "fp16", steps=6, before_step=watch)
     assert len(seen) == 6 and seen[0][0]["skipped"]   # the overflow was there to count
@@ -204,7 +204,7 @@ def test_every_key_over_the_socket_applies_at_a_boundary_and_is_recorded(tmp_pat
     _, twin = load_twin(tmp_path)
     run_dir = tmp_path / "run"
     thread, done = run_in_background(twin, run_dir)
-    assert wait_for(lambda: (run_dir / "session.jsonl").exists() and len(read_session(run_dir).steps) >= 2)
+    assert wait_for(lambda: len(recorded_steps(run_dir)) >= 2)
     answers = []
     for command in ("scale=1024", "scale=half", "dtype=bf16", "save", "restore=latest", "fp32=0",
                     "pause", "step", "resume", "stop"):
@@ -247,9 +247,9 @@ def test_steps_recorded_a_few_at_a_time_keep_their_order_and_reach_the_file_when
 
     def before_step(i, monitor):
         if i == 3:
-            monitor.submit(Command("save", None, "test"))
+            monitor.controller.submit(Command("save", None, "test"))
         if i == 6:
-            monitor.submit(Command("pause", None, "test"))
+            monitor.controller.submit(Command("pause", None, "test"))
             threading.Thread(target=lambda: seen_when_held.append(_steps_on_file_when_held(monitor)),
                              daemon=True).start()
     twin.loop(run_dir, "bf16", steps=9, before_step=before_step)   # no overflow: nothing published early
@@ -267,12 +267,12 @@ def _steps_on_file_when_held(monitor) -> list[int]:
     """Once the loop is held, single-step it: the step it runs is on file while the loop is held
     again (the single step's own event came before that step), then let it go on."""
     try:
-        assert wait_for(lambda: monitor.state == "paused", timeout=60)
-        monitor.submit(Command("step", None, "test"))
-        assert wait_for(lambda: len(read_session(monitor.run_dir).steps) >= 7, timeout=60)
+        assert wait_for(lambda: monitor.controller.state == "paused", timeout=60)
+        monitor.controller.submit(Command("step", None, "test"))
+        assert wait_for(lambda: len(recorded_steps(monitor.run_dir)) >= 7, timeout=60)
         return [s["step"] for s in read_session(monitor.run_dir).steps]
     finally:
-        monitor.submit(Command("resume", None, "test"))
+        monitor.controller.submit(Command("resume", None, "test"))
 
 
 def _records(run_dir) -> list[dict]:
@@ -299,7 +299,7 @@ def twin_loop_from(twin, run_dir, *, start, steps, restore):
     model, opt, sched, batches = twin.build("foreach")
     scaler = torch.amp.GradScaler("cpu")
     monitor = amp_tui.monitor(model, opt, scaler=scaler, scheduler=sched, run_dir=run_dir, announce=False)
-    monitor.submit(Command("restore", str(restore), "test"))
+    monitor.controller.submit(Command("restore", str(restore), "test"))
     for i in range(start, steps):
         batch = batches[i % len(batches)]
         opt.zero_grad()
@@ -376,7 +376,7 @@ def test_d_is_refused_when_the_loop_runs_its_own_autocast(tmp_path):
         if i == 1:   # after a step whose forward ran under the loop's own autocast
             command = Command("dtype", "bfloat16", "test")
             command.on_done = answer.append
-            monitor.submit(command)
+            monitor.controller.submit(command)
         with monitor.step() as step:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(torch.ones(1, 2)).sum()
@@ -451,7 +451,7 @@ def test_a_loop_without_a_grad_scaler_stays_in_fp32_until_d(tmp_path):
     seen = []
     for i in range(3):
         if i == 2:
-            monitor.submit(Command("dtype", "bfloat16", "test"))
+            monitor.controller.submit(Command("dtype", "bfloat16", "test"))
         with monitor.step() as step:
             with monitor.autocast():
                 out = model(torch.ones(1, 2))
@@ -547,7 +547,7 @@ def test_a_loop_that_steps_without_amp_tuis_scaler_is_told_and_d_to_fp16_is_refu
     plain_step()
     command = Command("dtype", "float16", "test")
     command.on_done = answers.append
-    monitor.submit(command)
+    monitor.controller.submit(command)
     plain_step()
     monitor.close()
     assert answers and not answers[0].ok and "monitor.scaler" in answers[0].message
@@ -569,7 +569,7 @@ def test_a_disabled_grad_scaler_of_the_loop_scales_in_fp16_and_is_given_back_dis
 
     def before(i):
         if i == 2:
-            monitor.submit(Command("dtype", "float16", "test"))
+            monitor.controller.submit(Command("dtype", "float16", "test"))
     scaled_loop(monitor, model, opt, scaler, 5, before=before, big=3000.0)
     assert scaler.is_enabled()
     monitor.close()
@@ -593,11 +593,11 @@ def test_the_loops_grad_scaler_state_is_given_back_after_a_stay_in_bf16(tmp_path
     def before(i):
         if i == 3:
             seen["fp16"] = scaler.state_dict()
-            monitor.submit(Command("dtype", "bfloat16", "test"))
+            monitor.controller.submit(Command("dtype", "bfloat16", "test"))
         if i == 5:
             seen["bf16"] = scaler.state_dict()
             seen["bf16 live"] = scaler.get_scale()
-            monitor.submit(Command("dtype", "float16", "test"))
+            monitor.controller.submit(Command("dtype", "float16", "test"))
         if i == 6:
             seen["back"] = scaler.state_dict()
     scaled_loop(monitor, model, opt, scaler, 7, before=before)

@@ -113,11 +113,11 @@ def test_a_step_ended_without_a_loss_is_not_recorded(tmp_path):
 def test_a_refused_key_says_why(tmp_path):
     model, opt = build()
     monitor = Monitor(model, opt, run_dir=tmp_path / "run", announce=False, framework="the Trainer", probe_every=1)
-    monitor.refuse("scale", "scale change refused: DeepSpeed owns the loss scale")
+    monitor.controller.refuse("scale", "scale change refused: DeepSpeed owns the loss scale")
     answers = []
     order = command("scale=1024")
     order.on_done = answers.append
-    monitor.submit(order)
+    monitor.controller.submit(order)
     monitor.begin_step()
     monitor.end_step(None)
     monitor.close()

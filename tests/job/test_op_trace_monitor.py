@@ -193,7 +193,7 @@ def test_xray_in_the_users_own_loop_traces_the_next_forward_and_names_who_asked(
     answers = []
     command = Command("xray", None, "ctl pid=1 user=me", client={"pid": 1, "uid": 1000, "user": "me"})
     command.on_done = answers.append
-    monitor.submit(command)
+    monitor.controller.submit(command)
     losses = []
     for _ in range(2):
         with monitor.step() as step:

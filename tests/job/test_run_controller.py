@@ -69,9 +69,9 @@ def _loop(run_dir, steps=6, *, micro=1, before_step=None):
 def test_a_note_in_a_loop_with_the_monitor(tmp_path):
     def before_step(i, monitor):
         if i == 3:
-            monitor.submit(Command("note", "from the loop", "api"))
+            monitor.controller.submit(Command("note", "from the loop", "api"))
         if i == 4:   # submitted without the parser: checked by the handler all the same
-            monitor.submit(Command("note", "two\nlines", "api"))
+            monitor.controller.submit(Command("note", "two\nlines", "api"))
     _loop(tmp_path / "run", before_step=before_step)
     assert notes(tmp_path / "run") == [(3, "from the loop", "api")]
     events = read_session(tmp_path / "run").events
@@ -99,7 +99,7 @@ def test_a_note_under_lightning(tmp_path):
     class NoteAtStep2(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == 2 and not notes(tmp_path / "run"):
-                callback.monitor.submit(command("note=lightning shard"))
+                callback.monitor.controller.submit(command("note=lightning shard"))
     trainer = pl_trainer([callback, NoteAtStep2()], steps=4)
     torch.manual_seed(0)
     trainer.fit(lightning_module_class()(), regression_loader())

@@ -239,7 +239,7 @@ def test_a_fix_applied_at_a_collapsed_scale_says_to_set_the_scale_back(tmp_path)
     monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=tmp_path / "run", control=False, announce=False)
     for step in range(2):
         if step == 1:
-            monitor.submit(parse_action("fp32=0", "api"))
+            monitor.controller.submit(parse_action("fp32=0", "api"))
         x, y = _batch(OVERFLOWING)
         _scaled_step(monitor, scaler, opt, _mse, model, x, y)
     monitor.close()

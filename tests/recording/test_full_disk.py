@@ -254,7 +254,7 @@ async def main():
         await until(pilot, lambda: source.snapshot().state == "paused", "the pause", timeout=60)
         await until(pilot, lambda: "No space left on device" in toasts(app), "the notice")
         result["paused_at"] = run.step
-        result["pending"] = run.pending_records()
+        result["pending"] = run.controller.pending_records()
         os.remove(filler_path)                                   # space is freed
         await pilot.press("space")
         await until(pilot, lambda: not source.alive, "the run to end", timeout=60)

@@ -248,7 +248,7 @@ async def test_a_full_disk_pauses_the_dashboard_and_resuming_writes_what_was_kep
         await until(pilot, lambda: run.step > 3, "some steps")
         disk.full, disk.room = True, 100      # the disk fills up mid-record
         await until(pilot, lambda: source.snapshot().state == "paused", "the run to pause")
-        assert run.pending_records()          # kept, not lost
+        assert run.controller.pending_records()          # kept, not lost
         await until(pilot, lambda: "could not write" in toasts(app), "the notice")
         assert "No space left on device" in toasts(app)
         await until(pilot, lambda: "free some space" in toasts(app), "the pause notice")
@@ -369,7 +369,7 @@ async def test_a_full_disk_at_the_end_pauses_and_freeing_space_and_space_writes_
         assert "No space left on device" in toasts(app)
         await until(pilot, lambda: "free some space" in toasts(app), "the pause notice")
         assert run.step == LAST_RUN_STEPS and source.alive       # trained, held for the disk
-        assert run.pending_records().get("end") == 1
+        assert run.controller.pending_records().get("end") == 1
         disk.full = False                                        # space is freed
         await pilot.press("space")
         await until(pilot, lambda: not source.alive, "the run to end")

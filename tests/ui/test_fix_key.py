@@ -37,10 +37,10 @@ async def test_f_applies_the_verified_fix_once(write_script, tmp_path):
                         "the verified fix offered")
             await pilot.press("f")
             await until(pilot, lambda: "blocks.1.attn now in fp32" in toasts(app), "the ack")
-            assert run.local_fp32.names == ["blocks.1.attn"]
+            assert run.controller.local_fp32.names == ["blocks.1.attn"]
             await pilot.press("f")
             await until(pilot, lambda: "already applied" in toasts(app), "the refusal")
-            assert run.local_fp32.names == ["blocks.1.attn"]
+            assert run.controller.local_fp32.names == ["blocks.1.attn"]
             await pilot.press("q")
             await until(pilot, lambda: not app.is_running, "the app to exit")
     finally:

@@ -20,14 +20,14 @@ async def test_u_takes_the_isolation_back_then_says_nothing_is_left(write_script
     try:
         async with app.run_test(size=SIZE, notifications=True) as pilot:
             await until(pilot, lambda: source.snapshot().state == "paused", "the pause at step 1", timeout=60)
-            assert run.local_fp32.names == ["attn"]
+            assert run.controller.local_fp32.names == ["attn"]
             await pilot.press("f")   # the verified fix is the autopilot's already: not toggled off
             await until(pilot, lambda: "the autopilot applied --fp32-modules 'attn' already" in toasts(app),
                         "the refusal of f")
-            assert run.local_fp32.names == ["attn"]
+            assert run.controller.local_fp32.names == ["attn"]
             await pilot.press("u")
             await until(pilot, lambda: "undid the autopilot's attn in fp32" in toasts(app), "the ack")
-            assert run.local_fp32.names == []
+            assert run.controller.local_fp32.names == []
             await pilot.press("u")
             await until(pilot, lambda: "nothing to undo" in toasts(app), "the refusal")
             await pilot.press("q")
