@@ -30,7 +30,7 @@ from amp_tui.core.text import clip_strings, plural
 from amp_tui.recording.format import KNOWN_TYPES, MAX_LINE_BYTES, STEP_HEAD, SessionFormatError
 from amp_tui.recording.reader import (
     MAX_STEP,
-    check_header,
+    header_record,
     parse_record,
     resolve_session_path,
     step_number,
@@ -185,7 +185,7 @@ class SessionIndex:
             raise SessionFormatError(f"{self.path} is empty: no session header yet")
         if len(first) > MAX_LINE_BYTES and not first.endswith(b"\n"):
             raise SessionFormatError(too_long_message(self.path))
-        header = check_header(parse_record(first.decode("utf-8", "replace")), self.path)
+        header = header_record(first.rstrip(b"\n"), first.endswith(b"\n"), self.path)
         self._offset = len(first)
         return clip_strings(header, TEXT_LIMIT)
 

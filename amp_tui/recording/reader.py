@@ -59,6 +59,17 @@ def resolve_session_path(target: str | Path) -> Path:
     return path
 
 
+def header_record(first: bytes, ended: bool, path: Path) -> dict:
+    """The session header from the file's first line; `ended`: the line's newline was read.
+    One line without its newline is what a run that has just started has written of its header
+    so far, and is said to be so (SessionStarting) rather than called no session."""
+    parsed = parse_record(first.decode("utf-8", "replace"))
+    if parsed is None and first and not ended:
+        raise SessionStarting(f"{path} has no complete header yet: a run that has just started "
+                              "is writing it (or the file was cut short)")
+    return check_header(parsed, path)
+
+
 def check_header(header: Any, path: Path) -> dict:
     if not isinstance(header, dict) or header.get("type") != "header" or header.get("format") != FORMAT:
         raise SessionFormatError(f"{path} is not an amp-tui session (its first line is not a header)")
@@ -130,13 +141,7 @@ def read_session(target: str | Path) -> Session:
         first = next(lines, b"")
         if first is None:
             raise SessionFormatError(too_long_message(path))
-        parsed = parse_record(first.decode("utf-8", "replace"))
-        if parsed is None and first and os.fstat(fh.fileno()).st_size == len(first):
-            # One line without its newline: what a run that has just started has written of its
-            # header so far.
-            raise SessionStarting(f"{path} has no complete header yet: a run that has just started "
-                                  "is writing it (or the file was cut short)")
-        header = check_header(parsed, path)
+        header = header_record(first, os.fstat(fh.fileno()).st_size > len(first), path)
         session = Session(header=header, path=path)
         for raw in lines:
             if raw is None:

@@ -23,7 +23,7 @@ from amp_tui.recording.format import MAX_LINE_BYTES, SessionFormatError
 from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.reader import (
     Session,
-    check_header,
+    header_record,
     parse_record,
     read_lines,
     resolve_session_path,
@@ -150,7 +150,7 @@ def read_digest(target: str | Path) -> RecordingDigest:
         first = next(read_lines(fh), b"")
         if first is None:
             raise SessionFormatError(too_long_message(path))
-        header = check_header(parse_record(first.decode("utf-8", "replace")), path)
+        header = header_record(first, os.fstat(fh.fileno()).st_size > len(first), path)
         with SessionIndex(path) as index:
             steps, skipped_lines = index.frames, index.damaged_lines + index.torn_tail
             last = None
