@@ -181,8 +181,6 @@ class SessionIndex:
     def _read_header(self) -> dict:
         with open(self.path, "rb") as fh:
             first = fh.readline(MAX_LINE_BYTES + 1)
-        if not first.strip():
-            raise SessionFormatError(f"{self.path} is empty: no session header yet")
         if len(first) > MAX_LINE_BYTES and not first.endswith(b"\n"):
             raise SessionFormatError(too_long_message(self.path))
         header = header_record(first.rstrip(b"\n"), first.endswith(b"\n"), self.path)

@@ -61,10 +61,14 @@ def resolve_session_path(target: str | Path) -> Path:
 
 def header_record(first: bytes, ended: bool, path: Path) -> dict:
     """The session header from the file's first line; `ended`: the line's newline was read.
-    One line without its newline is what a run that has just started has written of its header
-    so far, and is said to be so (SessionStarting) rather than called no session."""
+    An empty file, or one line without its newline, is what a run that has just started has
+    written of its header so far, and is said to be so (SessionStarting) rather than called no
+    session."""
+    if not first and not ended:    # the writer has created the file, its header comes next
+        raise SessionStarting(f"{path} is empty: a run that has just started has not written "
+                              "its header yet")
     parsed = parse_record(first.decode("utf-8", "replace"))
-    if parsed is None and first and not ended:
+    if parsed is None and not ended:
         raise SessionStarting(f"{path} has no complete header yet: a run that has just started "
                               "is writing it (or the file was cut short)")
     return check_header(parsed, path)

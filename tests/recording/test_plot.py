@@ -172,7 +172,7 @@ def test_a_file_without_a_header_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "session.jsonl").write_bytes(b"")
     assert main(["plot", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 1
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "no session header" in err and not (tmp_path / "x.png").exists()
+    assert len(err.splitlines()) == 1 and "is empty" in err and not (tmp_path / "x.png").exists()
 
 
 def test_a_torn_session(tmp_path):

@@ -321,9 +321,11 @@ def test_a_header_still_being_written_is_said_to_be_so_not_called_foreign(tmp_pa
     from amp_tui.recording.format import SessionStarting
     from amp_tui.recording.reader import read_session
     path = tmp_path / "session.jsonl"
-    path.write_bytes(b'{"type":"header","format":"amp-tui-se')
     from amp_tui.recording.index import SessionIndex
     from amp_tui.recording.report import read_digest
-    for read in (read_session, read_digest, SessionIndex):   # the report and the replay alike
-        with pytest.raises(SessionStarting, match="no complete header yet"):
-            read(path)
+    for written, said in ((b"", "is empty: a run that has just started"),   # created, not yet written
+                          (b'{"type":"header","format":"amp-tui-se', "no complete header yet")):
+        path.write_bytes(written)
+        for read in (read_session, read_digest, SessionIndex):   # the report and the replay alike
+            with pytest.raises(SessionStarting, match=said):
+                read(path)
