@@ -514,6 +514,25 @@ async def test_hostile_layer_names_and_messages_are_shown_literally():
 
 
 @run_async
+async def test_the_event_log_keeps_its_newest_event_in_view_when_its_height_changes():
+    app = create_app(FixedSource(synthetic_records(400, ending="nonfinite")), clock=lambda: FROZEN)
+    async with app.run_test(size=(120, 40), notifications=True) as pilot:
+        await pilot.pause()
+        log = app.dashboard.event_log
+        assert log.max_scroll_y > 0, "the case needs more events than the log shows"
+        for height in (34, 44, 30):          # shorter, taller: the log follows its end each time
+            await pilot.resize_terminal(120, height)
+            await pilot.pause()
+            await pilot.pause()
+            assert log.scroll_y == log.max_scroll_y, height
+        log.scroll_home(animate=False)       # a reader scrolled back is left where they are
+        await pilot.pause()
+        await pilot.resize_terminal(120, 40)
+        await pilot.pause()
+        assert log.scroll_y == 0 < log.max_scroll_y
+
+
+@run_async
 async def test_layer_table_sorts_by_header_click_and_follows_the_picked_layer():
     app = create_app(FixedSource(synthetic_records()), clock=lambda: FROZEN)
     async with app.run_test(size=SIZE, notifications=True) as pilot:

@@ -42,6 +42,9 @@ class EventLog(RichLog):
 
     def on_mount(self) -> None:
         self.border_title = "events"
+        # Stay at the newest event when the log's height changes too (a banner above it comes
+        # and goes), not only when a line is written; scrolling up releases it.
+        self.anchor()
 
     def show(self, snap: Snapshot) -> None:
         """Append the events this log hasn't shown yet (a replay that seeks back starts over)."""
