@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = ["GuardedTrainer", "Monitor", "MonitorError", "StepResult", "TrainSetup", "__version__", "monitor"]
 
-_LAZY = {"GuardedTrainer": "amp_tui.training.engine", "StepResult": "amp_tui.training.engine",
+_LAZY = {"GuardedTrainer": "amp_tui.training.step.engine", "StepResult": "amp_tui.training.step.engine",
          "TrainSetup": "amp_tui.training.script", "monitor": "amp_tui.job.monitor_api",
          "Monitor": "amp_tui.job.monitor", "MonitorError": "amp_tui.job.monitor"}
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from amp_tui.job.config import RunConfig
-from amp_tui.job.feed import BatchFeed
+from amp_tui.job.drivers.feed import BatchFeed
 from amp_tui.job.run import Run
 from amp_tui.sources.live import LiveSource
 from amp_tui.training.script import TrainSetup

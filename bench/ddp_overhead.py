@@ -2,9 +2,9 @@
 guarded step: each step's words (the agreed finite-loss check, the next boundary's commands and
 every rank's stop request) and a probed step's figures, carried two ways:
 
-- **carried**: in DDP's own gradient all-reduce (job/gradient_channel.py), what a `Run` does where
+- **carried**: in DDP's own gradient all-reduce (job/ranks/gradient_channel.py), what a `Run` does where
   the model's DDP allows it. The figures of a probed step go with the next step's gradients.
-- **separate**: in collectives of their own (job/distributed.py), as where it doesn't: the
+- **separate**: in collectives of their own (job/ranks/distributed.py), as where it doesn't: the
   check's all-reduce, started before the backward and waited for after it, and the figures'
   gather, started at the end of the step and waited for one step later.
 
@@ -57,8 +57,8 @@ def worker(args) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from amp_tui.job.distributed import Ranks
-    from amp_tui.training.engine import GuardedTrainer
+    from amp_tui.job.ranks.distributed import Ranks
+    from amp_tui.training.step.engine import GuardedTrainer
     from bench import common
     from bench.models import MlpSpec, build
 

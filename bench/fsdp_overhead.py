@@ -2,7 +2,7 @@
 loop running the same guarded step.
 
 FSDP2 has no communication hook for the words to ride on, so they go in collectives of their
-own (job/distributed.py): the finite-loss check's all-reduce, started before the backward and
+own (job/ranks/distributed.py): the finite-loss check's all-reduce, started before the backward and
 waited for after it, and a probed step's figures (each rank's shard maxima of the gradients and
 weights, and its activations) gathered to rank 0, started at the end of the step and waited for
 one step later, as a `Run` does.
@@ -45,9 +45,9 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from amp_tui.job.distributed import Ranks
-    from amp_tui.training.engine import GuardedTrainer
+    from amp_tui.job.ranks.distributed import Ranks
     from amp_tui.training.sharding import shard_model
+    from amp_tui.training.step.engine import GuardedTrainer
     from bench import common
     from bench.models import MlpSpec, build
 

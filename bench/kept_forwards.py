@@ -1,6 +1,6 @@
 """What a healthy step of the user's own loop pays for being replayable: the monitor keeping each
 forward's inputs (references), RNG state and autocast dtype, and the gradient that reaches the
-model's outputs (training/forward_keeper.py). Target: <= 0.2% of the step.
+model's outputs (training/trace/forward_keeper.py). Target: <= 0.2% of the step.
 
 Two figures per model, side by side in one process:
 - paired: one monitored loop (the user guide's snippet, probes at the default schedule), one step

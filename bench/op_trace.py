@@ -38,8 +38,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from amp_tui.training.op_fix import try_fixes  # noqa: E402
-from amp_tui.training.op_trace import rng_snapshot, trace_step  # noqa: E402
+from amp_tui.training.trace.op_fix import try_fixes  # noqa: E402
+from amp_tui.training.trace.op_trace import rng_snapshot, trace_step  # noqa: E402
 from bench import common  # noqa: E402
 
 try:

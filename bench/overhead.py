@@ -45,10 +45,10 @@ from pathlib import Path
 import torch
 
 from amp_tui.job.config import RunConfig
-from amp_tui.job.feed import BatchFeed
+from amp_tui.job.drivers.feed import BatchFeed
 from amp_tui.job.run import Run
-from amp_tui.training.engine import GuardedTrainer
 from amp_tui.training.script import TrainSetup
+from amp_tui.training.step.engine import GuardedTrainer
 from bench import common
 
 ALL = ("bare", "probes/1", "probes/10", "run/1", "run/10", "run/auto", "DebugUnderflowOverflow", "detect_anomaly")

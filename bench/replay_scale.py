@@ -51,8 +51,8 @@ def generate(path: Path, steps: int, layers: int, seed: int = 0) -> None:
     """A realistic recording written with SessionWriter + step_record (see the module docstring)."""
     from amp_tui.recording.format import event_record, step_record
     from amp_tui.recording.writer import SessionWriter
-    from amp_tui.training.engine import StepResult
-    from amp_tui.training.probes import LayerFigures
+    from amp_tui.training.probes.layer_probes import LayerFigures
+    from amp_tui.training.step.engine import StepResult
 
     rng = random.Random(seed)
     names = layer_names(layers)

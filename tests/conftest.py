@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_tui.job.control import socket_path
+from amp_tui.job.steering.control import socket_path
 
 from support import MLP_SCRIPT, SLOW_SCRIPT, train_run, wait_for
 

@@ -25,9 +25,9 @@ from amp_tui.recording.reader import read_session
 from amp_tui.recording.writer import SessionWriter
 from amp_tui.sources.live import LiveSource
 from amp_tui.training.checkpoint import read_checkpoint
-from amp_tui.training.engine import StepResult
-from amp_tui.training.probes import LayerFigures
+from amp_tui.training.probes.layer_probes import LayerFigures
 from amp_tui.training.script import load_script
+from amp_tui.training.step.engine import StepResult
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

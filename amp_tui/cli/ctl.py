@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 def cmd_ctl(args) -> int:
     from amp_tui.core.jsonsafe import output_json
-    from amp_tui.job.control import ControlError, send
+    from amp_tui.job.steering.control import ControlError, send
 
     try:
         answer = send(args.run, args.action.strip())

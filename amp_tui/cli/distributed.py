@@ -1,7 +1,7 @@
 """`amp-tui train --nproc N`: the ranks of one run, started by torch.distributed.run; and what
 each of them does, however torchrun was started (`torchrun ... -m amp_tui train script.py`).
 
-The launching process runs PyTorch's launcher (`amp_tui.job.launcher`, torch.distributed.run in a
+The launching process runs PyTorch's launcher (`amp_tui.job.ranks.launcher`, torch.distributed.run in a
 process of its own, so its signal handlers never replace ours) with every rank headless. Rank 0
 records the session and serves the control socket; the dashboard attaches to it from here, as
 `amp-tui run` does (q stops every rank at the same step and waits for them). The other ranks
@@ -25,7 +25,7 @@ MONITOR_INTERVAL_S = "0.5"   # how often torchrun's agent looks at its ranks
 
 
 def is_rank() -> bool:
-    from amp_tui.job.distributed import launched_by_torchrun
+    from amp_tui.job.ranks.distributed import launched_by_torchrun
     return launched_by_torchrun()
 
 
@@ -59,7 +59,7 @@ def launch(args, *, dashboard: bool) -> int:
                 "--monitor-interval", MONITOR_INTERVAL_S]
     torchrun += (["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
                  if endpoint else ["--standalone"])
-    command = [sys.executable, "-m", "amp_tui.job.launcher", str(run_dir), *torchrun, "-m", "amp_tui", *worker]
+    command = [sys.executable, "-m", "amp_tui.job.ranks.launcher", str(run_dir), *torchrun, "-m", "amp_tui", *worker]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # torchrun sets 1 thread per rank when nobody says (and warns); a CPU job gets its share.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (args.nproc or 1))))
@@ -105,7 +105,7 @@ def _launch_with_dashboard(command: list[str], env: dict, run_dir: Path, refresh
 def train_rank(args) -> int:
     """One rank of a torchrun job: join the process group, agree on the run directory, check
     the script on every rank, then train (rank 0 headless, recording; the others quietly)."""
-    from amp_tui.job.distributed import DEFAULT_TIMEOUT_S, Ranks
+    from amp_tui.job.ranks.distributed import DEFAULT_TIMEOUT_S, Ranks
 
     if args.detach or args.nproc is not None:
         return error("--detach and --nproc start a job; inside torchrun every process is already one "
@@ -119,7 +119,7 @@ def train_rank(args) -> int:
     finally:
         # The run is gone by now. Before the interpreter exits, gloo's threads let go of our
         # collectives' tensors, then the group ends, its threads joined: one still there as the
-        # interpreter finalizes can abort the process (job/in_flight.py, job/group_end.py).
+        # interpreter finalizes can abort the process (job/ranks/in_flight.py, job/ranks/group_end.py).
         ranks.close()
 
 
@@ -129,11 +129,11 @@ def _train(args, ranks) -> int:
     from amp_tui.cli.training_process import keep_imports_out_of_collections
     from amp_tui.core.commands import CommandError
     from amp_tui.job.build import build_run
-    from amp_tui.job.distributed import RanksLost
-    from amp_tui.job.rank_output import output_to, rank_log_path
+    from amp_tui.job.ranks.distributed import RanksLost
+    from amp_tui.job.ranks.rank_output import output_to, rank_log_path
     from amp_tui.training.devices import DeviceError
-    from amp_tui.training.engine import PrecisionRefused
     from amp_tui.training.script import ScriptError
+    from amp_tui.training.step.engine import PrecisionRefused
 
     if args.own_process:
         keep_imports_out_of_collections()

@@ -27,7 +27,7 @@ def cmd_ls(args) -> int:
     from rich.text import Text
 
     from amp_tui.core.precision import short_name
-    from amp_tui.job.control import job_alive
+    from amp_tui.job.steering.control import job_alive
     from amp_tui.recording.listing import expand_folders, list_runs_in
 
     named = list(args.folders)

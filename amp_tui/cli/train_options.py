@@ -15,7 +15,7 @@ def run_config(args, *, on_nonfinite_default: str = "skip"):
     asks for. Raises CommandError for an `--at` that can't be read."""
     from amp_tui.core.commands import parse_at
     from amp_tui.job.config import RunConfig
-    from amp_tui.training.guards import GuardConfig
+    from amp_tui.training.step.guards import GuardConfig
 
     guard = GuardConfig(
         min_scale=args.min_scale, alert_scale_drops=args.alert_scale_drops,

@@ -20,9 +20,9 @@ import torch
 from amp_tui.compare.memory import PeakMemory
 from amp_tui.compare.results import Speed, SpeedRun
 from amp_tui.core import precision
-from amp_tui.training.autocast import autocast
 from amp_tui.training.devices import move_to_device
 from amp_tui.training.script import TrainSetup, describe_exception
+from amp_tui.training.step.autocast import autocast
 
 # Distinct training batches the speed runs cycle through (moved to the device once).
 SPEED_BATCHES = 8

@@ -26,9 +26,9 @@ from amp_tui.compare.decisions import (
 )
 from amp_tui.compare.results import DtypeResult, Reference, Validation
 from amp_tui.core import precision
-from amp_tui.training.autocast import autocast, unsupported_reason
 from amp_tui.training.devices import move_to_device
 from amp_tui.training.script import ScriptError, TrainSetup, describe_exception
+from amp_tui.training.step.autocast import autocast, unsupported_reason
 
 # How many flip / near-tie sample indices are listed (all are counted).
 SHOW = 10

@@ -1,6 +1,6 @@
 """Commands that steer a run: what they are, how they are written (`--at`, `ctl`) and parsed.
 
-A run applies them at its next step boundary (amp_tui.job.commands), so a command never lands in
+A run applies them at its next step boundary (amp_tui.job.steering.commands), so a command never lands in
 the middle of a forward or backward pass.
 """
 

@@ -1,4 +1,4 @@
-"""The loss-scale forecast in words: the run's alert (job/forecasts.py) and the dashboard's status
+"""The loss-scale forecast in words: the run's alert (job/records/forecasts.py) and the dashboard's status
 bar say it the same way."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Precision names and ranges: what a dtype is called and how far it reaches. No torch here:
 the read side (reports, replays) needs these too; what a device can run is in
-amp_tui.training.autocast."""
+amp_tui.training.step.autocast."""
 
 from __future__ import annotations
 

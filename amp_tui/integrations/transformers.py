@@ -23,7 +23,7 @@ Where the Trainer's hooks fall in one optimizer step, and what the callback does
     on_train_end            the recording ends
 
 `d` puts the model's forward under the monitor's autocast in place of the one Accelerate fixed
-at start-up (see amp_tui/training/forward_autocast.py).
+at start-up (see amp_tui/training/step/forward_autocast.py).
 """
 
 from __future__ import annotations

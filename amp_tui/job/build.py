@@ -15,21 +15,21 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 from amp_tui.core.run_dirs import default_run_dir
+from amp_tui.job.checkpoints.resume import newest_valid_checkpoint
 from amp_tui.job.config import RunConfig
-from amp_tui.job.control import job_alive
-from amp_tui.job.distributed import Ranks
-from amp_tui.job.feed import BatchFeed
-from amp_tui.job.resume import newest_valid_checkpoint
+from amp_tui.job.drivers.feed import BatchFeed
+from amp_tui.job.ranks.distributed import Ranks
 from amp_tui.job.run import Run
+from amp_tui.job.steering.control import job_alive
 from amp_tui.recording.format import SessionFormatError
 from amp_tui.recording.timeline import interventions_as_commands
-from amp_tui.training.autocast import unsupported_reason
 from amp_tui.training.checkpoint import list_checkpoints
 from amp_tui.training.devices import resolve_device
-from amp_tui.training.engine import PrecisionRefused
 from amp_tui.training.local_fp32 import match_modules, named_modules
 from amp_tui.training.script import ScriptError, TrainSetup, load_script
 from amp_tui.training.sharding import ShardingError, is_sharded, shard_model
+from amp_tui.training.step.autocast import unsupported_reason
+from amp_tui.training.step.engine import PrecisionRefused
 
 
 class BuiltRun(NamedTuple):
@@ -114,7 +114,7 @@ def _settle(config: RunConfig, ranks: Ranks | None):
     settled = dataclasses.replace(
         config, dtype=dtype, run_dir=run_dir, at=at,
         # the guard moves down the precision ladder when the policy says fallback (or isolate, whose
-        # autopilot makes the move its own: job/autopilot.py)
+        # autopilot makes the move its own: job/steering/autopilot.py)
         guard=dataclasses.replace(config.guard, fallback=config.on_nonfinite in ("fallback", "isolate")),
         resume_from=resume_from,
         resume_skipped=[(str(path.relative_to(run_dir)), reason) for path, reason in resume_skipped],

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from amp_tui.core.commands import Command
-from amp_tui.training.guards import GuardConfig
+from amp_tui.training.step.guards import GuardConfig
 
 
 @dataclass
@@ -25,7 +25,7 @@ class RunConfig:
     steps: int | None = None            # iterations to run; a resume counts them from where it goes on
     run_dir: Path | None = None
     checkpoint_every: int | None = None
-    probe_every: int | str = "auto"     # "auto": the adaptive schedule (training/probe_schedule.py)
+    probe_every: int | str = "auto"     # "auto": the adaptive schedule (training/probes/probe_schedule.py)
     probe_budget: float = 1.0           # percent of the training time amp-tui may cost (auto)
     probe_alert_bits: float = 3.0       # headroom under which every step is probed (auto)
     underflow_every: int = 10           # underflow shares on every Nth probed step

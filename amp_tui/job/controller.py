@@ -1,10 +1,10 @@
 """One run, however its steps are driven: the state, the step boundary, the commands, every record,
-the checkpoints, the control socket; a disk that refuses writes is job/full_disk.py's.
+the checkpoints, the control socket; a disk that refuses writes is job/records/full_disk.py's.
 
 Two drivers run the steps (docs/architecture.md, "One step, two drivers"):
-- the engine driver (job/engine_driver.py, `amp-tui train`): amp-tui's own guarded step over the
+- the engine driver (job/drivers/engine_driver.py, `amp-tui train`): amp-tui's own guarded step over the
   script's batches, the loop amp-tui owns;
-- the hook driver (job/hook_driver.py, `amp_tui.monitor` and the framework callbacks): the user's
+- the hook driver (job/drivers/hook_driver.py, `amp_tui.monitor` and the framework callbacks): the user's
   loop, seen through hooks on its optimizer and GradScaler.
 
 The controller knows neither loop. A driver hands it each step's `StepResult` (`end_step`, the one
@@ -28,17 +28,13 @@ from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.fixes import fix_in_words
 from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.records import RunState, end_status, traced_module
-from amp_tui.job import autopilot
-from amp_tui.job import command_handlers as handlers
-from amp_tui.job.checkpoints import RunCheckpoints, TrainingState
-from amp_tui.job.commands import CommandQueue, Handler, apply_command
-from amp_tui.job.driver import Driver
-from amp_tui.job.fix_choice import VerifiedFixes
-from amp_tui.job.forecasts import RunForecasts
-from amp_tui.job.full_disk import FullDisk
-from amp_tui.job.probe_events import announce_probe_changes
-from amp_tui.job.recorder import Observers, RankEcho, Recorder
-from amp_tui.job.run_records import (
+from amp_tui.job.checkpoints.run_checkpoints import RunCheckpoints, TrainingState
+from amp_tui.job.drivers.driver import Driver
+from amp_tui.job.records.forecasts import RunForecasts
+from amp_tui.job.records.full_disk import FullDisk
+from amp_tui.job.records.probe_events import announce_probe_changes
+from amp_tui.job.records.recorder import Observers, RankEcho, Recorder
+from amp_tui.job.records.run_records import (
     FORWARD_KINDS,
     calibration_message,
     nonfinite_fields,
@@ -55,15 +51,19 @@ from amp_tui.job.states import (
     LoopKind,
     PauseReason,
 )
+from amp_tui.job.steering import autopilot
+from amp_tui.job.steering import command_handlers as handlers
+from amp_tui.job.steering.commands import CommandQueue, Handler, apply_command
+from amp_tui.job.steering.fix_choice import VerifiedFixes
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.training import checkpoint as ckpt
-from amp_tui.training.autocast import unsupported_reason
-from amp_tui.training.engine import StepResult
-from amp_tui.training.guards import GuardConfig, PrecisionGuard
 from amp_tui.training.local_fp32 import LocalFp32
+from amp_tui.training.step.autocast import unsupported_reason
+from amp_tui.training.step.engine import StepResult
+from amp_tui.training.step.guards import GuardConfig, PrecisionGuard
 
 if TYPE_CHECKING:
-    from amp_tui.job.distributed import Ranks
+    from amp_tui.job.ranks.distributed import Ranks
     from amp_tui.recording.report import RunOutcome
 
 ENDING_WAIT_S = 5.0   # how long another thread waits for the training thread to end the file
@@ -94,10 +94,10 @@ class RunController:
         self.run_dir = Path(run_dir)
         self.session_path = self.run_dir / "session.jsonl"
         self.script = script
-        self.ranks = ranks   # several ranks (job/distributed.py): what they agree on goes through it
+        self.ranks = ranks   # several ranks (job/ranks/distributed.py): what they agree on goes through it
         self.guard = PrecisionGuard(guard or GuardConfig(), words=self.fix_words)
         self.autopilot = autopilot.Autopilot(self, on_nonfinite == "isolate", self.guard.config)
-        self.forecasts = RunForecasts(self, self.guard.config.forecast_horizon)   # job/forecasts.py
+        self.forecasts = RunForecasts(self, self.guard.config.forecast_horizon)   # job/records/forecasts.py
         self.on_nonfinite = on_nonfinite
         self.io_policy = io_policy
         self.checkpoint_every = checkpoint_every
@@ -124,7 +124,7 @@ class RunController:
             "step": partial(handlers.single_step, self), "probe": partial(handlers.set_probes, self),
             "xray": partial(handlers.xray, self), "undo": partial(autopilot.undo, self), "fix": self._apply_fix,
         }
-        self.fixes = VerifiedFixes(self.refused)   # what `fix` applies (job/fix_choice.py)
+        self.fixes = VerifiedFixes(self.refused)   # what `fix` applies (job/steering/fix_choice.py)
         self._scheduled: dict[int, list[Command]] = {}
         for step, command in at:
             self._scheduled.setdefault(step, []).append(command)
@@ -259,7 +259,7 @@ class RunController:
             ckpt.cleanup_temporary_files(self.checkpointing.folder)
         self.recorder.open(header, append=append, flush_interval=self.flush_interval)
         if self.serve_control:
-            from amp_tui.job.control import ControlServer
+            from amp_tui.job.steering.control import ControlServer
             self._control = ControlServer(self, self.run_dir)
             self._control.start()
 
@@ -390,7 +390,7 @@ class RunController:
 
     def _act_on_trouble(self, said: str, step: int) -> None:
         """--on-nonfinite pause and stop, after `said` at `step`; the other policies go on (the
-        guard decides; isolate: job/autopilot.py)."""
+        guard decides; isolate: job/steering/autopilot.py)."""
         policy = self.on_nonfinite
         if policy == "pause" and self.state == "running":
             self.single_steps = 0

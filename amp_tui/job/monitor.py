@@ -20,7 +20,7 @@ amp-tui's own, which scales in fp16 only (precision_state.py's BorrowedScaling).
 starts in the dtype the loop already runs (fp16 with an enabled GradScaler, else fp32) and takes
 `fp32_modules=` as `amp-tui train` takes `--fp32-modules`.
 
-The monitor owns a run controller (job/controller.py) and the hook driver (job/hook_driver.py,
+The monitor owns a run controller (job/controller.py) and the hook driver (job/drivers/hook_driver.py,
 which says how the loop is watched): it records the same session as `amp-tui train` and serves
 the same control socket, so `amp-tui attach RUN_DIR` shows the dashboard and its keys steer the
 loop at step boundaries. It never drives the loop, and the user's objects are left as they were
@@ -47,15 +47,15 @@ from amp_tui.core import precision
 from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.core.signals import install_handlers, restore_handlers
 from amp_tui.job.controller import RunController
-from amp_tui.job.distributed import Ranks
-from amp_tui.job.hook_driver import HookDriver, MonitorError
-from amp_tui.job.probe_events import announce_probe_changes
+from amp_tui.job.drivers.hook_driver import HookDriver, MonitorError
 from amp_tui.job.process_slot import ProcessSlot
+from amp_tui.job.ranks.distributed import Ranks
+from amp_tui.job.records.probe_events import announce_probe_changes
 from amp_tui.job.states import MONITOR_LOOP, IoPolicy
-from amp_tui.training.autocast import autocast, torch_dtype
-from amp_tui.training.forward_autocast import ForwardAutocast, wrapped_in_autocast
-from amp_tui.training.guards import GuardConfig
-from amp_tui.training.update_guard import scale_floor
+from amp_tui.training.step.autocast import autocast, torch_dtype
+from amp_tui.training.step.forward_autocast import ForwardAutocast, wrapped_in_autocast
+from amp_tui.training.step.guards import GuardConfig
+from amp_tui.training.step.update_guard import scale_floor
 
 __all__ = ["Monitor", "MonitorError", "MonitoredStep"]
 
@@ -112,7 +112,7 @@ class Monitor:
         self.optimizer = driver.optimizer
         self.scheduler = scheduler
         # A loop under torchrun: rank 0 records and serves the socket, every rank agrees at the
-        # boundaries (job/distributed.py).
+        # boundaries (job/ranks/distributed.py).
         ranks = Ranks.of_loop(model)
         run_dir = Path(run_dir or os.environ.get(RUN_DIR_VARIABLE) or default_run_dir(driver.script))
         if ranks:

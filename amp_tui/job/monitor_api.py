@@ -34,7 +34,7 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
     a layer within `probe_alert_bits` of the dtype's max among them) or N (every N steps).
     `announce`: print one line saying how to attach. `tensorboard_dir`: also write the recording
     there as TensorBoard event files, live (pip install 'amp-tui[tensorboard]'). `on_nonfinite`:
-    "skip" (GradScaler's way) or "isolate" (the autopilot, job/autopilot.py: an overflowing module in
+    "skip" (GradScaler's way) or "isolate" (the autopilot, job/steering/autopilot.py: an overflowing module in
     fp32 from the next step, the scale lowered and said). `forecast_horizon`: a layer whose headroom
     forecast says it reaches the dtype's max within this many steps raises an alert (see
     docs/session-format.md, "Forecasts"). `min_scale`: the loss scale's floor (default 2**-24): the

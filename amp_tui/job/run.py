@@ -1,5 +1,5 @@
 """A run of `amp-tui train`: amp-tui's own guarded step over the script's batches
-(job/engine_driver.py) under a run controller (job/controller.py) it owns, with its pre-flight,
+(job/drivers/engine_driver.py) under a run controller (job/controller.py) it owns, with its pre-flight,
 its resume and its loop. The dashboard and the headless CLI both drive a `Run`; the run knows nothing of either.
 Observers get every record (header, step, event, end) on the training thread and must be quick.
 """
@@ -17,10 +17,10 @@ from amp_tui.core.records import RunState
 from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.job.config import RunConfig
 from amp_tui.job.controller import RunController
-from amp_tui.job.distributed import Ranks, RanksLost
-from amp_tui.job.engine_driver import EngineDriver, StepFailure
-from amp_tui.job.feed import BatchFeed
-from amp_tui.job.recorder import Observers
+from amp_tui.job.drivers.engine_driver import EngineDriver, StepFailure
+from amp_tui.job.drivers.feed import BatchFeed
+from amp_tui.job.ranks.distributed import Ranks, RanksLost
+from amp_tui.job.records.recorder import Observers
 from amp_tui.job.states import EXIT_ERROR, IoPolicy
 from amp_tui.recording.format import SessionFormatError, event_record
 from amp_tui.training import checkpoint as ckpt

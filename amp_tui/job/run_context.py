@@ -18,28 +18,28 @@ if TYPE_CHECKING:
 
     from amp_tui.core.commands import Command, Outcome
     from amp_tui.core.records import RunState
-    from amp_tui.job.commands import CommandQueue
-    from amp_tui.job.distributed import Ranks
-    from amp_tui.job.recorder import Recorder
+    from amp_tui.job.ranks.distributed import Ranks
+    from amp_tui.job.records.recorder import Recorder
     from amp_tui.job.states import IoPolicy, LoopKind, PauseReason
+    from amp_tui.job.steering.commands import CommandQueue
     from amp_tui.training import checkpoint as ckpt
-    from amp_tui.training.guards import PrecisionGuard
     from amp_tui.training.local_fp32 import LocalFp32
-    from amp_tui.training.precision_state import PrecisionState
+    from amp_tui.training.step.guards import PrecisionGuard
+    from amp_tui.training.step.precision_state import PrecisionState
 
 
 class RunContext(Protocol):
     """One run, for the parts it is composed of (the module docstring says which)."""
 
     # ---- what it is made of ----------------------------------------------------------------
-    driver: Any                  # job/driver.py's Driver: what runs the steps
+    driver: Any                  # job/drivers/driver.py's Driver: what runs the steps
     device: torch.device
     ranks: Ranks | None          # several ranks: what they agree on goes through it
     guard: PrecisionGuard
     recorder: Recorder
     commands: CommandQueue
-    checkpointing: Any           # job/checkpoints.py's RunCheckpoints: save, restore, resume
-    autopilot: Any               # job/autopilot.py's Autopilot: --on-nonfinite isolate
+    checkpointing: Any           # job/checkpoints/run_checkpoints.py's RunCheckpoints: save, restore, resume
+    autopilot: Any               # job/steering/autopilot.py's Autopilot: --on-nonfinite isolate
     loop: LoopKind               # whose loop runs the steps, in the user's terms
 
     # ---- its settings ----------------------------------------------------------------------
@@ -66,7 +66,7 @@ class RunContext(Protocol):
     recording_error: str | None
 
     @property
-    def training(self) -> Any: ...   # job/checkpoints.py's TrainingState: what a checkpoint saves
+    def training(self) -> Any: ...   # job/checkpoints/run_checkpoints.py's TrainingState: what a checkpoint saves
 
     @property
     def precision(self) -> PrecisionState: ...

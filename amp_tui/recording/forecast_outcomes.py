@@ -2,7 +2,7 @@
 came true, worked out from the records alone (docs/session-format.md, "Forecasts"):
 
 - a scale forecast came true or not as the run judged it, in its `forecast_checked` event
-  (job/forecasts.py): the run alone sees every scale it ran at, a command's and a restore's
+  (job/records/forecasts.py): the run alone sees every scale it ran at, a command's and a restore's
   included, so its verdict is the one the live output, the report and the exports all say; a
   forecast the run has not judged (its growth step not reached, or the run ended first) is open;
 - a layer forecast came true when a later step went non-finite in that layer (the module a

@@ -2,7 +2,7 @@
 
 What is shown comes from following the job's recording (session.jsonl), so interventions made by
 any client (ctl from a shell, another attached dashboard) appear in the event log. Commands go to
-the job over its control socket (see amp_tui.job.control), which is owner-only. Detaching (`stop()`)
+the job over its control socket (see amp_tui.job.steering.control), which is owner-only. Detaching (`stop()`)
 closes only the follower: the job keeps running.
 """
 
@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from amp_tui.core.commands import Command, Outcome
-from amp_tui.job import control
+from amp_tui.job.steering import control
 from amp_tui.sources.replay import ReplaySnapshot, ReplaySource, run_checkpoints
 
 FOLLOW_SPEED = ReplaySource.SPEEDS[-1]   # catch up with the job as fast as playback goes

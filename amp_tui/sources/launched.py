@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from amp_tui.core.commands import Command
-from amp_tui.job import control
+from amp_tui.job.steering import control
 from amp_tui.recording.format import SessionFormatError
 from amp_tui.sources.attached import AttachedSource
 from amp_tui.sources.buffer import RunBuffer

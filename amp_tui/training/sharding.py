@@ -6,7 +6,7 @@ root, as torchtitan and Accelerate's FSDP2 plugin do. A sharded parameter is a `
 rank holds its shard (`to_local()`), and its gradient after the backward's reduce-scatter is the
 shard of the whole gradient. The probes read the local shards (`local_tensor`); the ranks'
 maxima are then reduced across the ranks with the figures that already go round
-(job/rank_figures.py).
+(job/ranks/rank_figures.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Counts in words: one update is "1 update", in `ctl status`'s line and the replay's summary."""
 
-from amp_tui.job.control import status_text
+from amp_tui.job.steering.control import status_text
 from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.timeline import timeline_lines
 

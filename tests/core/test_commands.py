@@ -15,8 +15,8 @@ from amp_tui.core.commands import (
     parse_action,
     parse_at,
 )
-from amp_tui.job.control import ControlServer
-from amp_tui.job.distributed import decode_commands, encode_commands
+from amp_tui.job.ranks.distributed import decode_commands, encode_commands
+from amp_tui.job.steering.control import ControlServer
 
 NOTES = ["changed the data shard", "lr=3e-4, warmup: 200 steps", "a:b=c:d", "données → ✓ 学习率",
          "x" * NOTE_LIMIT]

@@ -3,8 +3,8 @@ and the live command in the user's own loop; and the guards' advice gives way to
 replay verified, in those words."""
 
 from amp_tui.core.fixes import MONITOR, TRAIN, fix_command, fix_in_words
-from amp_tui.training.engine import StepResult
-from amp_tui.training.guards import GuardConfig, PrecisionGuard
+from amp_tui.training.step.engine import StepResult
+from amp_tui.training.step.guards import GuardConfig, PrecisionGuard
 
 
 def test_a_fix_is_the_flag_under_train_and_the_monitors_argument_with_the_live_command_in_a_loop():

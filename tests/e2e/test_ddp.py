@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from amp_tui.job.control import send
+from amp_tui.job.steering.control import send
 from amp_tui.recording.reader import read_session
 from amp_tui.sources.attached import AttachedSource
 from amp_tui.ui.app import create_app
@@ -325,7 +325,7 @@ def test_a_monitored_loop_of_2_ranks_probes_rank_0s_steps_and_escalates_both_on_
     boundary's words, and both ranks probe every step after it (a rank escalating alone would
     gather where the other doesn't: the job would hang, and the timeout fail the test). DDP's
     all-reduce carries the NaN into both ranks' gradients, so both hold the update back
-    (training/update_guard.py): a skip on every rank, the sign they share, is the escalation's
+    (training/step/update_guard.py): a skip on every rank, the sign they share, is the escalation's
     reason (before updates were held back, the loop applied it, and rank 1's loss was the sign)."""
     script = write_script(OWN_LOOP_NAN_ON_RANK_1, "loop.py")
     run_dir = tmp_path / "run"

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from amp_tui.job.control import send
+from amp_tui.job.steering.control import send
 from amp_tui.recording.reader import read_session
 
 from support import (

@@ -111,7 +111,7 @@ def test_fp16_with_a_gradscaler_counts_skips_halves_the_scale_and_s_sets_it(tmp_
     steps = session.steps
     assert len(steps) == len(loader) // 2 and all(s["micro_batches"] == 2 for s in steps)
     skipped = [s for s in steps[:4] if s["skipped"]]
-    # The first skips at GradScaler's default scale are its calibration (training/calibration.py).
+    # The first skips at GradScaler's default scale are its calibration (training/step/calibration.py).
     assert skipped and steps[0]["skipped"] and steps[0]["calibration"] and "nonfinite" not in steps[0]
     assert all(b["scale"] == a["scale"] / 2 for a, b in zip(skipped, skipped[1:]))
     assert steps[4]["scale"] == 8 and not any(s["skipped"] for s in steps[4:])

@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.integrations.lightning import AmpTuiCallback
-from amp_tui.job.control import send
+from amp_tui.job.steering.control import send
 from amp_tui.recording.reader import read_session
 
 from frameworks import command, lightning_module_class, pl_trainer, regression_loader
@@ -84,7 +84,7 @@ def test_fp16_skips_are_judged_by_the_scale_and_s_sets_it(tmp_path, optimizer):
                                          plugins=[MixedPrecision("16-mixed", "cpu")], plan={6: "scale=4"})
     steps = session.steps
     skipped = [s for s in steps if s["skipped"]]
-    # The first skips at GradScaler's default scale are its calibration (training/calibration.py).
+    # The first skips at GradScaler's default scale are its calibration (training/step/calibration.py).
     assert steps[0]["skipped"] and steps[0]["calibration"] and "nonfinite" not in steps[0]
     assert all(b["scale"] == a["scale"] / 2 for a, b in zip(skipped, skipped[1:]))
     assert steps[6]["scale"] == 4 and trainer.precision_plugin.scaler.get_scale() == steps[-1]["next_scale"]

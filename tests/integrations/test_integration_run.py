@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from amp_tui.core.jsonsafe import read_float
-from amp_tui.job.control import send
+from amp_tui.job.steering.control import send
 from amp_tui.recording.format import SessionFormatError
 from amp_tui.recording.reader import read_session
 

@@ -14,7 +14,7 @@ from transformers import Trainer, TrainerCallback
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.integrations.transformers import AmpTuiCallback
-from amp_tui.job.control import send
+from amp_tui.job.steering.control import send
 from amp_tui.recording.reader import read_session
 
 from frameworks import at_steps, command, hf_trainer, tiny_gpt2

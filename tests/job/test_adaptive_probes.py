@@ -14,15 +14,15 @@ from torch import nn
 
 import amp_tui
 import amp_tui.job.controller as controller_module
-import amp_tui.job.engine_driver as engine_driver_module
-import amp_tui.job.hook_driver as hook_driver_module
+import amp_tui.job.drivers.engine_driver as engine_driver_module
+import amp_tui.job.drivers.hook_driver as hook_driver_module
 import amp_tui.job.monitor as monitor_module
-import amp_tui.training.engine as engine_module
+import amp_tui.training.step.engine as engine_module
 from amp_tui.core.commands import parse_action
 from amp_tui.recording.reader import read_session
 from amp_tui.sources.buffer import RunBuffer
-from amp_tui.training.probe_schedule import FIRST_INTERVAL, FIRST_PROBED
-from amp_tui.training.probes import LayerProbe
+from amp_tui.training.probes.layer_probes import LayerProbe
+from amp_tui.training.probes.probe_schedule import FIRST_INTERVAL, FIRST_PROBED
 
 from frameworks import at_steps, command, hf_trainer, lightning_module_class, pl_trainer, regression_loader
 from support import monitored_loop, train_run

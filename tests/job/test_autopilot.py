@@ -89,7 +89,7 @@ def test_every_block_overflowing_alike_puts_each_attention_in_fp32_not_the_block
 def test_a_backward_overflow_from_the_scale_lowers_it_and_says_so(write_script, tmp_path):
     session = train(write_script(LARGE_LOSS), tmp_path / "run", "--dtype", "fp16", "--on-nonfinite", "isolate",
                     "--init-scale", "1048576", steps=1)
-    # A start above GradScaler's default is the user's, not its calibration (training/calibration.py).
+    # A start above GradScaler's default is the user's, not its calibration (training/step/calibration.py).
     [decision] = autopilot(session)
     assert decision["action"] == "scale" and decision["value"] == 524288.0
     assert decision["before"]["scale"] == 1048576.0 and decision["after"]["scale"] == 524288.0

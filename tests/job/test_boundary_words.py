@@ -10,8 +10,8 @@ import signal
 import pytest
 import torch
 
-from amp_tui.job.boundary_words import BoundaryWords
-from amp_tui.job.gradient_channel import Slots
+from amp_tui.job.ranks.boundary_words import BoundaryWords
+from amp_tui.job.ranks.gradient_channel import Slots
 
 INT64_MAX = 2**63 - 1
 

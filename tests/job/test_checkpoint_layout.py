@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amp_tui.job.checkpoint_layout import FULL_SHARE, LAYOUTS, choose, state_bytes
+from amp_tui.job.checkpoints.checkpoint_layout import FULL_SHARE, LAYOUTS, choose, state_bytes
 
 GIB = 1024 ** 3
 

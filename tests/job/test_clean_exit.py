@@ -19,7 +19,7 @@ import pytest
 from rich.console import Console
 
 from amp_tui.cli.headless import HeadlessPrinter
-from amp_tui.job.control import send
+from amp_tui.job.steering.control import send
 from amp_tui.recording.reader import read_session
 
 from support import train_run, wait_for

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from amp_tui.core.commands import ACTIONS, Command
-from amp_tui.job.command_codec import MANY, decode_commands, encode_commands
+from amp_tui.job.ranks.command_codec import MANY, decode_commands, encode_commands
 
 
 def across_ranks(commands: list[Command]) -> list[Command]:

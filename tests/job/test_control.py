@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from amp_tui.cli import main
-from amp_tui.job.control import ControlError, check_socket_permissions, send, socket_path
+from amp_tui.job.steering.control import ControlError, check_socket_permissions, send, socket_path
 from amp_tui.recording.reader import read_session
 
 from support import SLOW_SCRIPT, wait_for

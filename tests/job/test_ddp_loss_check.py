@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from amp_tui.job.distributed import Ranks
-from amp_tui.training.engine import GuardedTrainer
+from amp_tui.job.ranks.distributed import Ranks
+from amp_tui.training.step.engine import GuardedTrainer
 
 out, scenarios = Path(sys.argv[1]), json.loads(sys.argv[2])
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

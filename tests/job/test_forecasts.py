@@ -1,4 +1,4 @@
-"""The forecasts of a run (job/forecasts.py): the loss scale's next growth and whether it
+"""The forecasts of a run (job/records/forecasts.py): the loss scale's next growth and whether it
 overflows, and each layer's steps left before the dtype's max. Acceptance on models that show
 each pattern (tests/forecast_cases.py): the forecast comes before the fact, and the fact comes."""
 
@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:   # the acceptance cases live with the benchmark t
 from amp_tui.cli import main  # noqa: E402
 from amp_tui.recording.forecast_outcomes import forecast_outcomes  # noqa: E402
 from amp_tui.recording.report import read_digest, summarize  # noqa: E402
-from amp_tui.training.guards import GuardConfig  # noqa: E402
+from amp_tui.training.step.guards import GuardConfig  # noqa: E402
 from bench import forecast_cases as models  # noqa: E402
 from bench.forecast_cases import GROWTH_INTERVAL  # noqa: E402
 
@@ -124,7 +124,7 @@ def _growth_checked(steps):
     steps from there on as (step, scale, skipped)."""
     from types import SimpleNamespace
 
-    from amp_tui.job.forecasts import RunForecasts
+    from amp_tui.job.records.forecasts import RunForecasts
     said = []
     run = SimpleNamespace(event=lambda kind, message, **fields: said.append((kind, message, fields)))
     forecasts = RunForecasts(run)

@@ -1,4 +1,4 @@
-"""The ranks' words and figures carried in DDP's own gradient all-reduce (job/gradient_channel.py),
+"""The ranks' words and figures carried in DDP's own gradient all-reduce (job/ranks/gradient_channel.py),
 and the collectives of their own where the model's DDP can't carry them: 2 ranks on the CPU
 with gloo, GuardedTrainer and Ranks driven as a `Run` drives them.
 
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from amp_tui.job.distributed import Ranks
-from amp_tui.training.engine import GuardedTrainer
+from amp_tui.job.ranks.distributed import Ranks
+from amp_tui.training.step.engine import GuardedTrainer
 
 out = Path(sys.argv[1])
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from amp_tui.job.gradient_channel import Slots
+from amp_tui.job.ranks.gradient_channel import Slots
 
 
 def summed(slots: Slots, sent: list[dict], dtype: torch.dtype) -> torch.Tensor:

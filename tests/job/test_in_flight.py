@@ -1,5 +1,5 @@
 """Our collectives' tensors are held until the process group's threads let go of them
-(job/in_flight.py): a tensor gloo still holds in a work is never freed on gloo's thread, and
+(job/ranks/in_flight.py): a tensor gloo still holds in a work is never freed on gloo's thread, and
 settle() returns once nothing but ours holds any of them. Another holder is simulated here by a
 view (it holds its base, as a work holds its tensors), let go of by another thread."""
 
@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from amp_tui.job.in_flight import InFlight
+from amp_tui.job.ranks.in_flight import InFlight
 
 
 def test_a_tensor_still_held_elsewhere_is_kept_and_one_let_go_of_is_dropped():

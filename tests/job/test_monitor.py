@@ -16,8 +16,8 @@ from torch import nn
 import amp_tui
 from amp_tui.cli import main
 from amp_tui.core.commands import Command
-from amp_tui.job.control import send
 from amp_tui.job.monitor import MonitorError
+from amp_tui.job.steering.control import send
 from amp_tui.recording.reader import read_session
 
 from support import recorded_steps, wait_for
@@ -142,7 +142,7 @@ def test_zero_grad_before_the_step_or_right_after_the_update_gives_the_same_figu
 def test_a_skipped_step_is_measured_and_names_the_first_non_finite_gradient(tmp_path):
     _, twin = load_twin(tmp_path)
     # The twin's loss overflows far past GradScaler's calibration: its first four skips are the
-    # calibration's (training/calibration.py), the fifth is trouble.
+    # calibration's (training/step/calibration.py), the fifth is trouble.
     twin.loop(tmp_path / "run", "fp16", steps=6)
     session = read_session(tmp_path / "run")
     assert [s.get("calibration", False) for s in session.steps[:5]] == [True] * 4 + [False]
@@ -403,7 +403,7 @@ def test_a_monitored_step_costs_one_transfer_to_the_host(tmp_path, monkeypatch):
     tracer reads its own figures back, and is counted apart: it runs on failing steps only."""
     import traceback as tb
 
-    import amp_tui.job.hook_driver as driver_module
+    import amp_tui.job.drivers.hook_driver as driver_module
     _, twin = load_twin(tmp_path)
     ours = []
     replays = []

@@ -112,7 +112,7 @@ def test_each_micro_batch_is_kept_and_the_failing_one_replayed(tmp_path):
 
 def test_a_loop_without_a_gradscaler_has_the_update_held_back_and_replayed_exactly(tmp_path):
     """Without a GradScaler, amp-tui holds back an update whose gradients hold inf/NaN
-    (training/update_guard.py), so the replay runs on the weights the step ran on. (The loop used
+    (training/step/update_guard.py), so the replay runs on the weights the step ran on. (The loop used
     to apply it, and the replay said it ran on the weights after the update: not exact.)"""
     model = attention_loop(tmp_path / "run", scaler=False, steps=1)
     event = nonfinite_events(tmp_path / "run")[0]

@@ -1,5 +1,5 @@
 """A rank's process ends with its process group: gloo's threads are gone before the interpreter
-finalizes, so none of them can abort it there (job/group_end.py).
+finalizes, so none of them can abort it there (job/ranks/group_end.py).
 
 gloo lets go of a finished collective's tensors on a thread of its own, a moment after the wait
 for it returned, and takes the GIL to do it. A thread that asks for the GIL once the interpreter
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from amp_tui.job.distributed import Ranks
+from amp_tui.job.ranks.distributed import Ranks
 
 out = Path(sys.argv[1])
 ranks = Ranks.join("cpu", 60)

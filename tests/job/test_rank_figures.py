@@ -1,9 +1,9 @@
-"""Rank 0's record of a non-finite step from what every rank saw (job/rank_figures.py)."""
+"""Rank 0's record of a non-finite step from what every rank saw (job/ranks/rank_figures.py)."""
 
 import torch
 
-from amp_tui.job.rank_figures import merge_figures
-from amp_tui.training.engine import StepResult
+from amp_tui.job.ranks.rank_figures import merge_figures
+from amp_tui.training.step.engine import StepResult
 
 
 def seen(layer=None, op_trace=None, loss=1.0):

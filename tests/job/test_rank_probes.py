@@ -1,4 +1,4 @@
-"""The adaptive probe schedule of several ranks (job/rank_probes.py), two ranks simulated in one
+"""The adaptive probe schedule of several ranks (job/ranks/rank_probes.py), two ranks simulated in one
 process: each step's words as `Ranks` sends them (taken at the step's loss check, before the
 step's end), agreed as the all-reduce agrees them (the maximum), and handed back at the boundary
 after the step. Rank 0's spacing decides on both, though each rank's own timing would space them
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from amp_tui.job.boundary_words import BoundaryWords
-from amp_tui.job.rank_probes import RankProbes
-from amp_tui.training.probe_schedule import ProbeSchedule
+from amp_tui.job.ranks.boundary_words import BoundaryWords
+from amp_tui.job.ranks.rank_probes import RankProbes
+from amp_tui.training.probes.probe_schedule import ProbeSchedule
 
 F16_MAX = 65504.0
 

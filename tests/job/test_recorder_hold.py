@@ -1,7 +1,7 @@
 """The recorder holds every record made after a step whose record is not made yet (with several
 ranks, its figures come from the other ranks a step later), and writes them behind it in order."""
 
-from amp_tui.job.recorder import Recorder
+from amp_tui.job.records.recorder import Recorder
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.recording.reader import read_session
 

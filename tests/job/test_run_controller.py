@@ -13,7 +13,7 @@ from torch import nn
 import amp_tui
 from amp_tui.cli import main
 from amp_tui.core.commands import Command
-from amp_tui.job.control import send
+from amp_tui.job.steering.control import send
 from amp_tui.recording.reader import read_session
 
 from frameworks import at_steps, command, hf_trainer, lightning_module_class, pl_trainer, regression_loader

@@ -18,7 +18,7 @@ from torch import nn
 
 import amp_tui
 from amp_tui.recording.reader import read_session
-from amp_tui.training.update_guard import SCALE_FLOOR
+from amp_tui.training.step.update_guard import SCALE_FLOOR
 
 # Halvings from 65536 before the fp32 scale is 0: about 166; the overflow lasts longer.
 OVERFLOWING = 200
@@ -249,8 +249,8 @@ def test_a_fix_applied_at_a_collapsed_scale_says_to_set_the_scale_back(tmp_path)
 
 
 def test_an_applied_nonfinite_step_with_a_gradscaler_is_not_said_to_have_none():
-    from amp_tui.job.run_records import nonfinite_message
-    from amp_tui.training.engine import StepResult
+    from amp_tui.job.records.run_records import nonfinite_message
+    from amp_tui.training.step.engine import StepResult
     applied = StepResult(step=3, loss=math.nan, scale=0.0, skipped=False, skipped_total=0, updates_applied=4,
                          dtype="float16", micro_batches=1, nonfinite="loss", next_scale=0.0)
     assert "no GradScaler" not in nonfinite_message(applied)

@@ -8,7 +8,7 @@ import os
 import threading
 
 from amp_tui.cli import main
-from amp_tui.job.control import send
+from amp_tui.job.steering.control import send
 from amp_tui.recording.reader import read_session
 
 from support import train_run

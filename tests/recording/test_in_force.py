@@ -11,7 +11,7 @@ from amp_tui.recording.plot_data import plot_data
 from amp_tui.recording.report import read_digest, summarize, summary_lines
 from amp_tui.sources.buffer import RunBuffer
 from amp_tui.sources.replay import ReplaySource
-from amp_tui.training.guards import GuardConfig
+from amp_tui.training.step.guards import GuardConfig
 from amp_tui.ui.view import current_precision, layer_rows
 from amp_tui.ui.widgets.status_bar import status_text
 

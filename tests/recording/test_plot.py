@@ -22,8 +22,8 @@ from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.plot import NONFINITE, SIZE_IN, SKIPPED, plot
 from amp_tui.recording.plot_data import MAX_LAYERS, plot_data
 from amp_tui.recording.writer import SessionWriter
-from amp_tui.training.engine import StepResult
-from amp_tui.training.probes import LayerFigures
+from amp_tui.training.probes.layer_probes import LayerFigures
+from amp_tui.training.step.engine import StepResult
 
 from support import DEMOS, REPO, write_run
 

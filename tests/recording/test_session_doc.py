@@ -23,8 +23,8 @@ from autopilot_cases import ATTENTION  # noqa: E402
 import amp_tui  # noqa: E402
 from amp_tui.cli import main  # noqa: E402
 from amp_tui.core.commands import Command  # noqa: E402
-from amp_tui.job.control import send  # noqa: E402
-from amp_tui.training.guards import GuardConfig  # noqa: E402
+from amp_tui.job.steering.control import send  # noqa: E402
+from amp_tui.training.step.guards import GuardConfig  # noqa: E402
 from bench import forecast_cases  # noqa: E402
 
 from support import REPO, strict_lines, train_run  # noqa: E402

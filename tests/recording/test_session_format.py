@@ -10,7 +10,7 @@ from amp_tui.recording import index as index_mod
 from amp_tui.recording.format import STEP_HEAD, step_record
 from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.writer import SessionWriter
-from amp_tui.training.probes import LayerFigures
+from amp_tui.training.probes.layer_probes import LayerFigures
 
 
 def result(step: int, *, loss=0.5, scale=65536.0, figures=True, **more):

@@ -9,7 +9,7 @@ import pytest
 
 from amp_tui.cli import main
 from amp_tui.core.commands import ACTIONS, Command
-from amp_tui.job.command_codec import decode_commands, encode_commands
+from amp_tui.job.ranks.command_codec import decode_commands, encode_commands
 from amp_tui.sources.replay import ReplaySource
 from amp_tui.ui.view import current_precision, rank_summary
 from amp_tui.ui.widgets.status_bar import status_text

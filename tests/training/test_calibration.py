@@ -16,7 +16,7 @@ from torch import nn
 import amp_tui
 from amp_tui.cli import main
 from amp_tui.recording.report import read_digest, summarize, summary_lines
-from amp_tui.training.calibration import CALIBRATION_SKIPS, ScaleCalibration
+from amp_tui.training.step.calibration import CALIBRATION_SKIPS, ScaleCalibration
 
 from support import strict_lines
 

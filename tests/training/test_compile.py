@@ -19,10 +19,10 @@ from amp_tui.recording.reader import read_session
 from amp_tui.sources.buffer import RunBuffer
 from amp_tui.sources.replay import ReplaySource
 from amp_tui.training.compiled import clean_name, compiled_module_names, original_module
-from amp_tui.training.diagnose import diagnose
-from amp_tui.training.engine import GuardedTrainer
 from amp_tui.training.local_fp32 import match_modules
-from amp_tui.training.probes import LayerProbe
+from amp_tui.training.probes.layer_probes import LayerProbe
+from amp_tui.training.step.engine import GuardedTrainer
+from amp_tui.training.trace.diagnose import diagnose
 from amp_tui.ui.app import create_app
 from amp_tui.ui.view import ACT_NOT_MEASURED, unmeasured_note
 

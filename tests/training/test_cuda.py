@@ -8,7 +8,7 @@ from torch import nn
 
 from amp_tui.training.checkpoint import read_checkpoint, save_checkpoint
 from amp_tui.training.devices import describe_device
-from amp_tui.training.engine import GuardedTrainer
+from amp_tui.training.step.engine import GuardedTrainer
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")]

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from amp_tui.cli import main
-from amp_tui.training.diagnose import diagnose
-from amp_tui.training.engine import GuardedTrainer, StepResult
-from amp_tui.training.guards import GuardConfig, PrecisionGuard
+from amp_tui.training.step.engine import GuardedTrainer, StepResult
+from amp_tui.training.step.guards import GuardConfig, PrecisionGuard
+from amp_tui.training.trace.diagnose import diagnose
 
 from support import strict_lines
 

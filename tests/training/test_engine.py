@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from amp_tui.training.engine import GuardedTrainer, LossError, PrecisionRefused
+from amp_tui.training.step.engine import GuardedTrainer, LossError, PrecisionRefused
 
 
 def mlp(width=16, depth=3):
@@ -424,7 +424,7 @@ def test_bad_values_are_refused():
 
 
 def test_unsupported_bf16_is_refused(monkeypatch):
-    from amp_tui.training import precision_state
+    from amp_tui.training.step import precision_state
     monkeypatch.setattr(precision_state, "unsupported_reason",
                         lambda device, dtype: "bf16 is not supported here" if dtype == "bfloat16" else None)
     model = mlp()

@@ -9,7 +9,7 @@ from collections import namedtuple
 import torch
 from transformers.modeling_outputs import CausalLMOutput
 
-from amp_tui.training.forward_autocast import ForwardAutocast, outputs_to_fp32
+from amp_tui.training.step.forward_autocast import ForwardAutocast, outputs_to_fp32
 
 Pair = namedtuple("Pair", "a b")
 

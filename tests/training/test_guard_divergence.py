@@ -5,8 +5,8 @@ import math
 
 from amp_tui.cli import main
 from amp_tui.recording.reader import read_session
-from amp_tui.training.engine import StepResult
-from amp_tui.training.guards import GuardConfig, PrecisionGuard
+from amp_tui.training.step.engine import StepResult
+from amp_tui.training.step.guards import GuardConfig, PrecisionGuard
 
 # SGD with a step far too large for this regression: the loss grows in every dtype.
 DIVERGING_SCRIPT = '''

@@ -1,4 +1,4 @@
-"""The headroom trend (training/headroom_trend.py): a steady rise gives an ETA close to the truth;
+"""The headroom trend (training/probes/headroom_trend.py): a steady rise gives an ETA close to the truth;
 noise, a trend too weak to tell from it, and a loss scale that jumps say nothing."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections import Counter
 
 import numpy as np
 
-from amp_tui.training.headroom_trend import (
+from amp_tui.training.probes.headroom_trend import (
     MIN_POINTS,
     MIN_RISING,
     MIN_SPAN,
@@ -22,7 +22,7 @@ from amp_tui.training.headroom_trend import (
     fit_trend,
     screen,
 )
-from amp_tui.training.scale_forecast import scale_outlook
+from amp_tui.training.probes.scale_forecast import scale_outlook
 
 FP16_BITS = math.log2(65504.0)
 

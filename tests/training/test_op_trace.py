@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_tui.training.op_fix import try_fixes
-from amp_tui.training.op_trace import replay, restore_rng_snapshot, rng_snapshot, trace_step
-from amp_tui.training.op_xray import xray
+from amp_tui.training.trace.op_fix import try_fixes
+from amp_tui.training.trace.op_trace import replay, restore_rng_snapshot, rng_snapshot, trace_step
+from amp_tui.training.trace.op_xray import xray
 
 D = 16
 SCALE = 65536.0

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from amp_tui.cli import main
-from amp_tui.training.engine import GuardedTrainer
+from amp_tui.training.step.engine import GuardedTrainer
 
 from support import strict_lines
 

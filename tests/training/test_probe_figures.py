@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from amp_tui.core.precision import FP16_TINY
-from amp_tui.training import extremes
-from amp_tui.training.engine import GuardedTrainer
-from amp_tui.training.probes import LayerProbe
+from amp_tui.training.probes import extremes
+from amp_tui.training.probes.layer_probes import LayerProbe
+from amp_tui.training.step.engine import GuardedTrainer
 
 
 def maxabs(t: torch.Tensor) -> float:
@@ -173,7 +173,7 @@ def test_many_small_modules(dtype):
 def test_large_tensors_measured_one_by_one_and_small_ones_stacked(monkeypatch):
     """The same figures whichever way a tensor is grouped, and whether a hook measures an output
     or leaves it for later."""
-    from amp_tui.training import probes
+    from amp_tui.training.probes import layer_probes as probes
 
     for small in (0, 100, 1 << 14, 1 << 30):
         monkeypatch.setattr(extremes, "SMALL_NUMEL", small)
@@ -313,7 +313,7 @@ def test_probe_used_by_hand_without_end_forward():
 
 
 def test_outputs_over_the_memory_bound_are_measured_as_they_come(monkeypatch):
-    from amp_tui.training import probes
+    from amp_tui.training.probes import layer_probes as probes
 
     monkeypatch.setattr(probes, "SMALL_NUMEL", 40)           # larger outputs: measured in the hook
     monkeypatch.setattr(probes, "KEEP_TOTAL_BYTES", 500)      # a few kept ones: measured together
@@ -324,7 +324,7 @@ def test_outputs_over_the_memory_bound_are_measured_as_they_come(monkeypatch):
 def test_more_large_outputs_than_slots(monkeypatch):
     """A module that runs many times in a forward: its outputs overflow the slots kept for
     them, and every one still counts."""
-    from amp_tui.training import probes
+    from amp_tui.training.probes import layer_probes as probes
 
     monkeypatch.setattr(probes, "SMALL_NUMEL", 0)
     torch.manual_seed(0)
@@ -424,7 +424,7 @@ def test_channels_last_weights_of_the_same_shape_are_measured_together():
 def test_integer_parameters_are_not_measured_as_floats():
     """A quantized (integer) weight has no float range: its layer's figure comes from its float
     parameters only (-x of an int8 -128 or a uint8 would wrap around)."""
-    from amp_tui.training.extremes import MaxAbsPlan
+    from amp_tui.training.probes.extremes import MaxAbsPlan
     ints = torch.tensor([3, 10], dtype=torch.uint8)
     floats = torch.tensor([-2.0, 1.0])
     plan = MaxAbsPlan([ints, floats], [[0, 1]])
@@ -433,7 +433,7 @@ def test_integer_parameters_are_not_measured_as_floats():
 
 
 def test_a_layer_of_zeros_reads_plus_zero():
-    from amp_tui.training.extremes import MaxAbsPlan
+    from amp_tui.training.probes.extremes import MaxAbsPlan
     zeros = torch.full((5000,), -0.0)
     plan = MaxAbsPlan([zeros], [[0]])
     with torch.no_grad():
@@ -445,7 +445,7 @@ def test_a_layer_of_zeros_reads_plus_zero():
 def test_stacked_half_floats_read_as_their_magnitude_nan_and_inf_included(dtype):
     """Stacks of half floats are reduced on their bits: every special value gives what abs and
     max give (a NaN of either sign wins, -inf reads inf, -0 and subnormals keep their size)."""
-    from amp_tui.training.extremes import MaxAbsPlan
+    from amp_tui.training.probes.extremes import MaxAbsPlan
     tiny = torch.finfo(dtype).tiny / 4   # a subnormal
     rows = [[1.0, -2.5, 0.5], [-math.inf, 3.0, 1.0], [-0.0, -0.0, 0.0], [-tiny, tiny / 2, 0.0],
             [1.0, -math.nan, 7.0], [math.nan, -math.inf, 2.0], [-65504.0, 4.0, 1.0]]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from amp_tui.training.probe_schedule import FIRST_PROBED, ProbeSchedule
+from amp_tui.training.probes.probe_schedule import FIRST_PROBED, ProbeSchedule
 
 PLAIN = 0.010     # an unprobed step, seconds
 PROBED = 0.030    # a probed step: probing costs 20 ms over 10 ms

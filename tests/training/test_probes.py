@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from amp_tui.training.engine import GuardedTrainer
-from amp_tui.training.probes import LayerProbe
+from amp_tui.training.probes.layer_probes import LayerProbe
+from amp_tui.training.step.engine import GuardedTrainer
 
 
 class TwoOutputs(nn.Module):

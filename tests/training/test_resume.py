@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from amp_tui.training.checkpoint import read_checkpoint, save_checkpoint
-from amp_tui.training.engine import GuardedTrainer
+from amp_tui.training.step.engine import GuardedTrainer
 
 STEPS, SAVE_AT = 12, 5
 

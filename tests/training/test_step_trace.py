@@ -1,13 +1,13 @@
-"""GuardedTrainer replays a non-finite step op by op (training/step_trace.py): from the RNG state
+"""GuardedTrainer replays a non-finite step op by op (training/trace/step_trace.py): from the RNG state
 its micro-batches started from, leaving the run exactly as it would be without the replay, and
 never raising what the replay raises."""
 
 import torch
 from torch import nn
 
-import amp_tui.training.step_trace as step_trace
-from amp_tui.training.engine import GuardedTrainer
-from amp_tui.training.op_trace import restore_rng_snapshot
+import amp_tui.training.trace.step_trace as step_trace
+from amp_tui.training.step.engine import GuardedTrainer
+from amp_tui.training.trace.op_trace import restore_rng_snapshot
 
 
 def dropout_mlp():

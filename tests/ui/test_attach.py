@@ -7,7 +7,7 @@ import os
 
 from amp_tui.cli import main
 from amp_tui.core.commands import Command
-from amp_tui.job.control import job_alive, send
+from amp_tui.job.steering.control import job_alive, send
 from amp_tui.recording.reader import read_session
 from amp_tui.sources.attached import AttachedSource
 from amp_tui.ui.app import create_app

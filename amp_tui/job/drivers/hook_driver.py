@@ -1,0 +1,598 @@
+"""The hook driver: the user's own loop, seen through hooks on its own objects, under the run
+controller (job/controller.py). `amp_tui.monitor` and the framework callbacks use it.
+
+It never drives the loop:
+- Gradients are read where they are true: right after GradScaler's `unscale_` (called by the user
+  or by `scaler.step`), or in the optimizer's step pre-hook when there is no scaler; a fused
+  optimizer stepped with still-scaled gradients has its figures divided by the scale on the host.
+  So where the loop calls `zero_grad` doesn't matter, and a step GradScaler skipped (it never calls
+  `optimizer.step()`) is measured like the others.
+- A step is skipped when GradScaler found an inf/NaN at `scaler.step` (its own decision: right for
+  fused optimizers too, which are stepped anyway). Without a scaler nothing skips: the loop
+  applies every update, and a non-finite gradient is recorded as such.
+- One step is one update attempt. Its micro-batches are the model's forward passes inside it
+  (several in one `monitor.step()` block, as nanoGPT accumulates, or one per block when blocks
+  that end without an update are folded into the next); its layer figures are the maximum over
+  them.
+- Everything measured stays on the device until the step's end, which brings it to the host in
+  one transfer with the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from amp_tui.core import precision as dtypes
+from amp_tui.job.drivers.loop_objects import (
+    MonitorError,
+    check_objects,
+    closure_given,
+    device_of,
+    example_names,
+    found_inf,
+    inner_optimizer,
+)
+from amp_tui.job.ranks.rank_probes import RankProbes
+from amp_tui.training.compiled import compiled_module_names, original_module
+from amp_tui.training.local_fp32 import LocalFp32, match_modules
+from amp_tui.training.probes.hidden_activation import HiddenActivationWatch
+from amp_tui.training.probes.layer_probes import LayerFigures, LayerProbe
+from amp_tui.training.probes.probe_schedule import ProbeSchedule, observe_step
+from amp_tui.training.step.calibration import ScaleCalibration
+from amp_tui.training.step.engine import StepResult, to_host
+from amp_tui.training.step.forward_autocast import fixed_autocast_dtype, wrapped_in_autocast
+from amp_tui.training.step.guards import Alert
+from amp_tui.training.step.precision_state import BorrowedScaling, PrecisionRefused
+from amp_tui.training.step.update_guard import (
+    drop_gradients,
+    gradients_of,
+    mark_unscaled_nonfinite,
+    nonfinite_flag,
+    unscale_untrusted,
+)
+from amp_tui.training.trace.forward_keeper import ForwardKeeper, KeptForward
+from amp_tui.training.trace.kept_step_trace import trace_kept_step, xray_kept
+
+
+class _Attempt:
+    """What one update attempt saw, from its first hook to the step's end."""
+
+    __slots__ = ("gradients", "scaled", "found_inf", "stepped", "scale", "lr", "checked", "held_back",
+                 "through_scaler")
+
+    def __init__(self, scale: float | None, lr: float | None):
+        self.gradients = False   # the gradients were measured (or there was nothing to measure)
+        self.scaled = False      # ... while they still carried the loss scale
+        self.found_inf: torch.Tensor | None = None   # GradScaler's verdict, on the device
+        self.stepped = False     # optimizer.step() ran
+        self.checked = False     # the gradients were checked for inf/NaN before the update
+        self.held_back = False   # ... held some, and amp-tui kept the update from applying them
+        self.scale = scale       # the loss scale this attempt's backward used
+        self.lr = lr
+        self.through_scaler = False   # the loop called the GradScaler (unscale_ or step) in it
+
+
+class HookDriver:
+    """Hooks on the user's model, optimizer and scaler; the training state a checkpoint saves.
+    `in_step()` says whether the loop is inside a monitored step (the hooks only count there)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
+                 dtype: str | None = None, probe_every: int | str = "auto", probe_budget: float = 1.0,
+                 probe_alert_bits: float = 3.0, underflow_every: int = 10, framework: str | None = None,
+                 fp32_modules: str | list[str] | tuple[str, ...] = ()):
+        check_objects(model, optimizer, scaler, scheduler)
+        # A framework's callback starts the dtype it chose, recorded as it is (fp16 without a
+        # GradScaler included, which the callback warns about).
+        self.framework = framework
+        self.model = model
+        self.optimizer = inner_optimizer(optimizer)
+        self.scheduler = scheduler
+        self.device = device_of(model)
+        # A loop without an enabled GradScaler gets amp-tui's scaling in fp16 (precision_state.py);
+        # a framework's scaler is the framework's to make.
+        fix = f"start {framework} in fp16 for one" if framework else "pass scaler= to amp_tui.monitor"
+        self.precision = BorrowedScaling(self.device, self._starting_dtype(dtype, scaler), scaler, fp16_fix=fix,
+                                         own=framework is None)
+        # The scaler the loop calls (maybe disabled: bf16 and fp32 loops often keep one with
+        # enabled=False; or amp-tui's, `monitor.scaler`); the precision state holds the one that scales.
+        self.loop_scaler = self.precision.loop_scaler
+        self.underflow_every = max(1, int(underflow_every))
+        eager = original_module(model)
+        self.eager_model = eager
+        self.compiled_modules = compiled_module_names(model)
+        self.probe = LayerProbe(eager, keep_hooks=bool(self.compiled_modules))
+        self.probe_schedule = ProbeSchedule(probe_every, budget=probe_budget, alert_bits=probe_alert_bits,
+                                            names=self.probe.names)
+        # A skipped step that was not probed still gets its gradients' figures (not with several
+        # ranks: they gather the planned steps only).
+        self.unplanned_figures = True
+        self._planned = False                   # this update was planned to be probed
+        self.local_fp32 = LocalFp32(eager, self.device.type)
+        self._fp32_patterns = [fp32_modules] if isinstance(fp32_modules, str) else list(fp32_modules)
+        for pattern in self._fp32_patterns:   # checked now, applied by attach()
+            if not match_modules(eager, pattern):
+                raise MonitorError(f"fp32_modules={pattern!r} matches no module of the model (module names "
+                                   f"look like {', '.join(example_names(eager))})")
+        # Each forward of a step kept (references, RNG, autocast), for a replay of the step under
+        # the op tracer when it fails, or an X-ray asked for (training/trace/forward_keeper.py).
+        self.keeper = ForwardKeeper(model, self.device.type, lambda: self.in_step())
+        self.keeper.on_kept = self._xray_if_due
+        self.replay_failing = True
+        # A probed step whose loss and gradients came out finite while a layer's output held
+        # inf/NaN (a saturating op after it hid it) is a non-finite step of its own, "activations".
+        self.hidden_activations = True
+        self._hidden = HiddenActivationWatch()
+        self._xray_due: dict | None = None   # who asked for the X-ray of the next step
+        self._xray: tuple[dict, dict] | None = None   # this step's X-ray, and who asked for it
+        self.xray_by: dict = {}               # ... of the last step's X-ray (StepResult.xray)
+        self.training = self
+        self.step_index = 0
+        self.updates_applied = 0
+        self.skipped_total = 0
+        self.calibration = ScaleCalibration()
+        self.last_skipped = False   # the last update was skipped (a scheduler stepped only after
+                                    # applied updates reads this)
+        self.autocast_used = False          # monitor.autocast() entered this step
+        self.autocast_used_last = None      # ... in the last update (None: none yet)
+        self.scaler_used_last = None        # the loop called its GradScaler in the last update
+        self._in_scaler_step = False        # inside the loop's scaler.step()
+        self._unscaled_fp16_said = False
+        self.in_step = lambda: False        # set by the monitor
+        self._attempt: _Attempt | None = None
+        self._closure_said = False   # the loop's closure steps were said to go unchecked
+        self._losses: list[torch.Tensor] = []   # the losses set in this update's blocks
+        self._forwards = 0                      # the model's forward passes in this update
+        self._started: float | None = None
+        self.update_ended = 0.0   # when the last update's measured duration ended (perf_counter)
+        self._handles: list = []
+        self._patched: list[str] = []
+        self.run = None
+        # The loop's own script: what the recording names (python -c ...: "python").
+        self.script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else Path("python")
+
+    def probe_like_every_rank(self, ranks) -> None:
+        """Several ranks probe the same steps, and gather the planned ones only. The adaptive
+        schedule is rank 0's, agreed at each boundary with what each rank saw of its own (its
+        loss, its figures) that no collective agreed on (job/ranks/rank_probes.py)."""
+        if self.probe_schedule.auto:
+            self.probe_schedule.own_verdicts = True
+            ranks.probes = RankProbes(self.probe_schedule, ranks.rank)
+        self.unplanned_figures = False
+        self.replay_failing = False   # a rank alone can't run DDP's collectives in a replay
+        # This rank's figures alone would make the step non-finite on this rank only.
+        self.hidden_activations = False
+
+    @property
+    def probe_every(self) -> int | str:
+        return self.probe_schedule.asked
+
+    @property
+    def scaler(self):
+        return self.precision.scaler
+
+    @property
+    def dtype(self) -> str:
+        return self.precision.dtype
+
+    @property
+    def accumulating(self) -> bool:
+        """Blocks ended without an update: the next block belongs to the same one."""
+        return bool(self._losses)
+
+    def _starting_dtype(self, dtype: str | None, scaler) -> str:
+        """By default what the loop already does: fp16 when it scales its loss with an enabled
+        GradScaler, the dtype of the autocast Accelerate fixed around the forward, else fp32 (a
+        loop with no autocast of its own stays in fp32 until `d`)."""
+        if dtype is not None:
+            return dtypes.canonical(dtype)
+        if scaler is not None and scaler.is_enabled():
+            return "float16"
+        fixed = wrapped_in_autocast(self.model)   # Accelerate's prepare(): the autocast it fixed
+        fixed_dtype = fixed_autocast_dtype(fixed) if fixed is not None else None
+        return dtypes.canonical(str(fixed_dtype).removeprefix("torch.")) if fixed_dtype is not None else "float32"
+
+    # ---- what the controller asks (Driver, TrainingState) --------------------------------------
+    def description(self) -> dict:
+        return {"script": str(self.script), "argv": sys.argv[1:], "command": [sys.executable, *sys.argv],
+                **self.probe_schedule.header_fields(), "underflow_every": self.underflow_every,
+                "layers": self.probe.names,
+                "compile": ({"modules": list(self.compiled_modules), "act": "in_graph", "diagnosis": "none"}
+                            if self.compiled_modules else None)}
+
+    def fp32_root(self) -> torch.nn.Module:
+        return self.eager_model
+
+    def saved_extra(self) -> dict:
+        return {}
+
+    def settle(self, *, failed: bool = False, flush: bool = False) -> None:
+        if self.run is not None:
+            self.run.publish(flush=flush)
+
+    def set_dtype(self, dtype: str) -> dict:
+        new = dtypes.canonical(dtype)
+        if self.autocast_used_last is False and new != self.dtype:
+            raise PrecisionRefused("this loop's forward doesn't run under monitor.autocast() (its own "
+                                   "torch.autocast fixes the dtype); wrap the forward in `with "
+                                   "monitor.autocast():` so the dashboard can switch it")
+        if new == "float16" != self.dtype and self.scaler_used_last is False and self.precision.made:
+            raise PrecisionRefused(f"fp16 needs loss scaling and this loop steps its optimizer without a "
+                                   f"GradScaler (its fp16 gradients would underflow): {UNSCALED_FIX}")
+        return self.precision.set_dtype(dtype)
+
+    def news(self, result: StepResult) -> list[Alert]:
+        """Once: the last update ran in fp16 with amp-tui's GradScaler (the loop had none) and the
+        loop didn't call it."""
+        if self._unscaled_fp16_said or not self.precision.made or self.dtype != "float16" \
+                or self.scaler_used_last is not False:
+            return []
+        self._unscaled_fp16_said = True
+        return [Alert("unscaled_fp16", f"step {result.step} ran in fp16 and the loop stepped its optimizer "
+                      "without a GradScaler", cause="fp16 gradients underflow (and overflow unchecked) "
+                      "without loss scaling", fix=UNSCALED_FIX)]
+
+    failed_step = None   # the user's loop can't be replayed with a module in fp32: its step is its own
+
+    def describe_precision(self) -> dict:
+        return self.precision.describe()
+
+    def scaler_state(self) -> dict | None:
+        return self.precision.scaler_state()
+
+    def restore_scaler(self, state: dict | None) -> None:
+        self.precision.restore_scaler(state)
+        self.calibration.end()
+
+    def checkpoint_extra(self) -> dict:
+        return {**self.precision.checkpoint_fields(), "updates_applied": self.updates_applied,
+                "skipped_total": self.skipped_total}
+
+    def discard_started_step(self) -> None:
+        """Nothing runs ahead in the user's loop: the next forward takes the new policy."""
+
+    def close(self) -> None:
+        self.detach()
+        self.probe.detach()
+        self.precision.give_back()
+        for pattern in list(self.local_fp32.patterns):   # the user's modules as they were
+            self.local_fp32.remove(pattern)
+
+    # ---- hooks on the user's objects ---------------------------------------------------------
+    def attach(self) -> None:
+        for pattern in self._fp32_patterns:   # from the first step, as `--fp32-modules` does
+            self.local_fp32.add(pattern)
+        self._handles.append(self.optimizer.register_step_pre_hook(self._before_optimizer_step))
+        self._handles.append(self.optimizer.register_step_post_hook(self._after_optimizer_step))
+        self._handles.append(self.model.register_forward_pre_hook(self._forward_starts))
+        self._handles.append(self.model.register_forward_hook(self._forward_ends))
+        if self.replay_failing:   # (several ranks replay nothing here: nothing to keep)
+            self.keeper.attach()
+        if self.loop_scaler is not None:
+            # Instance attributes over the class's methods: GradScaler.step calls self.unscale_,
+            # so an unscale it does on its own is seen too. A disabled scaler is watched as well:
+            # where the loop calls its unscale_ is where the gradients are read, before clipping.
+            for name, wrapper in (("unscale_", self._scaler_unscale), ("step", self._scaler_step),
+                                  ("state_dict", self._scaler_state_dict),
+                                  ("load_state_dict", self._scaler_load_state_dict)):
+                setattr(self.loop_scaler, name, wrapper(getattr(self.loop_scaler, name)))
+                self._patched.append(name)
+
+    def add_hook(self, handle) -> None:
+        self._handles.append(handle)
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for name in self._patched:
+            self.loop_scaler.__dict__.pop(name, None)
+        self._patched = []
+        self.keeper.detach()
+
+    def _forward_starts(self, *_args) -> None:
+        if self.in_step():
+            self._forwards += 1
+
+    def _forward_ends(self, *_args) -> None:
+        # Each micro-batch's outputs measured as its forward ends and let go (a maximum over
+        # them at the step's end), not kept through the next one's.
+        if self.in_step() and self.probe.active:
+            self.probe.end_forward()
+
+    def _scaler_state_dict(self, original):
+        def state_dict():
+            return self.precision.loop_state_dict(original)
+        return state_dict
+
+    def _scaler_load_state_dict(self, original):
+        def load_state_dict(state_dict):
+            self.precision.loop_load_state_dict(original, state_dict)
+        return load_state_dict
+
+    def _scaler_unscale(self, original):
+        def unscale_(optimizer):
+            result = original(optimizer)
+            if optimizer is self.optimizer and self.scaler is not None:
+                self._check_unscaled(optimizer)
+            if optimizer is self.optimizer and self.in_step():
+                self._attempt_starts()
+                self._attempt.through_scaler = True
+                self._gradients_seen(scaled=False)
+            return result
+        return unscale_
+
+    def _check_unscaled(self, optimizer) -> None:
+        """Below scale 1, GradScaler's check (made before the unscale) misses what the unscale
+        makes: the unscaled gradients are checked again, and an inf/NaN found there skips the
+        update through GradScaler's own found-inf (training/step/update_guard.py)."""
+        if not unscale_untrusted(self.precision.scale_value):
+            return
+        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        own = sum(float(v.item()) for v in found.values())
+        flag = mark_unscaled_nonfinite(self.scaler, optimizer, self.device)
+        if self.in_step():
+            self._attempt_starts()
+            self._attempt.checked = True
+            self._attempt.held_back = self._attempt.held_back or (own == 0 and flag.item() > 0)
+
+    def _scaler_step(self, original):
+        def step(optimizer, *args, **kwargs):
+            if optimizer is not self.optimizer or not self.in_step():
+                return original(optimizer, *args, **kwargs)
+            self._attempt_starts()
+            self._attempt.through_scaler = True
+            if self.scaler is not None and unscale_untrusted(self.precision.scale_value) \
+                    and self.scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+                # A fused optimizer would unscale inside its kernel, past any check: unscaled here.
+                self.loop_scaler.unscale_(optimizer)
+            self._in_scaler_step = True
+            try:
+                result = original(optimizer, *args, **kwargs)
+            finally:
+                self._in_scaler_step = False
+            if self.scaler is not None:
+                # GradScaler's own decision, for this optimizer, whatever the kind of optimizer.
+                found = self.scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
+                self._attempt.found_inf = found_inf(found, self.device)
+                self._measure_unplanned_skip(optimizer)
+            return result
+        return step
+
+    def _measure_unplanned_skip(self, optimizer) -> None:
+        """A step GradScaler skipped that was not planned to be probed: its gradients (never
+        applied) and weights are measured now, before the loop zeroes them. A skip is seen without
+        a sync of ours: GradScaler didn't call the optimizer's step. A fused optimizer is stepped
+        anyway, and only its verdict, read here, says it."""
+        attempt = self._attempt
+        if self.probe.active or not self.unplanned_figures or attempt.found_inf is None:
+            return
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if (attempt.stepped and not fused) or (fused and not attempt.found_inf.item()):
+            return
+        self.probe.begin()
+        self.probe.record_gradients(self.precision.scale, underflow=False)
+        self.probe.record_weights()
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if not self.in_step():
+            return
+        through_scaler = self._in_scaler_step or (self._attempt is not None and self._attempt.through_scaler)
+        if self.scaler is None or not through_scaler:
+            # Without loss scaling (no scaler, or an optimizer stepped without calling it), the
+            # gradients as the optimizer gets them (a loop with no unscale_ call to mark the place
+            # before its clipping). A closure computes them inside step(): they are read after it
+            # (gradients_ready, or the post-hook).
+            self._attempt_starts()
+            if not closure_given(args, kwargs):
+                self._gradients_seen(scaled=False)
+                self._hold_back_if_nonfinite()
+        elif self._attempt is not None and not self._attempt.gradients:
+            # A fused optimizer stepped by GradScaler without unscale_: its gradients still carry
+            # the scale, which the optimizer's kernel takes off itself.
+            self._gradients_seen(scaled=True)
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._attempt is not None:
+            self._attempt.stepped = True
+            if not self._attempt.gradients and not self._attempt.through_scaler and self.in_step():
+                self._gradients_seen(scaled=False)   # a closure's, with nobody to say when before
+            if (self.scaler is None or not self._attempt.through_scaler) and not self._attempt.checked \
+                    and self.in_step():
+                self._unchecked_closure()
+
+    def gradients_ready(self) -> None:
+        """Without a GradScaler, the gradients are read here (a framework's hook between the
+        backward and the update), and an update with inf/NaN among them is held back."""
+        if self.in_step() and self.scaler is None:
+            self._gradients_seen(scaled=False)
+            self._hold_back_if_nonfinite()
+
+    def _hold_back_if_nonfinite(self) -> None:
+        """Without a GradScaler nothing skips for the loop: gradients holding inf/NaN are taken
+        away before the optimizer steps, which then leaves every parameter as it was."""
+        attempt = self._attempt
+        if attempt is None or attempt.checked:
+            return
+        attempt.checked = True
+        if nonfinite_flag(gradients_of(self.optimizer), self.device).item() > 0:
+            drop_gradients(self.optimizer)
+            attempt.held_back = True
+
+    def _unchecked_closure(self) -> None:
+        """An optimizer stepped with a closure computes its gradients inside step(), where no
+        hook sees them before the update: said once, plainly."""
+        if self._closure_said or self.run is None:
+            return
+        self._closure_said = True
+        self.run.alert("unchecked_update", "this loop steps its optimizer with a closure and no GradScaler: "
+                       "amp-tui can't check its gradients for inf/NaN before the update",
+                       cause="the closure computes the gradients inside optimizer.step(), after every hook "
+                       "amp-tui can put before the update",
+                       fix="call monitor.gradients_ready() inside the closure after the backward, or use a GradScaler")
+
+    def _attempt_starts(self) -> None:
+        if self._attempt is None:
+            lr = self.optimizer.param_groups[0].get("lr")
+            self._attempt = _Attempt(self.precision.scale,
+                                     float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None)
+
+    def _gradients_seen(self, *, scaled: bool) -> None:
+        """The gradients of this update, as the optimizer will use them; and the weights before it."""
+        self._attempt_starts()
+        attempt = self._attempt
+        if attempt.gradients:
+            return
+        attempt.gradients, attempt.scaled = True, scaled
+        if self.probe.active:
+            underflow = self.probe_schedule.underflow_due(self.step_index, self.underflow_every)
+            self.probe.record_gradients(self.precision.scale, underflow=not scaled and underflow)
+            self.probe.record_weights()
+
+    # ---- an update, from its first block to its end ------------------------------------------------
+    def block_starts(self) -> None:
+        if self._started is None:
+            self._started = time.perf_counter()
+            self.autocast_used = False
+            self._planned = self.probing()
+            if self._planned:
+                self.probe.begin(weights=self.probe_schedule.weights_due())
+
+    def block_ends(self, losses: list[torch.Tensor]) -> bool:
+        """A block's losses (one per micro-batch where it set one each); True when the update
+        they belong to happened (or was skipped)."""
+        self._losses.extend(loss.detach() for loss in losses)
+        return self._attempt is not None
+
+    def probing(self) -> bool:
+        return self.probe_schedule.probing(self.step_index)
+
+    def finish_update(self) -> StepResult:
+        """The update's result, from one transfer: the losses, the scale and GradScaler's
+        verdict, and the per-layer figures when probed."""
+        attempt, losses = self._attempt, self._losses
+        # The loss scale counts where the loop called the scaler (an optimizer stepped around
+        # amp-tui's own GradScaler ran unscaled).
+        scaler = self.scaler if attempt.through_scaler else None
+        extra = [*losses]
+        if scaler is not None:
+            extra.append(scaler._scale if scaler._scale is not None
+                         else torch.tensor(self.precision.scale_value, device=self.device))
+            if attempt.found_inf is not None:
+                extra.append(attempt.found_inf)
+        if self.probe.active:
+            with torch.no_grad():
+                figures, host = self.probe.collect(extra)
+        else:
+            figures, host = None, to_host(extra)
+        n = len(losses)
+        mean_loss = host[0] if n == 1 else sum(host[:n]) / n
+        used_scale = attempt.scale if scaler is not None else None
+        skipped = False
+        if scaler is not None:
+            self.precision.observed_scale(host[n])
+            skipped = len(host) > n + 1 and host[n + 1] > 0
+        if figures is not None and attempt.scaled and used_scale:
+            figures.grad = [None if g is None else g / used_scale for g in figures.grad]
+        nonfinite = None
+        if not math.isfinite(mean_loss):
+            nonfinite = "loss"
+        elif skipped or (figures is not None and figures.grads_nonfinite):
+            nonfinite = "gradients"
+        # An update amp-tui held back (inf/NaN that GradScaler missed, or no GradScaler) is a skip.
+        skipped = skipped or attempt.held_back
+        if attempt.held_back and nonfinite is None:
+            nonfinite = "gradients"
+        # GradScaler finding its scale at the start is no failure: nothing to locate or replay.
+        calibrating = self.calibration.judge(skipped=skipped, gradients_only=nonfinite == "gradients"
+                                             and not attempt.held_back, scale=used_scale)
+        if calibrating:
+            nonfinite = None
+        self.last_skipped = skipped
+        # The step counter moves on here, first, then the counts take the step in: `ctl status`,
+        # read from another thread (the counts, then the step) while the step is recorded or
+        # replayed under the op tracer, never counts a step the counter has not passed.
+        step, self.step_index = self.step_index, self.step_index + 1
+        if skipped:
+            self.skipped_total += 1
+        elif attempt.stepped:
+            self.updates_applied += 1
+        first = None
+        if nonfinite is not None and figures is not None:
+            index = figures.first_nonfinite("act" if nonfinite == "loss" else "grad")
+            first = self.probe.names[index] if index is not None else None
+        elif nonfinite is None and (first := self._hidden_activation(figures)) is not None:
+            nonfinite = "activations"
+        result = StepResult(
+            step=step, loss=mean_loss, scale=used_scale, skipped=skipped,
+            skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
+            micro_batches=max(self._forwards, n), nonfinite=nonfinite, first_nonfinite_layer=first,
+            lr=attempt.lr, figures=figures, next_scale=self.precision.scale, held_back=attempt.held_back,
+            calibration=calibrating, duration=(ended := time.perf_counter()) - self._started)
+        self.update_ended = ended
+        observe_step(self.probe_schedule, result, planned=self._planned)
+        if nonfinite is not None and self.replay_failing:
+            result.op_trace = self._replayed(used_scale, applied=attempt.stepped and not skipped)
+        if self._xray is not None:
+            (result.xray, self.xray_by), self._xray = self._xray, None
+        return result
+
+    def _hidden_activation(self, figures: LayerFigures | None) -> str | None:
+        """A non-finite activation the loss never saw, when that is news, as `amp-tui train` says
+        it (hidden_activation.py). An unprobed step measures no activation and can't tell."""
+        return self._hidden.news(figures, self.probe.names) if self.hidden_activations else None
+
+    # ---- the step replayed under the op tracer -------------------------------------------------
+    def request_xray(self, by: dict | None = None) -> None:
+        """X-ray the next step: as its first forward starts, that forward (and the backward from
+        the model's own loss, when it returns one) traced op by op into `StepResult.xray`."""
+        self._xray_due = by or {}
+
+    def _xray_if_due(self, kept: KeptForward) -> None:
+        if self._xray_due is None:
+            return
+        by, self._xray_due = self._xray_due, None
+        with self._replaying():
+            self._xray = (xray_kept(self.model, kept, dtype=self.dtype, scale=self.precision.scale_value,
+                                    device=self.device), by)
+
+    def _replayed(self, scale: float | None, *, applied: bool) -> dict:
+        with self._replaying():
+            return trace_kept_step(self.model, self.keeper.forwards, dtype=self.dtype, scale=scale,
+                                   device=self.device, update_applied=applied)
+
+    @contextlib.contextmanager
+    def _replaying(self):
+        """A replay's forwards are not the loop's: no hook of ours counts or keeps them."""
+        in_step, self.in_step = self.in_step, lambda: False
+        try:
+            with self.probe.disarmed():
+                yield
+        finally:
+            self.in_step = in_step
+
+    def update_done(self) -> None:
+        self.autocast_used_last = self.autocast_used
+        self.scaler_used_last = self._attempt.through_scaler if self._attempt is not None else None
+        self._forget_update()
+        if not self.probing():
+            self.probe.end()
+
+    def abandon_update(self) -> None:
+        self._forget_update()
+        self.probe.end()
+
+    def _forget_update(self) -> None:
+        self._losses, self._attempt, self._started, self._forwards = [], None, None, 0
+        self.keeper.drop()
+        self._xray = None
+
+
+UNSCALED_FIX = ("call amp-tui's, `scaler = monitor.scaler`, then scaler.scale(loss).backward(), "
+                "scaler.step(optimizer), scaler.update() in place of loss.backward() and optimizer.step()")

@@ -1,0 +1,180 @@
+"""What a run writes in its own words, built in one place whatever drives the steps: the session
+header, a non-finite step's event and an X-ray's file and event (docs/session-format.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+from datetime import datetime
+from typing import Callable
+
+import torch
+
+import amp_tui
+from amp_tui.core import precision
+from amp_tui.core.jsonsafe import encode_float
+from amp_tui.core.numfmt import number
+from amp_tui.core.records import traced_module
+from amp_tui.job.run_context import RunContext
+from amp_tui.recording.xray_file import xray_file_name, xray_message
+from amp_tui.training.devices import describe_device
+from amp_tui.training.step.calibration import CALIBRATION_SKIPS
+from amp_tui.training.step.engine import StepResult
+
+
+def session_header(controller: RunContext, described: dict) -> dict:
+    """The header of a session: the same keys in the same order whatever drives the steps."""
+    t, driver = controller.training, controller.driver
+    ranks = controller.ranks
+    return {
+        "amp_tui_version": amp_tui.__version__,
+        "torch_version": torch.__version__,
+        "python_version": sys.version.split()[0],
+        "device": describe_device(controller.device),
+        "script": described["script"],
+        "argv": list(described["argv"]),
+        "command": list(described["command"]),
+        "way": controller.loop.way,
+        "dtype": t.dtype,
+        "init_scale": controller.precision.starting_scale,
+        "steps": described.get("steps"),
+        "accumulate": described.get("accumulate"),
+        "max_grad_norm": described.get("max_grad_norm"),
+        "probe_every": described["probe_every"],
+        "probe_budget": described.get("probe_budget"),
+        "underflow_every": described["underflow_every"],
+        "on_nonfinite": controller.on_nonfinite,
+        "checkpoint_every": controller.checkpoint_every,
+        "optimizer": type(driver.optimizer).__name__,
+        "scheduler": type(t.scheduler).__name__ if t.scheduler is not None else None,
+        "parameters": sum(p.numel() for p in driver.model.parameters()),
+        "layers": described["layers"],
+        "compile": described.get("compile"),
+        "fp32_modules": controller.local_fp32.names,
+        "guards": dict(vars(controller.guard.config)),
+        "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        **(ranks.header_fields() if ranks else {}),
+    }
+
+
+def nonfinite_message(result: StepResult, words: Callable[[str], str] = str) -> str:
+    """A non-finite step in words: what went non-finite, where it started, and what was done;
+    then the op that made it and the fix (as `words` puts it for the way of running), where the
+    step was replayed op by op."""
+    said = _step_message(result)
+    op = op_sentence(result.op_trace or {}, words)
+    return f"{said}. {op}" if op else said
+
+
+def op_sentence(fields: dict, words: Callable[[str], str] = str) -> str:
+    """The op that made inf or NaN and its fix in words ("" when no op was found, unless the
+    replay was not exact: that is always said). `words`: the fix flag as the way of running
+    takes it (core/fixes.py, `fix_in_words`)."""
+    message = fields.get("op_message") if fields.get("op") or fields.get("op_replay_exact") is False else None
+    if not message:
+        return ""
+    fix = fields.get("fix")
+    if fix:
+        # In the user's own loop a fix may be checked on the forward alone (op_replay_from).
+        step = "this step's forward" if fields.get("op_replay_from") == "forward" else "this step"
+        message += f"; fix: {words(fix)} ({f'verified on {step}' if fields.get('fix_verified') else 'not verified'})"
+    return message
+
+
+def _step_message(result: StepResult) -> str:
+    layer = result.first_nonfinite_layer
+    short = precision.SHORT[result.dtype]
+    rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
+    on = f" on rank {rank}" if rank is not None else ""
+    outcome = ("amp-tui held the update back" if result.held_back else "update skipped" if result.skipped
+               else "the loop applied the update" if result.scale is not None
+               else "the loop applied the update (no GradScaler to skip it)")
+    if result.nonfinite == "activations":
+        return (f"non-finite activation{on} in {short} in {layer}, while the loss and the gradients stayed "
+                "finite (an op after it hid it, e.g. a tanh): update applied")
+    if result.nonfinite == "loss":
+        if layer:
+            where = f"; first non-finite output: {layer}"
+        elif result.diagnosis is not None and result.diagnosis.input_nonfinite:
+            where = "; the model's input was already non-finite (the data, or code before the model)"
+        else:
+            where = ""
+        return f"non-finite loss ({number(result.loss, 4)}){on} in {short}{where}: {outcome}"
+    where = f"; first non-finite gradient: {layer}" if layer else ""
+    if result.held_back and result.scale is not None:
+        return (f"non-finite gradients{on} after the unscale at scale {result.scale:g}, which GradScaler's "
+                f"check (made before it) missed{where}: amp-tui held the update back, scale now "
+                f"{result.next_scale:g}")
+    if result.held_back:
+        return (f"non-finite gradients{on} in {short}{where}: amp-tui held the update back (no GradScaler "
+                "to skip it)")
+    if result.skipped and result.scale is not None:
+        return (f"gradients overflowed at scale {result.scale:g}{on}{where}: update skipped, "
+                f"scale now {result.next_scale:g}")
+    return f"non-finite gradients{on} in {short}{where}: {outcome}"
+
+
+def calibration_message(result: StepResult) -> str:
+    """A skip of GradScaler finding its scale at the start (training/step/calibration.py), said as such."""
+    return (f"GradScaler calibrating its scale: the gradients overflowed at scale {result.scale:g}, update "
+            f"skipped, scale now {result.next_scale:g} (an fp16 run's first steps find the scale this way; "
+            f"calibration skip {result.skipped_total} of at most {CALIBRATION_SKIPS})")
+
+
+# The non-finite kinds the forward made: --on-nonfinite pause and stop act on them (a gradient
+# overflow is GradScaler's to handle).
+FORWARD_KINDS = {"loss": "a non-finite loss", "activations": "a non-finite activation"}
+
+
+def nonfinite_fields(result: StepResult) -> dict:
+    layer = result.first_nonfinite_layer
+    if result.diagnosis is not None:
+        origin = result.diagnosis.as_fields()
+    else:   # from the probes' figures: the forward's first non-finite output, or the backward's
+        origin = {"origin": layer} if result.nonfinite in FORWARD_KINDS else {"backward_origin": layer}
+    traced = traced_module(result.op_trace)
+    if traced is not None:   # the op replay saw it happen: its module is the origin, in its pass
+        if (result.op_trace or {}).get("op_phase") == "backward":
+            origin["backward_origin"] = traced
+        else:
+            inputs = (result.op_trace or {}).get("op_inputs") or []
+            finite = all(isinstance(i.get("max"), (int, float)) for i in inputs)
+            origin.update(origin=traced, origin_input_nonfinite=not finite)
+    rank = result.per_rank.nonfinite_rank if result.per_rank is not None else None
+    return {"where": result.nonfinite, "layer": layer, "loss": encode_float(result.loss),
+            "scale": result.scale, "dtype": result.dtype, **origin,
+            **({"rank": rank} if rank is not None else {}), **({"held_back": True} if result.held_back else {}),
+            **(result.op_trace or {})}
+
+
+def record_xray(run: RunContext, step: int, xray: dict, by: dict | None = None) -> None:
+    """The X-ray of `step` (StepResult.xray) as JSON in the run directory, then its event naming
+    the file and the op closest to its dtype's max, and who asked for it (`by`: the command's
+    `source` and `client`). Written whole or not at all (a temporary file renamed): a reader never
+    finds half of one."""
+    name = xray_file_name(step)
+    by = by or {}
+    asked = {"source": by["source"]} if "source" in by else {}   # an error names its source only
+    if "error" in xray:
+        run.event("error", f"X-ray of step {step} failed: {xray['error']}", step=step, during="xray", **asked)
+        return
+    path = run.run_dir / name
+    temporary = path.with_name(f".{name}.tmp")
+    try:
+        temporary.write_text(json.dumps(xray, indent=1, allow_nan=False), encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        run.event("error", f"X-ray of step {step} not written: {exc.strerror or exc}: {path}", step=step,
+                  during="xray", **asked)
+        return
+    first = (xray.get("closest") or [{}])[0]
+    run.event("xray", xray_message(step, xray), step=step, path=name, dtype=xray.get("dtype"),
+              op=first.get("op"), op_module=first.get("module"), op_phase=first.get("phase"),
+              headroom_bits=first.get("headroom_bits"), **by)
