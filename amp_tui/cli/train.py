@@ -21,6 +21,16 @@ def add_parser(sub) -> None:
                            description="Run SCRIPT's setup() under the guarded autocast + GradScaler "
                                        "loop. Arguments after -- go to the script.")
     train.add_argument("script", type=Path, help="a Python file with a setup() function")
+    _run_options(train)
+    _probe_options(train)
+    _steering_options(train)
+    _rank_options(train)
+    _guard_options(train)
+    train.set_defaults(func=cmd_train)
+
+
+def _run_options(train) -> None:
+    """What is run, where it is recorded, and how it is watched."""
     train.add_argument("--dtype", type=argtypes.dtype, default=None,
                        help="fp16 (default), bf16 or fp32 (resuming: the checkpoint's dtype)")
     train.add_argument("--init-scale", type=argtypes.positive, default=65536.0, metavar="X",
@@ -40,6 +50,10 @@ def add_parser(sub) -> None:
                        help="continue RUN_DIR from its newest valid checkpoint, appending to its session")
     train.add_argument("--checkpoint-every", type=argtypes.positive_int, default=None, metavar="N",
                        help="save a checkpoint every N steps")
+
+
+def _probe_options(train) -> None:
+    """The per-layer figures: how often, at what cost, and what they forecast."""
     train.add_argument("--probe-every", type=argtypes.probe_every, default="auto", metavar="auto|N",
                        help="per-layer figures: auto (default) spaces them to --probe-budget and probes "
                             "every step from the first sign of trouble; N: every N steps")
@@ -54,6 +68,10 @@ def add_parser(sub) -> None:
                             "this many steps (default 500)")
     train.add_argument("--underflow-every", type=argtypes.positive_int, default=10, metavar="N",
                        help="underflow shares on every Nth probed step (default 10; 1 = every probe)")
+
+
+def _steering_options(train) -> None:
+    """What a non-finite step does, and what steers the run besides the keys."""
     train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback", "isolate"), default=None,
                        help="what a non-finite loss does (default: skip headless, pause in the "
                             "dashboard); fallback moves fp16 -> bf16 -> fp32 when it keeps failing; "
@@ -71,6 +89,10 @@ def add_parser(sub) -> None:
     train.add_argument("--fp32-modules", action="append", default=[], metavar="PATTERN",
                        help="run modules whose name matches PATTERN (fnmatch, e.g. 'blocks.*.attn') "
                             "with autocast off and float32 inputs (repeatable)")
+
+
+def _rank_options(train) -> None:
+    """Several processes: torch.distributed, DDP and FSDP2."""
     ranks = train.add_argument_group("several processes (torch.distributed, DistributedDataParallel)")
     ranks.add_argument("--nproc", type=argtypes.positive_int, default=None, metavar="N",
                        help="run N ranks on this machine through torch.distributed.run (gloo on the "
@@ -90,6 +112,10 @@ def add_parser(sub) -> None:
     ranks.add_argument("--dist-timeout", type=argtypes.positive, default=None, metavar="S",
                        help="how long a rank waits for the others in a collective before the job stops "
                             "with an error (default 300)")
+
+
+def _guard_options(train) -> None:
+    """The scale guards, their alerts and the fallback ladder."""
     guards = train.add_argument_group("scale guards and the fallback ladder")
     guards.add_argument("--min-scale", type=argtypes.positive, default=None, metavar="X",
                         help="never let the loss scale fall below X")
@@ -111,7 +137,8 @@ def add_parser(sub) -> None:
                              "fp32 leaves the step non-finite, before the ladder (default 2)")
     guards.add_argument("--rollback", action="store_true",
                         help="with --on-nonfinite fallback: restore the newest good checkpoint before moving")
-    train.set_defaults(func=cmd_train)
+
+
 
 
 def cmd_train(args) -> int:
@@ -121,8 +148,8 @@ def cmd_train(args) -> int:
     from amp_tui.core.commands import CommandError
     from amp_tui.job.build import build_run
     from amp_tui.training.devices import DeviceError
-    from amp_tui.training.engine import PrecisionRefused
     from amp_tui.training.script import ScriptError
+    from amp_tui.training.step.engine import PrecisionRefused
 
     if args.tensorboard is not None:
         problem = tensorboard_problem(args.tensorboard)
@@ -221,7 +248,7 @@ def cmd_detach(args) -> int:
     from amp_tui.cli.argv import split_script_args
     from amp_tui.cli.attach import attach_dashboard
     from amp_tui.core.run_dirs import default_run_dir
-    from amp_tui.job.control import job_alive
+    from amp_tui.job.steering.control import job_alive
 
     argv = args.command_line[1:]
     ours, script_argv = split_script_args(argv)
