@@ -92,6 +92,44 @@ _NONFINITE_FLAGS = {"loss": F_NONFINITE_LOSS, "gradients": F_NONFINITE_GRADIENTS
 
 
 
+
+def _step_numbers(lt: bytes, sc: bytes, tt: bytes) -> tuple:
+    """A step line's loss, scale and time as floats, with the flags of a null loss or scale; the
+    loss is `_BAD` when any of the three doesn't parse (the line goes the slow way)."""
+    f = 0
+    try:
+        lv = float(lt)
+    except ValueError:
+        lv = _SPECIAL.get(lt, _BAD)
+        if lv is None:
+            f = F_LOSS_NONE
+            lv = math.nan
+    try:
+        sv = float(sc)
+    except ValueError:
+        sv = _SPECIAL.get(sc, _BAD)
+        if sv is None:
+            f |= F_SCALE_NONE
+            sv = math.nan
+    try:
+        tv = float(tt)
+    except ValueError:
+        tv = math.nan if tt in _SPECIAL else _BAD
+    if sv is _BAD or tv is _BAD:
+        lv = _BAD
+    return f, lv, sv, tv
+
+
+def _rest_flags(rest: bytes) -> int:
+    """The flags a step line's fields after the head carry: its kind of non-finite, a calibration skip."""
+    f = 0
+    if b'"nonfinite":"' in rest:
+        f |= (F_NONFINITE_LOSS if b'"nonfinite":"loss"' in rest else
+              F_NONFINITE_GRADIENTS if b'"nonfinite":"gradients"' in rest else F_NONFINITE_OTHER)
+    if b'"calibration":true' in rest:
+        f |= F_CALIBRATION
+    return f
+
 def _bare_constant(buf: bytes, start: int, end: int) -> bool:
     """True when buf[start:end] may hold a bare NaN/Infinity token (not JSON: the strict parse
     refuses the line); the quoted strings step_record writes don't count. A step line holds no
@@ -245,21 +283,17 @@ class SessionIndex:
         return self.records - before
 
     def _scan(self, buf: bytes, base: int) -> int:
-        """Index every complete line of `buf` (which starts at file offset `base`); return the
-        number of bytes consumed (up to and including the last newline).
-
+        """Index every complete line of `buf` (at file offset `base`); return the bytes consumed.
         The hot loop: a step line costs one regex match on its first ~300 bytes and a dozen
         appends. Anything unusual (another record type, a line ending in \\r\\n, a value that
         doesn't parse, a torn line) goes to `_slow`."""
         find = buf.find
         endswith = buf.endswith
         match = _STEP_HEAD.match
-        special = _SPECIAL
         pos = 0
         offsets, lengths, steps, loss, scale, times = (self.offsets, self.lengths, self.steps,
                                                        self.loss, self.scale, self.times)
         flags, probed, dcodes, dtype_code = self.flags, self.probed, self.dtype_codes, self._dtype_code
-        nan = math.nan
         last_step = steps[-1] if steps else -1
         fast = 0
         try:
@@ -272,37 +306,15 @@ class SessionIndex:
                     st, lt, sc, sk, dt, tt, rest, tail = m.groups()
                     if ((m.end() == nl) if tail == b"}" else endswith(b"}}", pos, nl)) \
                             and not _bare_constant(buf, pos, nl):
-                        f = 0
-                        try:
-                            lv = float(lt)
-                        except ValueError:
-                            lv = special.get(lt, _BAD)
-                            if lv is None:
-                                f = F_LOSS_NONE
-                                lv = nan
-                        try:
-                            sv = float(sc)
-                        except ValueError:
-                            sv = special.get(sc, _BAD)
-                            if sv is None:
-                                f |= F_SCALE_NONE
-                                sv = nan
-                        try:
-                            tv = float(tt)
-                        except ValueError:
-                            tv = nan if tt in special else _BAD
-                        if lv is _BAD or sv is _BAD or tv is _BAD:
+                        f, lv, sv, tv = _step_numbers(lt, sc, tt)
+                        if lv is _BAD:
                             m = None
                         else:
                             if sk == b"true":
                                 f |= F_SKIPPED
                                 self.skipped_frames.append(len(steps))
-                            if rest and b'"nonfinite":"' in rest:
-                                f |= (F_NONFINITE_LOSS if b'"nonfinite":"loss"' in rest else
-                                      F_NONFINITE_GRADIENTS if b'"nonfinite":"gradients"' in rest
-                                      else F_NONFINITE_OTHER)
-                            if rest and b'"calibration":true' in rest:
-                                f |= F_CALIBRATION
+                            if rest:
+                                f |= _rest_flags(rest)
                             if f & F_LOSS_NONE:
                                 self.loss_none += 1
                             code = dtype_code.get(dt)
