@@ -45,10 +45,10 @@ from amp_tui.training.local_fp32 import LocalFp32, match_modules
 from amp_tui.training.probes.hidden_activation import HiddenActivationWatch
 from amp_tui.training.probes.layer_probes import LayerFigures, LayerProbe
 from amp_tui.training.probes.probe_schedule import ProbeSchedule, observe_step
-from amp_tui.training.step.calibration import ScaleCalibration
 from amp_tui.training.step.engine import StepResult, to_host
 from amp_tui.training.step.forward_autocast import fixed_autocast_dtype, wrapped_in_autocast
 from amp_tui.training.step.guards import Alert
+from amp_tui.training.step.outcome import CountedSteps, StepOutcomes, first_nonfinite_layer
 from amp_tui.training.step.precision_state import BorrowedScaling, PrecisionRefused
 from amp_tui.training.step.update_guard import (
     drop_gradients,
@@ -79,7 +79,7 @@ class _Attempt:
         self.through_scaler = False   # the loop called the GradScaler (unscale_ or step) in it
 
 
-class HookDriver:
+class HookDriver(CountedSteps):
     """Hooks on the user's model, optimizer and scaler; the training state a checkpoint saves.
     `in_step()` says whether the loop is inside a monitored step (the hooks only count there)."""
 
@@ -133,10 +133,7 @@ class HookDriver:
         self._xray: tuple[dict, dict] | None = None   # this step's X-ray, and who asked for it
         self.xray_by: dict = {}               # ... of the last step's X-ray (StepResult.xray)
         self.training = self
-        self.step_index = 0
-        self.updates_applied = 0
-        self.skipped_total = 0
-        self.calibration = ScaleCalibration()
+        self.outcomes = StepOutcomes()   # the step counter and the counts (training/step/outcome.py)
         self.last_skipped = False   # the last update was skipped (a scheduler stepped only after
                                     # applied updates reads this)
         self.autocast_used = False          # monitor.autocast() entered this step
@@ -500,40 +497,20 @@ class HookDriver:
             skipped = len(host) > n + 1 and host[n + 1] > 0
         if figures is not None and attempt.scaled and used_scale:
             figures.grad = [None if g is None else g / used_scale for g in figures.grad]
-        nonfinite = None
-        if not math.isfinite(mean_loss):
-            nonfinite = "loss"
-        elif skipped or (figures is not None and figures.grads_nonfinite):
-            nonfinite = "gradients"
         # An update amp-tui held back (inf/NaN that GradScaler missed, or no GradScaler) is a skip.
         skipped = skipped or attempt.held_back
-        if attempt.held_back and nonfinite is None:
-            nonfinite = "gradients"
         # GradScaler finding its scale at the start is no failure: nothing to locate or replay.
-        calibrating = self.calibration.judge(skipped=skipped, gradients_only=nonfinite == "gradients"
-                                             and not attempt.held_back, scale=used_scale)
-        if calibrating:
-            nonfinite = None
+        nonfinite, calibrating = self.outcomes.classify(
+            loss_finite=math.isfinite(mean_loss), skipped=skipped, held_back=attempt.held_back,
+            gradients_nonfinite=figures is not None and figures.grads_nonfinite, scale=used_scale)
         self.last_skipped = skipped
-        # The step counter moves on here, first, then the counts take the step in: `ctl status`,
-        # read from another thread (the counts, then the step) while the step is recorded or
-        # replayed under the op tracer, never counts a step the counter has not passed.
-        step, self.step_index = self.step_index, self.step_index + 1
-        if skipped:
-            self.skipped_total += 1
-        elif attempt.stepped:
-            self.updates_applied += 1
-        first = None
-        if nonfinite is not None and figures is not None:
-            index = figures.first_nonfinite("act" if nonfinite == "loss" else "grad")
-            first = self.probe.names[index] if index is not None else None
-        elif nonfinite is None and (first := self._hidden_activation(figures)) is not None:
+        first = first_nonfinite_layer(figures, nonfinite, self.probe.names) if nonfinite else None
+        if nonfinite is None and not calibrating and (first := self._hidden_activation(figures)) is not None:
             nonfinite = "activations"
-        result = StepResult(
-            step=step, loss=mean_loss, scale=used_scale, skipped=skipped,
-            skipped_total=self.skipped_total, updates_applied=self.updates_applied, dtype=self.dtype,
-            micro_batches=max(self._forwards, n), nonfinite=nonfinite, first_nonfinite_layer=first,
-            lr=attempt.lr, figures=figures, next_scale=self.precision.scale, held_back=attempt.held_back,
+        result = self.outcomes.close(
+            skipped=skipped, applied=attempt.stepped, lr=attempt.lr, loss=mean_loss, scale=used_scale,
+            dtype=self.dtype, micro_batches=max(self._forwards, n), nonfinite=nonfinite, first_nonfinite_layer=first,
+            figures=figures, next_scale=self.precision.scale, held_back=attempt.held_back,
             calibration=calibrating, duration=(ended := time.perf_counter()) - self._started)
         self.update_ended = ended
         observe_step(self.probe_schedule, result, planned=self._planned)

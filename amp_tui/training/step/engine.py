@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -24,8 +24,9 @@ from amp_tui.training.probes.layer_probes import LayerFigures, LayerProbe
 from amp_tui.training.probes.probe_schedule import ProbeSchedule, observe_step
 from amp_tui.training.sharding import full_value, is_sharded
 from amp_tui.training.step.autocast import autocast
-from amp_tui.training.step.calibration import ScaleCalibration
+from amp_tui.training.step.outcome import CountedSteps, StepOutcomes, first_nonfinite_layer
 from amp_tui.training.step.precision_state import OwnedScaling, PrecisionRefused
+from amp_tui.training.step.step_result import StepResult
 from amp_tui.training.step.update_guard import mark_unscaled_nonfinite, nonfinite_flag, unscale_untrusted
 from amp_tui.training.trace.diagnose import Diagnosis, diagnose
 from amp_tui.training.trace.isolation import FailedStep
@@ -46,39 +47,6 @@ ACT_UNMEASURED_UNDER_COMPILE = (
 
 class LossError(Exception):
     """loss_fn returned something that is not a scalar loss."""
-
-
-# Where a step went non-finite: its loss, or its gradients (the loss finite), or on a probed step
-# an activation that the loss and the gradients never saw (an fp16 overflow behind a tanh).
-NonfiniteKind = Literal["loss", "gradients", "activations"]
-
-
-@dataclass
-class StepResult:
-    step: int                     # 0-based iteration index
-    loss: float                   # mean over micro-batches; NaN/inf when non-finite
-    scale: float | None           # the loss scale used in this step (None: no scaler)
-    skipped: bool                 # the optimizer update was not applied
-    skipped_total: int
-    updates_applied: int
-    dtype: str
-    micro_batches: int
-    nonfinite: NonfiniteKind | None = None
-    first_nonfinite_layer: str | None = None
-    grad_norm: float | None = None
-    lr: float | None = None       # the lr this step's update used (before scheduler.step())
-    figures: LayerFigures | None = None
-    diagnosis: Diagnosis | None = None
-    next_scale: float | None = None  # the scale after scaler.update(): what the next step uses
-    duration: float = 0.0
-    wall_time: float = field(default_factory=time.time)
-    per_rank: Any = None          # several ranks: each rank's figures (job/ranks/rank_figures.py)
-    probes: list | None = None    # the probe schedule after this step (ProbeSchedule.record_field)
-    op_trace: dict | None = None  # a non-finite step replayed op by op: the op and its fix (step_trace.py)
-    xray: dict | None = None      # the step traced op by op on request (request_xray; op_xray.py)
-    eta: list | None = None       # each layer's steps left before the dtype's max (job/records/forecasts.py)
-    held_back: bool = False       # amp-tui kept an update with inf/NaN gradients from applying (update_guard.py)
-    calibration: bool = False     # a skip of GradScaler finding its scale at the start (calibration.py)
 
 
 @dataclass
@@ -103,7 +71,7 @@ def check_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
-class GuardedTrainer:
+class GuardedTrainer(CountedSteps):
     """One guarded optimizer update per `step()`; dtype and scale can change between steps."""
 
     def __init__(
@@ -156,10 +124,7 @@ class GuardedTrainer:
         # which the step asks for after the micro-batch's backward.
         self.agree_finite: Callable[[float], Callable[[], bool]] | None = None
         self.precision = OwnedScaling(self.device, dtype, init_scale)
-        self.step_index = 0
-        self.updates_applied = 0
-        self.skipped_total = 0
-        self.calibration = ScaleCalibration()
+        self.outcomes = StepOutcomes()   # the step counter and the counts (outcome.py)
         self._started: _StartedStep | None = None  # a forward run ahead by start_step()
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         # Parameters the optimizer steps but no probed module owns: their gradients still need
@@ -344,15 +309,14 @@ class GuardedTrainer:
         if not skipped and self.scheduler is not None:
             self.scheduler.step()   # only after an update really applied: skipped steps don't count
         # GradScaler finding its scale at the start is no failure: nothing to locate or replay.
-        calibrating = self.calibration.judge(skipped=skipped, gradients_only=True,
-                                             scale=used_scale if self.scaler is not None else None)
-        if calibrating:
-            first, diagnosis = None, None
-        elif skipped:
+        nonfinite, calibrating = self.outcomes.classify(loss_finite=True, skipped=skipped,
+                                                        scale=used_scale if self.scaler is not None else None)
+        if nonfinite:
             first, diagnosis = self._locate_nonfinite_gradient(micro_batches, used_scale, figures)
+        elif not calibrating and (first := self._hidden_activation(figures)) is not None:
+            nonfinite, diagnosis = "activations", None
         else:
-            first, diagnosis = self._hidden_activation(figures), None
-        nonfinite = "gradients" if skipped and not calibrating else "activations" if first is not None else None
+            first, diagnosis = None, None
         # A hidden activation is found in the forward, replayed on the weights after the update.
         op_trace = self._trace_ops(micro_batches, range(n), used_scale, backward=skipped) if nonfinite else None
         return self._finish(mean_loss, used_scale, lr, skipped=skipped, nonfinite=nonfinite, first_layer=first,
@@ -410,7 +374,7 @@ class GuardedTrainer:
         """No update: the gradients (of the backward several ranks ran) go, and nothing of the
         scaler moves (no unscale_, step or update). Then find where the forward went non-finite."""
         self._zero_grad()
-        self.calibration.end()
+        self.outcomes.classify(loss_finite=False, skipped=True, scale=used_scale)   # calibration is over
         figures = probe.collect()[0] if probe else None
         diagnosis = self._diagnose([micro_batches[bad]], used_scale, backward=False)
         # Several ranks: one whose own losses were finite skips because another's were not, and
@@ -419,8 +383,8 @@ class GuardedTrainer:
         op_trace = self._trace_ops(micro_batches, [bad], used_scale, backward=False) if own else None
         first = diagnosis.forward_layer if diagnosis else None
         # Not when the data brought the inf/NaN in: the probes' first non-finite output was handed it.
-        if first is None and figures is not None and not (diagnosis and diagnosis.input_nonfinite):
-            first = self.layer_names[index] if (index := figures.first_nonfinite("act")) is not None else None
+        if first is None and not (diagnosis and diagnosis.input_nonfinite):
+            first = first_nonfinite_layer(figures, "loss", self.layer_names)
         return self._finish(mean_loss, used_scale, lr, skipped=True, nonfinite="loss", first_layer=first,
                             figures=figures, micro=len(micro_batches), diagnosis=diagnosis, op_trace=op_trace)
 
@@ -485,10 +449,7 @@ class GuardedTrainer:
         """The checked second pass over a skipped step, then the probes' own figures."""
         diagnosis = self._diagnose(micro_batches, used_scale, backward=True)
         first = diagnosis.backward_layer if diagnosis else None
-        if first is None and figures is not None:
-            index = figures.first_nonfinite("grad")
-            first = self.layer_names[index] if index is not None else None
-        return first, diagnosis
+        return first or first_nonfinite_layer(figures, "gradients", self.layer_names), diagnosis
 
     def _hidden_activation(self, figures: LayerFigures | None) -> str | None:
         """A non-finite activation the loss never saw, when that is news (hidden_activation.py).
@@ -517,19 +478,10 @@ class GuardedTrainer:
 
     def _finish(self, loss, scale, lr, *, skipped, nonfinite, first_layer, figures, micro,
                 grad_norm=None, diagnosis=None, op_trace=None, calibration=False):
-        step, self.step_index = self.step_index, self.step_index + 1   # before the counts (ctl status)
-        if skipped:
-            self.skipped_total += 1
-        else:
-            self.updates_applied += 1
-        return StepResult(
-            step=step, loss=loss, scale=scale, skipped=skipped,
-            skipped_total=self.skipped_total, updates_applied=self.updates_applied,
-            dtype=self.dtype, micro_batches=micro, nonfinite=nonfinite,
-            first_nonfinite_layer=first_layer, grad_norm=grad_norm,
-            lr=float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None,
-            figures=figures, diagnosis=diagnosis, next_scale=self.scale, op_trace=op_trace,
-            calibration=calibration)
+        return self.outcomes.close(
+            skipped=skipped, applied=not skipped, lr=lr, loss=loss, scale=scale, dtype=self.dtype,
+            micro_batches=micro, nonfinite=nonfinite, first_nonfinite_layer=first_layer, grad_norm=grad_norm,
+            figures=figures, diagnosis=diagnosis, next_scale=self.scale, op_trace=op_trace, calibration=calibration)
 
     def _diagnose(self, micro_batches, scale: float | None, *, backward: bool) -> Diagnosis | None:
         """The second, checked pass over a bad step's micro-batches (the first that shows it)."""
