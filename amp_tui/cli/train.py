@@ -11,6 +11,7 @@ from pathlib import Path
 
 from amp_tui.cli import argtypes
 from amp_tui.cli.terminal import error, interactive
+from amp_tui.core.policies import NONFINITE_POLICIES
 
 DETACH_WAIT_S = 60.0   # how long --detach waits for the background job to open its control socket
 MIN_DIST_TIMEOUT_S = 2.0  # a paused job's ranks meet about once a second (the heartbeat)
@@ -72,7 +73,7 @@ def _probe_options(train) -> None:
 
 def _steering_options(train) -> None:
     """What a non-finite step does, and what steers the run besides the keys."""
-    train.add_argument("--on-nonfinite", choices=("skip", "pause", "stop", "fallback", "isolate"), default=None,
+    train.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES, default=None,
                        help="what a non-finite loss does (default: skip headless, pause in the "
                             "dashboard); fallback moves fp16 -> bf16 -> fp32 when it keeps failing; "
                             "isolate puts the overflowing op's module in fp32 (u undoes it)")

@@ -7,6 +7,7 @@ import importlib
 import sys
 from types import ModuleType
 
+from amp_tui.core.policies import MONITOR_POLICIES, checked
 from amp_tui.job.monitor import Monitor
 
 
@@ -28,6 +29,7 @@ def options(dtype: str | None, framework: str, setting: str, given: dict) -> dic
     if dtype is not None:
         raise TypeError(f"dtype= is {framework}'s choice here: set it with {setting}. The dashboard's d "
                         "switches it while the run goes on")
+    checked("on_nonfinite", given.get("on_nonfinite", "skip"), MONITOR_POLICIES)   # now, not at the first step
     return dict(given)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from amp_tui.core.commands import Command
+from amp_tui.core.policies import FSDP_CHECKPOINTS, NONFINITE_POLICIES, FsdpCheckpoint, NonfinitePolicy, checked
 from amp_tui.training.step.guards import GuardConfig
 
 
@@ -29,13 +30,13 @@ class RunConfig:
     probe_budget: float = 1.0           # percent of the training time amp-tui may cost (auto)
     probe_alert_bits: float = 3.0       # headroom under which every step is probed (auto)
     underflow_every: int = 10           # underflow shares on every Nth probed step
-    on_nonfinite: str = "skip"          # skip, pause, stop, fallback or isolate (the guard's fallback follows it)
+    on_nonfinite: NonfinitePolicy = "skip"   # (core/policies.py; the guard's fallback follows it)
     at: list[tuple[int, Command]] = field(default_factory=list)
     command_line: list[str] = field(default_factory=list)
     guard: GuardConfig = field(default_factory=GuardConfig)
     fp32_modules: list[str] = field(default_factory=list)
     fsdp: bool = False                   # shard the model with FSDP2's fully_shard (several ranks)
-    fsdp_checkpoint: str = "auto"        # full, sharded or auto: how a sharded model is checkpointed
+    fsdp_checkpoint: FsdpCheckpoint = "auto"   # how a sharded model is checkpointed
     flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)
     control: bool = False                # serve the control socket (amp-tui ctl / attach); rank 0 only
     device: str | None = None            # cpu, cuda, cuda:N; None: cuda when there is one (ranks: their own)
@@ -44,3 +45,8 @@ class RunConfig:
     # ---- build_run's answers
     resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
     resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)
+
+    def __post_init__(self) -> None:
+        # Checked where the config is made, so a bad word fails before anything is built or recorded.
+        self.on_nonfinite = checked("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+        self.fsdp_checkpoint = checked("fsdp_checkpoint", self.fsdp_checkpoint, FSDP_CHECKPOINTS)

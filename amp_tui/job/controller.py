@@ -27,6 +27,7 @@ import torch
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.fixes import fix_in_words
 from amp_tui.core.jsonsafe import encode_float
+from amp_tui.core.policies import NonfinitePolicy
 from amp_tui.core.records import RunState, end_status, traced_module
 from amp_tui.job.checkpoints.run_checkpoints import RunCheckpoints, TrainingState
 from amp_tui.job.drivers.driver import Driver
@@ -80,7 +81,7 @@ class RunController:
     fsdp_checkpoint = "auto"   # how checkpoints write a sharded model (`Run`: --fsdp-checkpoint)
 
     def __init__(self, driver: Driver, *, device: torch.device, run_dir: Path, script: Path,
-                 ranks: Ranks | None = None, guard: GuardConfig | None = None, on_nonfinite: str = "skip",
+                 ranks: Ranks | None = None, guard: GuardConfig | None = None, on_nonfinite: NonfinitePolicy = "skip",
                  io_policy: IoPolicy = IoPolicy.STOP, checkpoint_every: int | None = None,
                  at: list[tuple[int, Command]] = (), steps: int | None = None, flush_interval: float = 1.0,
                  control: bool = False, echo: Callable[[str], None] | None = None, loop: LoopKind = TRAIN_LOOP):

@@ -44,6 +44,7 @@ from typing import Any, Iterator
 import torch
 
 from amp_tui.core import precision
+from amp_tui.core.policies import MONITOR_POLICIES, checked
 from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.core.signals import install_handlers, restore_handlers
 from amp_tui.job.controller import RunController
@@ -60,7 +61,6 @@ from amp_tui.training.step.update_guard import scale_floor
 __all__ = ["Monitor", "MonitorError", "MonitoredStep"]
 
 RUN_DIR_VARIABLE = "AMP_TUI_RUN_DIR"   # set by `amp-tui run`: where the monitor records
-MONITOR_POLICIES = ("skip", "isolate")   # a loop of the user's own pauses and stops itself
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 _SLOT = ProcessSlot()   # one monitor per process: it owns the control socket
@@ -97,8 +97,7 @@ class Monitor:
                  checkpoint_every=None, control=True, announce=True, tensorboard_dir=None, framework=None,
                  on_nonfinite="skip", forecast_horizon=500, min_scale=None,
                  fp32_modules=()):
-        if on_nonfinite not in MONITOR_POLICIES:
-            raise ValueError(f"on_nonfinite={on_nonfinite!r}: use {' or '.join(map(repr, MONITOR_POLICIES))}")
+        on_nonfinite = checked("on_nonfinite", on_nonfinite, MONITOR_POLICIES)
         if min_scale is not None and not (isinstance(min_scale, (int, float)) and 0 < min_scale < math.inf):
             raise ValueError(f"min_scale={min_scale!r}: the loss scale's floor must be a positive finite number")
         # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the

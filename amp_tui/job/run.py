@@ -29,7 +29,6 @@ from amp_tui.training.script import ScriptError, TrainSetup
 if TYPE_CHECKING:
     from amp_tui.recording.report import RunOutcome
 
-NONFINITE_POLICIES = ("skip", "pause", "stop", "fallback", "isolate")
 PRECISION_ACTIONS = ("dtype", "scale", "fp32")  # what --at 0:... may set before the pre-flight
 
 
@@ -41,8 +40,6 @@ class Run:
 
     def __init__(self, config: RunConfig, setup: TrainSetup, device: torch.device, feed: BatchFeed,
                  ranks: Ranks | None = None):
-        if config.on_nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)}")
         self.config = config
         self.setup = setup
         self.feed = feed

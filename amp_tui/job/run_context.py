@@ -13,6 +13,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from amp_tui.core.policies import FsdpCheckpoint, NonfinitePolicy
+
 if TYPE_CHECKING:
     import torch
 
@@ -45,10 +47,10 @@ class RunContext(Protocol):
     # ---- its settings ----------------------------------------------------------------------
     run_dir: Path
     session_path: Path
-    on_nonfinite: str
+    on_nonfinite: NonfinitePolicy
     io_policy: IoPolicy
     checkpoint_every: int | None
-    fsdp_checkpoint: str
+    fsdp_checkpoint: FsdpCheckpoint
 
     # ---- its state -------------------------------------------------------------------------
     state: RunState
