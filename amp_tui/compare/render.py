@@ -70,6 +70,28 @@ def comparison(console, validation: Validation) -> None:
         return
 
     results = validation.results
+    console.print(_dtype_table(results))
+
+    for r in results:
+        name = precision.SHORT[r.dtype]
+        if r.worst is not None and r.max_abs and math.isfinite(r.max_abs):
+            w = r.worst
+            console.print(Text(f"{name}: largest difference at {_idx(w)}: fp32 {_fmt(w['fp32'], 6)}, "
+                               f"{name} {_fmt(w['amp'], 6)}"))
+        if r.flip_samples:
+            more = " …" if r.flips > len(r.flip_samples) else ""
+            console.print(Text(f"{name}: decision flips at " + ", ".join(
+                f"{_idx(s)} {s['fp32']}→{s['amp']} (margin {_fmt(s['margin'])})" for s in r.flip_samples)
+                + more))
+        if r.near_tie_flip_samples:
+            more = " …" if r.near_tie_flips > len(r.near_tie_flip_samples) else ""
+            console.print(Text(f"{name}: near-tie flips (not counted) at " + ", ".join(
+                f"{_idx(s)} {s['fp32']}→{s['amp']} (margin {_fmt(s['margin'])})"
+                for s in r.near_tie_flip_samples) + more))
+
+
+def _dtype_table(results) -> Table:
+    """Each dtype's scores and decisions against fp32, a column a dtype."""
     table = Table(title="scores and decisions against fp32", title_justify="left")
     table.add_column("", style="bold")
     for r in results:
@@ -91,24 +113,8 @@ def comparison(console, validation: Validation) -> None:
     if any(r.accuracy is not None for r in results):
         row("label accuracy", lambda r: _fmt(r.accuracy, 4))
     table.add_row("result", *[_status_text(r) for r in results])
-    console.print(table)
+    return table
 
-    for r in results:
-        name = precision.SHORT[r.dtype]
-        if r.worst is not None and r.max_abs and math.isfinite(r.max_abs):
-            w = r.worst
-            console.print(Text(f"{name}: largest difference at {_idx(w)}: fp32 {_fmt(w['fp32'], 6)}, "
-                               f"{name} {_fmt(w['amp'], 6)}"))
-        if r.flip_samples:
-            more = " …" if r.flips > len(r.flip_samples) else ""
-            console.print(Text(f"{name}: decision flips at " + ", ".join(
-                f"{_idx(s)} {s['fp32']}→{s['amp']} (margin {_fmt(s['margin'])})" for s in r.flip_samples)
-                + more))
-        if r.near_tie_flip_samples:
-            more = " …" if r.near_tie_flips > len(r.near_tie_flip_samples) else ""
-            console.print(Text(f"{name}: near-tie flips (not counted) at " + ", ".join(
-                f"{_idx(s)} {s['fp32']}→{s['amp']} (margin {_fmt(s['margin'])})"
-                for s in r.near_tie_flip_samples) + more))
 
 
 def verdict(console, validation: Validation) -> None:

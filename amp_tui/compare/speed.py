@@ -48,9 +48,6 @@ def lean_steps(model, optimizer, loss_fn, batches: list, device: torch.device, d
     params = [p for g in optimizer.param_groups for p in g["params"]]
     cuda = device.type == "cuda"
     model.train()
-    scales: list[torch.Tensor] = []
-    events: list[tuple] = []
-    host_ms: list[float] = []
     feed = 0
 
     def one_step():
@@ -76,8 +73,24 @@ def lean_steps(model, optimizer, loss_fn, batches: list, device: torch.device, d
         memory.start_timing()
     elif cuda:
         torch.cuda.synchronize(device)
-    if use_scaler:
-        scales.append(_scale_snapshot(scaler))
+    host_ms, scales = _timed(one_step, steps, device, scaler if use_scaler else None)
+    run.step_ms = host_ms
+    run.median_ms = statistics.median(host_ms) if host_ms else None
+    if len(scales) > 1:
+        values = [float(s) for s in scales]  # the host reads, after the timed steps
+        run.skipped_updates = sum(1 for a, b in itertools.pairwise(values) if b < a)
+    if memory is not None:
+        run.peak_bytes = memory.peak()
+    return run
+
+
+def _timed(one_step, steps: int, device: torch.device, scaler) -> tuple[list[float], list[torch.Tensor]]:
+    """Each step's milliseconds (CUDA events read once at the end, on CUDA), and the scale before
+    the first and after each step, still on the device (`scaler` None: no scaler)."""
+    cuda = device.type == "cuda"
+    scales = [_scale_snapshot(scaler)] if scaler is not None else []
+    events: list[tuple] = []
+    host_ms: list[float] = []
     stream = torch.cuda.current_stream(device) if cuda else None
     for _ in range(steps):
         if cuda:
@@ -90,19 +103,12 @@ def lean_steps(model, optimizer, loss_fn, batches: list, device: torch.device, d
             t0 = time.perf_counter()
             one_step()
             host_ms.append((time.perf_counter() - t0) * 1000.0)
-        if use_scaler:
+        if scaler is not None:
             scales.append(_scale_snapshot(scaler))
     if cuda:
         torch.cuda.synchronize(device)
         host_ms = [s.elapsed_time(e) for s, e in events]
-    run.step_ms = host_ms
-    run.median_ms = statistics.median(host_ms) if host_ms else None
-    if len(scales) > 1:
-        values = [float(s) for s in scales]  # the host reads, after the timed steps
-        run.skipped_updates = sum(1 for a, b in itertools.pairwise(values) if b < a)
-    if memory is not None:
-        run.peak_bytes = memory.peak()
-    return run
+    return host_ms, scales
 
 
 def _scale_snapshot(scaler: torch.amp.GradScaler):

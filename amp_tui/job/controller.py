@@ -116,17 +116,9 @@ class RunController:
                          else RankEcho(self.session_path, prefix=ranks.describe(), echo=echo))
         self.checkpointing = RunCheckpoints(self)
         self.commands = CommandQueue()
-        # One handler per action: a new command is one entry here (docs/architecture.md).
-        self._handlers: dict[str, Handler] = {
-            "dtype": partial(handlers.set_dtype, self), "scale": partial(handlers.set_scale, self),
-            "save": partial(handlers.save, self), "restore": partial(handlers.restore, self), "stop": self._stop,
-            "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self),
-            "pause": partial(handlers.pause, self), "resume": partial(handlers.resume, self),
-            "step": partial(handlers.single_step, self), "probe": partial(handlers.set_probes, self),
-            "xray": partial(handlers.xray, self), "undo": partial(autopilot.undo, self), "fix": self._apply_fix,
-        }
+        self._handlers = self._command_handlers()
         self.fixes = VerifiedFixes(self.refused)   # what `fix` applies (job/steering/fix_choice.py)
-        self._scheduled: dict[int, list[Command]] = {}
+        self._scheduled: dict[int, list[Command]] = {}   # --at's commands, by the step they wait for
         for step, command in at:
             self._scheduled.setdefault(step, []).append(command)
         self._bf16_ok = unsupported_reason(device, "bfloat16") is None
@@ -135,12 +127,30 @@ class RunController:
         self.published_seconds = 0.0   # spent formatting records so far (publish), told apart from the rest
         self.held_seconds = 0.0        # spent at boundaries that had something to do (a pause, a command)
                                        # and saving checkpoints every N steps
+        self.single_steps = 0
+        self.pause_reason: PauseReason | None = None
+        self._stopping_state()
+        self._control = None
+        self.training_thread: threading.Thread | None = None   # the thread that runs the steps
+        self.started_at = time.time()
+
+    def _command_handlers(self) -> dict[str, Handler]:
+        """One handler per action: a new command is one entry here (docs/architecture.md)."""
+        return {
+            "dtype": partial(handlers.set_dtype, self), "scale": partial(handlers.set_scale, self),
+            "save": partial(handlers.save, self), "restore": partial(handlers.restore, self), "stop": self._stop,
+            "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self),
+            "pause": partial(handlers.pause, self), "resume": partial(handlers.resume, self),
+            "step": partial(handlers.single_step, self), "probe": partial(handlers.set_probes, self),
+            "xray": partial(handlers.xray, self), "undo": partial(autopilot.undo, self), "fix": self._apply_fix,
+        }
+
+    def _stopping_state(self) -> None:
+        """How the run stops: asked, held by a full disk, or giving records up."""
         self.should_stop = False                    # the run stops at this boundary (stopping ran)
         self.stop_requested = threading.Event()
         self._checkpoint_on_stop = False
         self._stop_reason: str | None = None
-        self.single_steps = 0
-        self.pause_reason: PauseReason | None = None
         self.checkpoint_due: str | None = None   # the source of a save the disk refused
         self.give_up_unwritten = False           # quit even if the recording can't be completed
         # Set when a stop was held because records could not be written (a full disk): whoever
@@ -149,9 +159,6 @@ class RunController:
         self.held_message: str | None = None      # what the held stop would have lost
         self.unwritten: dict[str, int] = {}       # records given up at the end, by type
         self.recording_error: str | None = None   # why they were: the OS's words and the path
-        self._control = None
-        self.training_thread: threading.Thread | None = None   # the thread that runs the steps
-        self.started_at = time.time()
 
     # ---- what the driver holds ------------------------------------------------------------
     @property

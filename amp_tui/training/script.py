@@ -178,19 +178,7 @@ def validate_setup(values: dict, script: Path) -> TrainSetup:
                 for k in values if k not in REQUIRED + OPTIONAL]
 
     model, optimizer = values["model"], values["optimizer"]
-    if not isinstance(model, torch.nn.Module):
-        raise ScriptError(f"'model' from {name} is a {type(model).__name__}, not a torch.nn.Module")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ScriptError(f"'optimizer' from {name} is a {type(optimizer).__name__}, "
-                          "not a torch.optim.Optimizer")
-    model_params = {id(p) for p in model.parameters()}
-    if not model_params:
-        raise ScriptError(f"'model' from {name} has no parameters to train")
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in model_params:
-                raise ScriptError(f"'optimizer' from {name} holds a parameter that is not in 'model'; "
-                                  "build it from model.parameters()")
+    _check_model_and_optimizer(model, optimizer, name)
     warnings += untrained_warning(model, optimizer, name)
     loss_fn = values["loss_fn"]
     if not callable(loss_fn):
@@ -230,3 +218,20 @@ def validate_setup(values: dict, script: Path) -> TrainSetup:
                       scheduler=scheduler, max_grad_norm=clip, accumulate=int(accumulate),
                       eval_batches=eval_batches, predict=predict,
                       fsdp_blocks=list(blocks) if blocks is not None else None, warnings=warnings)
+
+
+def _check_model_and_optimizer(model, optimizer, name: str) -> None:
+    """A module with parameters, and an optimizer that steps only the model's."""
+    if not isinstance(model, torch.nn.Module):
+        raise ScriptError(f"'model' from {name} is a {type(model).__name__}, not a torch.nn.Module")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ScriptError(f"'optimizer' from {name} is a {type(optimizer).__name__}, "
+                          "not a torch.optim.Optimizer")
+    model_params = {id(p) for p in model.parameters()}
+    if not model_params:
+        raise ScriptError(f"'model' from {name} has no parameters to train")
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in model_params:
+                raise ScriptError(f"'optimizer' from {name} holds a parameter that is not in 'model'; "
+                                  "build it from model.parameters()")

@@ -95,11 +95,7 @@ class HookDriver(CountedSteps):
         self.optimizer = inner_optimizer(optimizer)
         self.scheduler = scheduler
         self.device = device_of(model)
-        # A loop without an enabled GradScaler gets amp-tui's scaling in fp16 (precision_state.py);
-        # a framework's scaler is the framework's to make.
-        fix = f"start {framework} in fp16 for one" if framework else "pass scaler= to amp_tui.monitor"
-        self.precision = BorrowedScaling(self.device, self._starting_dtype(dtype, scaler), scaler, fp16_fix=fix,
-                                         own=framework is None)
+        self.precision = self._borrowed_scaling(dtype, scaler)
         # The scaler the loop calls (maybe disabled: bf16 and fp32 loops often keep one with
         # enabled=False; or amp-tui's, `monitor.scaler`); the precision state holds the one that scales.
         self.loop_scaler = self.precision.loop_scaler
@@ -115,11 +111,7 @@ class HookDriver(CountedSteps):
         self.unplanned_figures = True
         self._planned = False                   # this update was planned to be probed
         self.local_fp32 = LocalFp32(eager, self.device.type)
-        self._fp32_patterns = [fp32_modules] if isinstance(fp32_modules, str) else list(fp32_modules)
-        for pattern in self._fp32_patterns:   # checked now, applied by attach()
-            if not match_modules(eager, pattern):
-                raise MonitorError(f"fp32_modules={pattern!r} matches no module of the model (module names "
-                                   f"look like {', '.join(example_names(eager))})")
+        self._fp32_patterns = fp32_patterns(eager, fp32_modules)   # checked now, applied by attach()
         # Each forward of a step kept (references, RNG, autocast), for a replay of the step under
         # the op tracer when it fails, or an X-ray asked for (training/trace/forward_keeper.py).
         self.keeper = ForwardKeeper(model, self.device.type, lambda: self.in_step())
@@ -142,11 +134,8 @@ class HookDriver(CountedSteps):
         self._in_scaler_step = False        # inside the loop's scaler.step()
         self._unscaled_fp16_said = False
         self.in_step = lambda: False        # set by the monitor
-        self._attempt: _Attempt | None = None
         self._closure_said = False   # the loop's closure steps were said to go unchecked
-        self._losses: list[torch.Tensor] = []   # the losses set in this update's blocks
-        self._forwards = 0                      # the model's forward passes in this update
-        self._started: float | None = None
+        self._forget_update()        # this update's attempt, losses, forwards and start: none yet
         self.update_ended = 0.0   # when the last update's measured duration ended (perf_counter)
         self._handles: list = []
         self._patched: list[str] = []
@@ -182,6 +171,13 @@ class HookDriver(CountedSteps):
     def accumulating(self) -> bool:
         """Blocks ended without an update: the next block belongs to the same one."""
         return bool(self._losses)
+
+    def _borrowed_scaling(self, dtype: str | None, scaler) -> BorrowedScaling:
+        """A loop without an enabled GradScaler gets amp-tui's scaling in fp16 (precision_state.py);
+        a framework's scaler is the framework's to make."""
+        fix = f"start {self.framework} in fp16 for one" if self.framework else "pass scaler= to amp_tui.monitor"
+        return BorrowedScaling(self.device, self._starting_dtype(dtype, scaler), scaler, fp16_fix=fix,
+                               own=self.framework is None)
 
     def _starting_dtype(self, dtype: str | None, scaler) -> str:
         """By default what the loop already does: fp16 when it scales its loss with an enabled
@@ -566,9 +562,22 @@ class HookDriver(CountedSteps):
         self.probe.end()
 
     def _forget_update(self) -> None:
-        self._losses, self._attempt, self._started, self._forwards = [], None, None, 0
+        self._attempt: _Attempt | None = None
+        self._losses: list[torch.Tensor] = []   # the losses set in this update's blocks
+        self._forwards = 0                      # the model's forward passes in this update
+        self._started: float | None = None
         self.keeper.drop()
         self._xray = None
+
+
+def fp32_patterns(model: torch.nn.Module, fp32_modules: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The module name patterns to run in fp32, each matching a module of `model`."""
+    patterns = [fp32_modules] if isinstance(fp32_modules, str) else list(fp32_modules)
+    for pattern in patterns:
+        if not match_modules(model, pattern):
+            raise MonitorError(f"fp32_modules={pattern!r} matches no module of the model (module names "
+                               f"look like {', '.join(example_names(model))})")
+    return patterns
 
 
 UNSCALED_FIX = ("call amp-tui's, `scaler = monitor.scaler`, then scaler.scale(loss).backward(), "

@@ -126,7 +126,10 @@ class GuardedTrainer(CountedSteps):
         self.precision = OwnedScaling(self.device, dtype, init_scale)
         self.outcomes = StepOutcomes()   # the step counter and the counts (outcome.py)
         self._started: _StartedStep | None = None  # a forward run ahead by start_step()
-        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._sort_parameters()
+
+    def _sort_parameters(self) -> None:
+        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         # Parameters the optimizer steps but no probed module owns: their gradients still need
         # the device-side non-finite check when the probes judge the rest on the host.
         owned = self.probe.owned_ids() if self.probe else set()
@@ -135,7 +138,7 @@ class GuardedTrainer(CountedSteps):
         # GradScaler.unscale_ doesn't reach them and optimizer.zero_grad doesn't clear them, so
         # both happen here, for their figures to be each step's true gradient like the others'.
         held = {id(p) for p in self._params}
-        self.untrained_params = [p for p in model.parameters() if p.requires_grad and id(p) not in held]
+        self.untrained_params = [p for p in self.model.parameters() if p.requires_grad and id(p) not in held]
         if self.probe:
             self.probe.set_untrained(self.untrained_params)
 

@@ -115,7 +115,12 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
         text.append("  queued: ", style="dim")
         text.append_text(literal(", ".join(pending), "italic"))
     text.append("\n")
+    _numbers(text, snap, prec, last)
+    return text
 
+
+def _numbers(text: Text, snap: Snapshot, prec: Precision, last: dict) -> None:
+    """The status bar's second line: the step's figures."""
     # The numbers, most important first: the line is cut at the right on a narrow terminal.
     iterations = int(last["step"]) + 1 if "step" in last else 0
     total = snap.total_steps
@@ -139,7 +144,6 @@ def status_text(snap: Snapshot, prec: Precision, *, pending: list[str], stopping
         _field(text, "ranks", str(ranks.world_size))
         if ranks.slowest is not None:
             _field(text, "slowest", f"rank {ranks.slowest}", "bold yellow")
-    return text
 
 
 FP32_SHOWN = 2   # modules named in the status bar; the layer table marks every one
