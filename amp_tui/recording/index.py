@@ -4,10 +4,8 @@
 compact arrays (byte offset, step, loss, scale, time and a few flag bytes per step record: about 45
 bytes a step, not a dict), plus the header, the end record and the event records. The full record
 of a step (its per-layer figures) is read from the file at its offset when the replay shows it.
-A step line is indexed from its leading scalar fields, which `format.step_record` writes first in
-the order `format.STEP_HEAD` declares, without parsing the per-layer arrays; any line that doesn't
-match that shape goes through the strict, full JSON parse (so does a line that may hold a bare NaN/Infinity token, which
-that parse refuses). Like `read_session`, it is tolerant: damaged lines, lines over
+A step line is indexed from its leading scalar fields (step_lines.py); any other line, or one
+that may hold a bare NaN/Infinity token, goes through the strict, full JSON parse. Like `read_session`, it is tolerant: damaged lines, lines over
 `MAX_LINE_BYTES` (read past, never held) and record types it doesn't know are counted and
 skipped; a line that doesn't end with a newline yet is left for the next `refresh()` (the writer
 may be in the middle of it), which is how `follow` works. Strings longer than TEXT_LIMIT in what
@@ -20,14 +18,13 @@ from __future__ import annotations
 import bisect
 import math
 import os
-import re
 from array import array
 from pathlib import Path
 
 from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.records import MARKER_EVENTS, STATE_EVENTS, InForce, next_in_force
 from amp_tui.core.text import clip_strings, plural
-from amp_tui.recording.format import KNOWN_TYPES, MAX_LINE_BYTES, STEP_HEAD, SessionFormatError
+from amp_tui.recording.format import KNOWN_TYPES, MAX_LINE_BYTES, SessionFormatError
 from amp_tui.recording.reader import (
     MAX_STEP,
     header_record,
@@ -35,6 +32,19 @@ from amp_tui.recording.reader import (
     resolve_session_path,
     step_number,
     too_long_message,
+)
+from amp_tui.recording.step_lines import (
+    BAD,
+    F_CALIBRATION,
+    F_LOSS_NONE,
+    F_NONFINITE_OTHER,
+    F_SCALE_NONE,
+    F_SKIPPED,
+    NONFINITE_FLAGS,
+    STEP_LINE,
+    bare_constant,
+    rest_flags,
+    step_numbers,
 )
 
 CHUNK_BYTES = 1 << 20          # the file is read in chunks of this size
@@ -44,106 +54,6 @@ CHUNK_BYTES = 1 << 20          # the file is read in chunks of this size
 TEXT_LIMIT = 20_000
 EVENT_CACHE = 4096             # parsed nonfinite events kept at most (others are always kept)
 RATE_WINDOW = 64               # step records used for the steps-per-second figure
-
-# Flag bits, one byte per step record.
-F_SKIPPED = 1
-F_LOSS_NONE = 2                # "loss" null or missing
-F_SCALE_NONE = 4               # "scale" null (no GradScaler active)
-F_NONFINITE_LOSS = 8
-F_NONFINITE_GRADIENTS = 16
-F_NONFINITE_OTHER = 32
-F_CALIBRATION = 64             # a skip of GradScaler finding its scale at the start ("calibration")
-
-
-def _step_head(p: bytes) -> re.Pattern:
-    """The leading fields of a step line (format.STEP_HEAD, in that order, compact separators).
-
-    Character classes rather than the exact JSON number grammar keep this fast (a few
-    microseconds a line); each captured value is then parsed (a bad one sends the line to the full
-    parse), and the line is parsed strictly anyway when the replay shows it. `p` is b"+" for
-    possessive repeats (Python >= 3.11: no backtracking state to keep, faster) or b"" (3.10).
-    Both match the same lines: no repeated class can match the character that follows it."""
-    val = rb'(-?[0-9][0-9.eE+-]*' + p + rb'|"[A-Za-z-]+' + p + rb'"|null)'
-    count = rb'[0-9]+' + p
-    # What each leading field's value looks like; a capture group is a value the index keeps.
-    values = {
-        "type": rb'"step"', "step": rb'([0-9]{1,18}' + p + rb')', "loss": val, "scale": val,
-        "skipped": rb'(true|false)', "skipped_total": count, "updates": count,
-        "dtype": rb'"([A-Za-z0-9_]{1,64}' + p + rb')"', "micro_batches": count, "time": val,
-        "duration": rb'[^,{}]+' + p,
-    }
-    if tuple(values) != STEP_HEAD:   # the writer's order and this one must be the same
-        raise AssertionError(f"the replay index reads {tuple(values)}, the writer writes {STEP_HEAD}")
-    head = b",".join(b'"' + name.encode() + b'":' + values[name] for name in STEP_HEAD)
-    # A field after them holds a value without commas, or a list of numbers (a run of several
-    # ranks writes `rank_loss` and `rank_step_time` so).
-    field = rb'(?:\[[^\[\]{}]*' + p + rb'\]|[^,{}\[]+' + p + rb')'
-    rest = rb'((?:,"[a-z_]+' + p + rb'":' + field + rb')*' + p + rb')(,"layers":\{|\})'
-    return re.compile(rb'\{' + head + rest)
-
-
-try:
-    _STEP_HEAD = _step_head(b"+")
-except re.error:
-    _STEP_HEAD = _step_head(b"")
-_SPECIAL = {b'"NaN"': math.nan, b'"Infinity"': math.inf, b'"-Infinity"': -math.inf, b"null": None}
-_BAD = object()
-_NONFINITE_FLAGS = {"loss": F_NONFINITE_LOSS, "gradients": F_NONFINITE_GRADIENTS}
-
-
-
-
-def _step_numbers(lt: bytes, sc: bytes, tt: bytes) -> tuple:
-    """A step line's loss, scale and time as floats, with the flags of a null loss or scale; the
-    loss is `_BAD` when any of the three doesn't parse (the line goes the slow way)."""
-    f = 0
-    try:
-        lv = float(lt)
-    except ValueError:
-        lv = _SPECIAL.get(lt, _BAD)
-        if lv is None:
-            f = F_LOSS_NONE
-            lv = math.nan
-    try:
-        sv = float(sc)
-    except ValueError:
-        sv = _SPECIAL.get(sc, _BAD)
-        if sv is None:
-            f |= F_SCALE_NONE
-            sv = math.nan
-    try:
-        tv = float(tt)
-    except ValueError:
-        tv = math.nan if tt in _SPECIAL else _BAD
-    if sv is _BAD or tv is _BAD:
-        lv = _BAD
-    return f, lv, sv, tv
-
-
-def _rest_flags(rest: bytes) -> int:
-    """The flags a step line's fields after the head carry: its kind of non-finite, a calibration skip."""
-    f = 0
-    if b'"nonfinite":"' in rest:
-        f |= (F_NONFINITE_LOSS if b'"nonfinite":"loss"' in rest else
-              F_NONFINITE_GRADIENTS if b'"nonfinite":"gradients"' in rest else F_NONFINITE_OTHER)
-    if b'"calibration":true' in rest:
-        f |= F_CALIBRATION
-    return f
-
-def _bare_constant(buf: bytes, start: int, end: int) -> bool:
-    """True when buf[start:end] may hold a bare NaN/Infinity token (not JSON: the strict parse
-    refuses the line); the quoted strings step_record writes don't count. A step line holds no
-    other capital N or I, so most lines cost two byte scans."""
-    if buf.find(b"N", start, end) < 0 and buf.find(b"I", start, end) < 0:
-        return False
-    if buf.find(b"NaN", start, end) >= 0 \
-            and buf.count(b"NaN", start, end) != buf.count(b'"NaN"', start, end):
-        return True
-    if buf.find(b"Infinity", start, end) >= 0:
-        quoted = buf.count(b'"Infinity"', start, end) + buf.count(b'"-Infinity"', start, end)
-        return buf.count(b"Infinity", start, end) != quoted
-    return False
-
 
 def _new_code(names: list[str], codes: dict, name: str) -> int:
     """A one-byte code for `name`; past 254 distinct names (a hostile file), all share "?"."""
@@ -289,7 +199,7 @@ class SessionIndex:
         doesn't parse, a torn line) goes to `_slow`."""
         find = buf.find
         endswith = buf.endswith
-        match = _STEP_HEAD.match
+        match = STEP_LINE.match
         pos = 0
         offsets, lengths, steps, loss, scale, times = (self.offsets, self.lengths, self.steps,
                                                        self.loss, self.scale, self.times)
@@ -305,16 +215,16 @@ class SessionIndex:
                 if m is not None:
                     st, lt, sc, sk, dt, tt, rest, tail = m.groups()
                     if ((m.end() == nl) if tail == b"}" else endswith(b"}}", pos, nl)) \
-                            and not _bare_constant(buf, pos, nl):
-                        f, lv, sv, tv = _step_numbers(lt, sc, tt)
-                        if lv is _BAD:
+                            and not bare_constant(buf, pos, nl):
+                        f, lv, sv, tv = step_numbers(lt, sc, tt)
+                        if lv is BAD:
                             m = None
                         else:
                             if sk == b"true":
                                 f |= F_SKIPPED
                                 self.skipped_frames.append(len(steps))
                             if rest:
-                                f |= _rest_flags(rest)
+                                f |= rest_flags(rest)
                             if f & F_LOSS_NONE:
                                 self.loss_none += 1
                             code = dtype_code.get(dt)
@@ -398,7 +308,7 @@ class SessionIndex:
             self.skipped_frames.append(frame)
         nonfinite = r.get("nonfinite")
         if nonfinite:   # a damaged record can hold any JSON value: only a name is looked up
-            f |= _NONFINITE_FLAGS.get(nonfinite, F_NONFINITE_OTHER) if isinstance(nonfinite, str) \
+            f |= NONFINITE_FLAGS.get(nonfinite, F_NONFINITE_OTHER) if isinstance(nonfinite, str) \
                 else F_NONFINITE_OTHER
         if r.get("calibration") is True:
             f |= F_CALIBRATION

@@ -20,7 +20,8 @@ from amp_tui.core.precision import short_name
 from amp_tui.core.records import InForce, next_in_force
 from amp_tui.core.text import one_line
 from amp_tui.recording.figures import fp32_mask, layer_figures
-from amp_tui.recording.index import F_LOSS_NONE, F_NONFINITE_LOSS, F_SCALE_NONE, F_SKIPPED, SessionIndex
+from amp_tui.recording.index import SessionIndex
+from amp_tui.recording.step_lines import F_LOSS_NONE, F_NONFINITE_LOSS, F_SCALE_NONE, F_SKIPPED
 from amp_tui.recording.stream import step_records
 
 COLUMNS = 1000        # columns of the heatmap at most (a figure 12 inches wide at 100 dpi)

@@ -17,13 +17,8 @@ from amp_tui.core.jsonsafe import read_float
 from amp_tui.core.precision import SHORT
 from amp_tui.core.records import EventKind, nonfinite_layer, note_text
 from amp_tui.core.text import one_line, plural
-from amp_tui.recording.index import (
-    F_CALIBRATION,
-    F_NONFINITE_GRADIENTS,
-    F_NONFINITE_LOSS,
-    F_SKIPPED,
-    SessionIndex,
-)
+from amp_tui.recording.index import SessionIndex
+from amp_tui.recording.step_lines import F_CALIBRATION, F_NONFINITE_GRADIENTS, F_NONFINITE_LOSS, F_SKIPPED
 
 if TYPE_CHECKING:
     from amp_tui.core.commands import Command

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Callable
 from amp_tui.core import jsonsafe
 from amp_tui.core.jsonsafe import read_floats
 from amp_tui.core.records import RunState, next_state, state_after, world_size_of
-from amp_tui.recording.index import F_LOSS_NONE, F_SKIPPED, RATE_WINDOW, SessionIndex
+from amp_tui.recording.index import RATE_WINDOW, SessionIndex
+from amp_tui.recording.step_lines import F_LOSS_NONE, F_SKIPPED
 from amp_tui.sources.buffer import rank_view
 from amp_tui.sources.protocol import (
     EVENT_LIMIT,

@@ -147,7 +147,7 @@ def test_bare_nan_and_infinity_tokens_are_refused_and_counted(tmp_path, path_tak
     assert session.skipped_lines == 5 and session.long_lines == 0
     assert [r["step"] for r in session.steps] == list(range(30))
     if path_taken == "full parse":
-        monkeypatch.setattr(index_mod, "_STEP_HEAD", re.compile(rb"(?!)"))
+        monkeypatch.setattr(index_mod, "STEP_LINE", re.compile(rb"(?!)"))
     index = SessionIndex(path)
     assert (index.damaged_lines, index.frames, index.steps[-1]) == (5, 30, 29)
     assert index.skipped_summary() == "5 damaged lines skipped"

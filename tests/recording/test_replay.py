@@ -58,7 +58,7 @@ def test_index_reads_steps_events_and_end(recording):
 
 def test_fast_path_and_full_parse_agree(recording, monkeypatch):
     fast = SessionIndex(recording)
-    monkeypatch.setattr(index_mod, "_STEP_HEAD", __import__("re").compile(rb"(?!)"))
+    monkeypatch.setattr(index_mod, "STEP_LINE", __import__("re").compile(rb"(?!)"))
     slow = SessionIndex(recording)
     for name in ("offsets", "lengths", "steps", "flags", "probed", "dtype_codes", "skipped_frames"):
         assert list(getattr(fast, name)) == list(getattr(slow, name)), name

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from amp_tui.core import jsonsafe
-from amp_tui.recording import index as index_mod
 from amp_tui.recording.format import STEP_HEAD, step_record
 from amp_tui.recording.index import SessionIndex
+from amp_tui.recording.step_lines import STEP_LINE
 from amp_tui.recording.writer import SessionWriter
 from amp_tui.training.probes.layer_probes import LayerFigures
 
@@ -36,7 +36,7 @@ def test_a_step_record_leads_with_the_declared_fields_and_the_index_reads_it_fas
     record = step_record(CASES[case])
     assert list(record)[:len(STEP_HEAD)] == list(STEP_HEAD)
     line = jsonsafe.dumps(record).encode()
-    assert index_mod._STEP_HEAD.match(line), line[:200]
+    assert STEP_LINE.match(line), line[:200]
 
 
 def test_every_written_step_is_indexed_without_the_full_parse(tmp_path, monkeypatch):
