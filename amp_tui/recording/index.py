@@ -5,12 +5,12 @@ compact arrays (byte offset, step, loss, scale, time and a few flag bytes per st
 bytes a step, not a dict), plus the header, the end record and the event records. The full record
 of a step (its per-layer figures) is read from the file at its offset when the replay shows it.
 A step line is indexed from its leading scalar fields (step_lines.py); any other line, or one
-that may hold a bare NaN/Infinity token, goes through the strict, full JSON parse. Like `read_session`, it is tolerant: damaged lines, lines over
-`MAX_LINE_BYTES` (read past, never held) and record types it doesn't know are counted and
-skipped; a line that doesn't end with a newline yet is left for the next `refresh()` (the writer
-may be in the middle of it), which is how `follow` works. Strings longer than TEXT_LIMIT in what
-it keeps or reads back are cut in the middle, so a hostile file can't make a replay hold or draw
-megabytes of text.
+that may hold a bare NaN/Infinity token, goes through the strict, full JSON parse. Like
+`read_session`, it is tolerant: damaged lines, lines over `MAX_LINE_BYTES` (read past, never held)
+and record types it doesn't know are counted and skipped; a line that doesn't end with a newline
+yet is left for the next `refresh()` (the writer may be in the middle of it), which is how
+`follow` works. Strings longer than TEXT_LIMIT in what it keeps or reads back are cut in the
+middle, so a hostile file can't make a replay hold or draw megabytes of text.
 """
 
 from __future__ import annotations
