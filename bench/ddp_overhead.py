@@ -58,6 +58,7 @@ def worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from amp_tui.job.ranks.distributed import Ranks
+    from amp_tui.training.probes.probe_options import ProbeOptions
     from amp_tui.training.step.engine import GuardedTrainer
     from bench import common
     from bench.models import MlpSpec, build
@@ -79,7 +80,8 @@ def worker(args) -> None:
             ids = [local_rank] if device.type == "cuda" else None
             model = DistributedDataParallel(model.to(device), device_ids=ids)
             trainer = GuardedTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-4), loss_fn,
-                                     device=device, dtype=args.dtype, init_scale=1024.0, probe_every=every)
+                                     device=device, dtype=args.dtype, init_scale=1024.0,
+                                     probes=ProbeOptions(every=every))
             if not name.startswith("plain"):
                 ranks = Ranks(device=device, timeout_s=None, owns_group=False)
                 trainer.agree_finite = ranks.agree_finite

@@ -46,6 +46,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from amp_tui.job.ranks.distributed import Ranks
+    from amp_tui.training.probes.probe_options import ProbeOptions
     from amp_tui.training.sharding import shard_model
     from amp_tui.training.step.engine import GuardedTrainer
     from bench import common
@@ -68,7 +69,7 @@ def worker(args) -> None:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             shard_model(model, optimizer, broadcast_from=0)   # rank 0's weights, then sharded
             trainer = GuardedTrainer(model, optimizer, loss_fn, device=device, dtype=args.dtype,
-                                     init_scale=1024.0, max_grad_norm=1.0, probe_every=every)
+                                     init_scale=1024.0, max_grad_norm=1.0, probes=ProbeOptions(every=every))
             if name == "amp-tui":
                 ranks = Ranks(device=device, timeout_s=None, owns_group=False)
                 trainer.agree_finite = ranks.agree_finite

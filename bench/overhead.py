@@ -11,7 +11,7 @@ the model between its steps (probing every step) are taken off after its step an
 its next one, both out of the timed part, so that no contender runs another's hooks:
 
 - ``bare``: ``GuardedTrainer(probe=False)``: the guarded step with no probe and no session;
-- ``probes/1``, ``probes/10``: ``GuardedTrainer(probe=True, probe_every=1 | 10)``;
+- ``probes/1``, ``probes/10``: ``GuardedTrainer(probe=True, probes=ProbeOptions(every=1 | 10))``;
 - ``run/1``, ``run/10``, ``run/auto``: the full ``Run`` step (probes + the session file + guards),
   as ``amp-tui train`` runs it (``run/auto``: the adaptive schedule, 1% budget, its default);
 - ``DebugUnderflowOverflow``: the bare loop with ``transformers.debug_utils.DebugUnderflowOverflow``
@@ -47,6 +47,7 @@ import torch
 from amp_tui.job.config import RunConfig
 from amp_tui.job.drivers.feed import BatchFeed
 from amp_tui.job.run import Run
+from amp_tui.training.probes.probe_options import ProbeOptions
 from amp_tui.training.script import TrainSetup
 from amp_tui.training.step.engine import GuardedTrainer
 from bench import common
@@ -129,7 +130,7 @@ def make_contenders(names, model, batches, loss_fn, *, dtype: str, device: str, 
     def trainer(probe: bool, every: int = 1, own: bool = False):
         m, opt = fresh(own)
         return GuardedTrainer(m, opt, loss_fn, device=dev, dtype=dtype, init_scale=init_scale,
-                              probe=probe, probe_every=every)
+                              probe=probe, probes=ProbeOptions(every=every))
 
     for name in names:
         feed = BatchFeed(batches, dev)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal, get_args
 
 from amp_tui.core import precision
+from amp_tui.core.jsonsafe import encode_float
 
 # Every command a run applies. `status` (ctl) is not one: the control socket answers it without
 # the run. The order is part of how rank 0 hands a command to the other ranks (its index is the
@@ -53,6 +54,11 @@ class Command:
         if isinstance(self.value, float):
             return f"{self.action}={self.value:g}"
         return f"{self.action}={self.value}"
+
+    def record_fields(self) -> dict:
+        """What an event about this command records of it: its value, its source and its sender."""
+        value = encode_float(self.value) if isinstance(self.value, float) else self.value
+        return {"value": value, "source": self.source, **({"client": self.client} if self.client else {})}
 
 
 def parse_action(text: str, source: str = "api") -> Command:

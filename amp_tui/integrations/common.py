@@ -3,12 +3,13 @@ install), the monitor's options they take, and saying plainly what a framework l
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from types import ModuleType
 
-from amp_tui.core.policies import MONITOR_POLICIES, checked
 from amp_tui.job.monitor import Monitor
+from amp_tui.job.monitor_options import MonitorOptions
 
 
 def require(module: str, *, package: str, extra: str, needed_by: str) -> ModuleType:
@@ -22,15 +23,20 @@ def require(module: str, *, package: str, extra: str, needed_by: str) -> ModuleT
                           f"'amp-tui[{extra}]' (or pip install {package})") from None
 
 
-def options(dtype: str | None, framework: str, setting: str, given: dict) -> dict:
+def options(dtype: str | None, framework: str, setting: str, given: dict) -> MonitorOptions:
     """The monitor's options a callback passes on (`given`: amp_tui.monitor's, but for the model,
     the optimizer, the scaler and the scheduler, which are the framework's; a test keeps the
-    callbacks' signatures equal to the monitor's). `dtype` is refused: the framework sets it."""
+    callbacks' signatures equal to the monitor's), checked now, not at the first step. `dtype` is
+    refused: the framework sets it (`with_dtype`, once training begins)."""
     if dtype is not None:
         raise TypeError(f"dtype= is {framework}'s choice here: set it with {setting}. The dashboard's d "
                         "switches it while the run goes on")
-    checked("on_nonfinite", given.get("on_nonfinite", "skip"), MONITOR_POLICIES)   # now, not at the first step
-    return dict(given)
+    return MonitorOptions.of(**given)
+
+
+def with_dtype(options: MonitorOptions, dtype: str | None) -> MonitorOptions:
+    """The options, with the dtype the framework has in force."""
+    return dataclasses.replace(options, dtype=dtype)
 
 
 def warn(monitor: Monitor, reason: str, message: str, *, cause: str, fix: str) -> None:

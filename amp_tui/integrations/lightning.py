@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 
-from amp_tui.integrations.common import loss_tensor, options, refuse_engine_keys, require, warn
+from amp_tui.integrations.common import loss_tensor, options, refuse_engine_keys, require, warn, with_dtype
 from amp_tui.job.monitor import Monitor
 from amp_tui.training.sharding import is_sharded
 
@@ -92,9 +92,8 @@ class AmpTuiCallback(_pl.Callback):
         scaler = getattr(plugin, "scaler", None)
         scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
         configs = trainer.lr_scheduler_configs
-        self.monitor = Monitor(pl_module, trainer.optimizers[0], scaler=scaler,
-                               scheduler=configs[0].scheduler if len(configs) == 1 else None, dtype=dtype,
-                               framework=FRAMEWORK, **self.options)
+        self.monitor = Monitor(pl_module, trainer.optimizers[0], with_dtype(self.options, dtype), scaler=scaler,
+                               scheduler=configs[0].scheduler if len(configs) == 1 else None, framework=FRAMEWORK)
         kinds = {c.__name__ for c in type(plugin).__mro__}
         engine = "DeepSpeed" if "DeepSpeedPrecision" in kinds or "DeepSpeedStrategy" in {
             c.__name__ for c in type(trainer.strategy).__mro__} else None

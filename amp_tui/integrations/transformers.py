@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 
 from amp_tui.core.precision import SHORT
-from amp_tui.integrations.common import options, refuse_engine_keys, require, warn
+from amp_tui.integrations.common import options, refuse_engine_keys, require, warn, with_dtype
 from amp_tui.job.monitor import Monitor
 
 # accelerate first: transformers imports it, and the line must name what is missing.
@@ -93,9 +93,8 @@ class AmpTuiCallback(TrainerCallback):
         engine = _engine_owning_the_scale(trainer)
         scaler = accelerator.scaler if isinstance(accelerator.scaler, torch.amp.GradScaler) else None
         dtype = _dtype_in_force(accelerator)
-        self.monitor = Monitor(trainer.model, optimizer or trainer.optimizer, scaler=scaler,
-                               scheduler=lr_scheduler or trainer.lr_scheduler, dtype=dtype, framework=FRAMEWORK,
-                               **self.options)
+        self.monitor = Monitor(trainer.model, optimizer or trainer.optimizer, with_dtype(self.options, dtype),
+                               scaler=scaler, scheduler=lr_scheduler or trainer.lr_scheduler, framework=FRAMEWORK)
         self._watch_training_step()
         self._watch_clipping()
         if engine is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from amp_tui.core.commands import Command
 from amp_tui.core.policies import FSDP_CHECKPOINTS, NONFINITE_POLICIES, FsdpCheckpoint, NonfinitePolicy, checked
+from amp_tui.training.probes.probe_options import ProbeOptions
 from amp_tui.training.step.guards import GuardConfig
 
 
@@ -46,7 +47,13 @@ class RunConfig:
     resume_from: Path | None = None      # a checkpoint to continue from, appending to the session
     resume_skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones refused: (path, why)
 
+    @property
+    def probes(self) -> ProbeOptions:
+        return ProbeOptions.of(probe_every=self.probe_every, probe_budget=self.probe_budget,
+                               probe_alert_bits=self.probe_alert_bits, underflow_every=self.underflow_every)
+
     def __post_init__(self) -> None:
         # Checked where the config is made, so a bad word fails before anything is built or recorded.
+        _ = self.probes   # the probe options, checked as one (training/probes/probe_options.py)
         self.on_nonfinite = checked("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         self.fsdp_checkpoint = checked("fsdp_checkpoint", self.fsdp_checkpoint, FSDP_CHECKPOINTS)

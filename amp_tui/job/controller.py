@@ -26,36 +26,22 @@ import torch
 
 from amp_tui.core.commands import Command, Outcome
 from amp_tui.core.fixes import fix_in_words
-from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.policies import NonfinitePolicy
 from amp_tui.core.records import RunState, end_status, traced_module
 from amp_tui.job.checkpoints.run_checkpoints import RunCheckpoints, TrainingState
 from amp_tui.job.drivers.driver import Driver
 from amp_tui.job.records.forecasts import RunForecasts
 from amp_tui.job.records.full_disk import FullDisk
+from amp_tui.job.records.probe_budget import ProbeBudget
 from amp_tui.job.records.probe_events import announce_probe_changes
 from amp_tui.job.records.recorder import Observers, RankEcho, Recorder
-from amp_tui.job.records.run_records import (
-    FORWARD_KINDS,
-    calibration_message,
-    nonfinite_fields,
-    nonfinite_message,
-    record_xray,
-    session_header,
-)
-from amp_tui.job.states import (
-    EXIT_ERROR,
-    EXIT_NONFINITE_STOP,
-    EXIT_OK,
-    TRAIN_LOOP,
-    IoPolicy,
-    LoopKind,
-    PauseReason,
-)
+from amp_tui.job.records.run_records import record_xray, session_header, status_snapshot
+from amp_tui.job.states import EXIT_ERROR, EXIT_OK, TRAIN_LOOP, IoPolicy, LoopKind, PauseReason
 from amp_tui.job.steering import autopilot
 from amp_tui.job.steering import command_handlers as handlers
-from amp_tui.job.steering.commands import CommandQueue, Handler, apply_command
+from amp_tui.job.steering.commands import CommandQueue, apply_command
 from amp_tui.job.steering.fix_choice import VerifiedFixes
+from amp_tui.job.steering.trouble import TroubleResponse
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.training import checkpoint as ckpt
 from amp_tui.training.local_fp32 import LocalFp32
@@ -116,34 +102,21 @@ class RunController:
                          else RankEcho(self.session_path, prefix=ranks.describe(), echo=echo))
         self.checkpointing = RunCheckpoints(self)
         self.commands = CommandQueue()
-        self._handlers = self._command_handlers()
+        self._handlers = handlers.table(self, stop=self._stop, fix=self._apply_fix, undo=partial(autopilot.undo, self))
         self.fixes = VerifiedFixes(self.refused)   # what `fix` applies (job/steering/fix_choice.py)
         self._scheduled: dict[int, list[Command]] = {}   # --at's commands, by the step they wait for
         for step, command in at:
             self._scheduled.setdefault(step, []).append(command)
-        self._bf16_ok = unsupported_reason(device, "bfloat16") is None
+        self.trouble = TroubleResponse(self, bf16_ok=unsupported_reason(device, "bfloat16") is None)
         self._unpublished: list[StepResult] = []   # measured, not yet recorded (record_step)
         self._published_at = time.monotonic()
-        self.published_seconds = 0.0   # spent formatting records so far (publish), told apart from the rest
-        self.held_seconds = 0.0        # spent at boundaries that had something to do (a pause, a command)
-                                       # and saving checkpoints every N steps
+        self.budget = ProbeBudget(self._schedule, told=not ranks)   # job/records/probe_budget.py
         self.single_steps = 0
         self.pause_reason: PauseReason | None = None
         self._stopping_state()
         self._control = None
         self.training_thread: threading.Thread | None = None   # the thread that runs the steps
         self.started_at = time.time()
-
-    def _command_handlers(self) -> dict[str, Handler]:
-        """One handler per action: a new command is one entry here (docs/architecture.md)."""
-        return {
-            "dtype": partial(handlers.set_dtype, self), "scale": partial(handlers.set_scale, self),
-            "save": partial(handlers.save, self), "restore": partial(handlers.restore, self), "stop": self._stop,
-            "fp32": partial(handlers.toggle_fp32, self), "note": partial(handlers.note, self),
-            "pause": partial(handlers.pause, self), "resume": partial(handlers.resume, self),
-            "step": partial(handlers.single_step, self), "probe": partial(handlers.set_probes, self),
-            "xray": partial(handlers.xray, self), "undo": partial(autopilot.undo, self), "fix": self._apply_fix,
-        }
 
     def _stopping_state(self) -> None:
         """How the run stops: asked, held by a full disk, or giving records up."""
@@ -235,15 +208,7 @@ class RunController:
 
     def status(self) -> dict:
         """A snapshot for `amp-tui ctl RUN status` (read from another thread: plain values only)."""
-        t, r = self.training, self.last_result
-        # The counts before the step: the training thread moves the step on before it counts it.
-        updates, skipped = t.updates_applied, t.skipped_total
-        return {"state": self.state, "step": self.step_index, "steps": self.steps, "dtype": t.dtype,
-                "scale": self.precision.scale, "updates": updates, "skipped": skipped,
-                "loss": encode_float(r.loss) if r is not None else None, "pid": os.getpid(),
-                "run_dir": str(self.run_dir), "script": str(self.script),
-                "probes": self._schedule.status_field(),
-                **(self.ranks.header_fields() if self.ranks else {})}
+        return status_snapshot(self, pid=os.getpid())
 
     def outcome(self) -> RunOutcome:
         # The read side's report module, imported when the run's summary needs it: not before
@@ -297,7 +262,7 @@ class RunController:
         X-ray, the probe schedule's changes, what the driver alone can tell, a checkpoint every N
         steps, the driver's `boundary` where the step's end is one (the user's loop: it decides
         when the next step starts), and last the run's own work on the step, told to the probe
-        budget: from `since`, less what `apart_seconds` counted from `apart` on. A new per-step
+        budget: from `since`, less what `budget.apart_seconds` counted from `apart` on. A new per-step
         effect goes here, once, for both drivers."""
         if held:
             self.last_result = result
@@ -313,7 +278,7 @@ class RunController:
         self.after_update()
         if boundary is not None:
             boundary()
-        self.own_work_done(since, apart)
+        self.budget.own_work_done(since, apart)
 
     def record_step(self, result: StepResult, *, batched: bool = False) -> None:
         """Record a step, then what it raises (a non-finite event, the guards' alerts and moves).
@@ -326,29 +291,13 @@ class RunController:
             # name its module (a module after it may have been the first to hold the inf/NaN).
             result.first_nonfinite_layer = traced
         self._unpublished.append(result)
-        if result.figures is None:
-            self.forecasts.observe(result)   # before it is recorded: its ETAs go in its record
-        else:   # a probed step's forecasts (the trend fits) are probing's cost
-            started = time.perf_counter()
-            self.forecasts.observe(result)
-            if self._schedule is not None:
-                self._schedule.add_time(time.perf_counter() - started)
+        started = time.perf_counter()
+        self.forecasts.observe(result)   # before it is recorded: its ETAs go in its record
+        if result.figures is not None:   # a probed step's forecasts (the trend fits) are probing's cost
+            self.budget.probed(time.perf_counter() - started)
         if not batched or result.nonfinite is not None or self.state == "paused" \
                 or time.monotonic() - self._published_at >= PUBLISH_INTERVAL:
             self.publish()
-
-    @property
-    def apart_seconds(self) -> float:
-        """What own_work_done leaves out of a step's own work, so far: formatting the records
-        (counted by publish) and the boundaries that held or applied a command."""
-        return self.published_seconds + self.held_seconds
-
-    def own_work_done(self, since: float, apart: float) -> None:
-        """The run's own work on a step, from `since` (perf_counter) to now, told to the probe
-        schedule as what every step costs; what `apart_seconds` counted meanwhile (it was `apart`)
-        is told apart."""
-        if self._schedule is not None and not self.ranks:
-            self._schedule.add_own_time(time.perf_counter() - since - (self.apart_seconds - apart))
 
     def publish(self, *, flush: bool = False) -> None:
         """Record the steps measured since the last call, each followed by what it raises, on the
@@ -365,53 +314,11 @@ class RunController:
             # `attach` and `replay --follow` look for it.
             self.recorder.emit(step_record(result), flush=self.state == "paused" or (flush and i == last))
             self.after_step(result)
-        spent = time.perf_counter() - started
-        self.published_seconds += spent
-        if self._schedule is not None:   # what every step costs, taken from the probes' budget
-            self._schedule.add_record_time(spent, len(results))
+        self.budget.published(time.perf_counter() - started, len(results))
 
     def after_step(self, result: StepResult) -> None:
-        """What a recorded step raises: its non-finite event, the guards' alerts and moves."""
-        if result.nonfinite:
-            self._on_nonfinite(result)
-        elif result.calibration:
-            self.event("calibration", calibration_message(result), step=result.step,
-                       scale=encode_float(result.scale), next_scale=encode_float(result.next_scale))
-        self._apply_guards(result)
-
-    def _apply_guards(self, result: StepResult) -> None:
-        decisions = self.guard.observe(result, result.next_scale, self._bf16_ok)
-        if decisions.clamp_scale is not None:
-            self.precision.clamp(decisions.clamp_scale)
-        for alert in decisions.alerts:
-            self.alert(alert.reason, alert.message, cause=alert.cause, fix=alert.fix, step=result.step)
-        if decisions.floor_reached:
-            self._act_on_trouble("the loss scale reaching its floor", result.step)
-        self.autopilot.after_step(result, decisions.move)   # the ladder's move, and --on-nonfinite isolate
-
-    def _on_nonfinite(self, result: StepResult) -> None:
-        self.nonfinite_events += 1
-        self.event("nonfinite", nonfinite_message(result, self.fix_words), step=result.step,
-                   **nonfinite_fields(result))
-        if (said := FORWARD_KINDS.get(result.nonfinite)) is not None:
-            self._act_on_trouble(said, result.step)
-
-    def _act_on_trouble(self, said: str, step: int) -> None:
-        """--on-nonfinite pause and stop, after `said` at `step`; the other policies go on (the
-        guard decides; isolate: job/steering/autopilot.py)."""
-        policy = self.on_nonfinite
-        if policy == "pause" and self.state == "running":
-            self.single_steps = 0
-            self.pause_reason = PauseReason.NONFINITE
-            self.set_state("paused")
-            self.event("paused", f"paused after {said} at step {step} "
-                                 "(--on-nonfinite pause): change the dtype, cut the scale or restore",
-                       reason="nonfinite")
-        elif policy == "stop":
-            self.exit_status = EXIT_NONFINITE_STOP
-            self.stop_requested.set()
-            self.event("stopping", f"stopping after {said} at step {step} "
-                                   "(--on-nonfinite stop)", reason="nonfinite")
+        """What a recorded step raises (job/steering/trouble.py)."""
+        self.trouble.after_step(result)
 
     def fail(self, message: str, original: BaseException | None, *, step: int | None = None) -> None:
         """The run ends in error: `message`, with `original`'s traceback (none: the message is
@@ -431,11 +338,8 @@ class RunController:
                 and not self.single_steps and not (hold and self.state == "paused")
                 and not self.stop_requested.is_set() and self.step_index not in self._scheduled):
             return True   # nothing asked, nothing to hold for: every step passes here, and at once
-        entered, published = time.perf_counter(), self.published_seconds
-        try:
+        with self.budget.held():   # a pause, a command: not what every step costs
             return self._boundary_at_work(hold, finished)
-        finally:   # a pause, a command: not what every step costs (the records made here are publish's)
-            self.held_seconds += time.perf_counter() - entered - (self.published_seconds - published)
 
     def _boundary_at_work(self, hold: bool, finished: Callable[[], bool] | None) -> bool:
         """`boundary` with something to do: the commands, a pause held, a stop."""
@@ -467,9 +371,8 @@ class RunController:
         """A step is done: a checkpoint every N steps (not what every step costs: told apart from
         the run's own work, as a boundary that held is)."""
         if self.checkpoint_every and self.step_index % self.checkpoint_every == 0:
-            started, published = time.perf_counter(), self.published_seconds
-            self.save_checkpoint(source="checkpoint_every")
-            self.held_seconds += time.perf_counter() - started - (self.published_seconds - published)
+            with self.budget.held():
+                self.save_checkpoint(source="checkpoint_every")
 
     def _boundary_commands(self) -> list[Command]:
         """What applies at this step boundary: the `--at` commands of this step, then those
@@ -535,20 +438,16 @@ class RunController:
 
     def intervention(self, command: Command, before: dict, after: dict, message: str) -> Outcome:
         """Record what a command changed, in the run's words; the command's answer."""
-        who = {"client": command.client} if command.client else {}
-        value = encode_float(command.value) if isinstance(command.value, float) else command.value
-        self.event("intervention", message, action=command.action, value=value, source=command.source,
-                   before=before, after=after, **who)
+        self.event("intervention", message, action=command.action, before=before, after=after,
+                   **command.record_fields())
         return Outcome(True, message)
 
     def refused(self, command: Command, reason: str, **fields: Any) -> Outcome:
         """A command the run would not apply, and why: one `refused` event, whoever sent it (a
         key, ctl, --at, the API), never an error (the run goes on as it was)."""
         message = reason if "refused" in reason else f"{command.text()} refused: {reason}"
-        who = {"client": command.client} if command.client else {}
-        value = encode_float(command.value) if isinstance(command.value, float) else command.value
-        self.event("refused", message, command=command.text(), action=command.action, value=value,
-                   reason=reason, source=command.source, **who, **fields)
+        self.event("refused", message, command=command.text(), action=command.action, reason=reason,
+                   **command.record_fields(), **fields)
         return Outcome(False, message)
 
     def save_checkpoint(self, *, source: str) -> ckpt.CheckpointInfo | None:

@@ -31,7 +31,6 @@ folded into the next, and commands apply only between updates.
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import signal
 import sys
@@ -44,11 +43,11 @@ from typing import Any, Iterator
 import torch
 
 from amp_tui.core import precision
-from amp_tui.core.policies import MONITOR_POLICIES, checked
 from amp_tui.core.run_dirs import default_run_dir
 from amp_tui.core.signals import install_handlers, restore_handlers
 from amp_tui.job.controller import RunController
 from amp_tui.job.drivers.hook_driver import HookDriver, MonitorError
+from amp_tui.job.monitor_options import MonitorOptions
 from amp_tui.job.process_slot import ProcessSlot
 from amp_tui.job.ranks.distributed import Ranks
 from amp_tui.job.records.probe_events import announce_probe_changes
@@ -92,38 +91,32 @@ class Monitor:
     `should_stop`, `close()`, `scaler`; `begin_step`/`end_step`/`fail_step` for a framework's
     callback. The run itself, what records and steers it, is `controller` (job/controller.py)."""
 
-    def __init__(self, model, optimizer, *, scaler=None, scheduler=None, dtype=None, run_dir=None,
-                 probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0, underflow_every=10,
-                 checkpoint_every=None, control=True, announce=True, tensorboard_dir=None, framework=None,
-                 on_nonfinite="skip", forecast_horizon=500, min_scale=None,
-                 fp32_modules=()):
-        on_nonfinite = checked("on_nonfinite", on_nonfinite, MONITOR_POLICIES)
-        if min_scale is not None and not (isinstance(min_scale, (int, float)) and 0 < min_scale < math.inf):
-            raise ValueError(f"min_scale={min_scale!r}: the loss scale's floor must be a positive finite number")
+    def __init__(self, model, optimizer, options: MonitorOptions | None = None, *, scaler=None, scheduler=None,
+                 framework: str | None = None):
+        o = options or MonitorOptions()   # checked where it was made (job/monitor_options.py)
         # A framework's callback drives this monitor (amp_tui.integrations): it opens and ends the
         # steps from its hooks.
         self.framework = framework
         self.model = model
         self.driver = driver = HookDriver(
-            model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, probe_every=probe_every,
-            probe_budget=probe_budget, probe_alert_bits=probe_alert_bits, underflow_every=underflow_every,
-            framework=framework, fp32_modules=fp32_modules)
+            model, optimizer, scaler=scaler, scheduler=scheduler, dtype=o.dtype, probes=o.probes,
+            framework=framework, fp32_modules=o.fp32_modules)
         self.optimizer = driver.optimizer
         self.scheduler = scheduler
         # A loop under torchrun: rank 0 records and serves the socket, every rank agrees at the
         # boundaries (job/ranks/distributed.py).
         ranks = Ranks.of_loop(model)
-        run_dir = Path(run_dir or os.environ.get(RUN_DIR_VARIABLE) or default_run_dir(driver.script))
+        run_dir = Path(o.run_dir or os.environ.get(RUN_DIR_VARIABLE) or default_run_dir(driver.script))
         if ranks:
             driver.probe_like_every_rank(ranks)
             run_dir = Path(ranks.share(str(run_dir)))
         main = not ranks or ranks.is_main
-        guard = GuardConfig(fallback=on_nonfinite == "isolate", forecast_horizon=forecast_horizon,
-                            min_scale=min_scale)
+        guard = GuardConfig(fallback=o.on_nonfinite == "isolate", forecast_horizon=o.forecast_horizon,
+                            min_scale=o.min_scale)
         self.controller = RunController(
             driver, device=driver.device, run_dir=run_dir, script=driver.script, ranks=ranks,
-            on_nonfinite=on_nonfinite, guard=guard, io_policy=IoPolicy.CARRY_ON,
-            checkpoint_every=checkpoint_every, control=control and main, loop=MONITOR_LOOP)
+            on_nonfinite=o.on_nonfinite, guard=guard, io_policy=IoPolicy.CARRY_ON,
+            checkpoint_every=o.checkpoint_every, control=o.control and main, loop=MONITOR_LOOP)
         driver.run = self.controller
         driver.in_step = lambda: self._open_step is not None
         self._open_step: MonitoredStep | None = None
@@ -133,9 +126,9 @@ class Monitor:
         self._entry_seconds = 0.0   # amp-tui's work entering the open step's block (own time)
         self._closed = False
         self._previous_signals: dict = {}
-        if tensorboard_dir is not None and main:   # before anything is made: a missing package
-            self.controller.recorder.observers.append(_tensorboard_observer(Path(tensorboard_dir)))
-        self._start(main, announce)
+        if o.tensorboard_dir is not None and main:   # before anything is made: a missing package
+            self.controller.recorder.observers.append(_tensorboard_observer(Path(o.tensorboard_dir)))
+        self._start(main, o.announce)
 
     def _start(self, main: bool, announce: bool) -> None:
         """Claim the process's one monitor, hook the loop, write the header, and go."""
@@ -227,7 +220,7 @@ class Monitor:
         if self._open_step is not None:
             raise MonitorError("monitor.step() inside another monitor.step(): close the first one "
                                "(one `with monitor.step() as step:` block per step, not nested)")
-        entered, apart = time.perf_counter(), self.controller.apart_seconds
+        entered, apart = time.perf_counter(), self.controller.budget.apart_seconds
         if not self.driver.accumulating:      # between updates: the boundary where commands apply
             # The update before ended at a boundary already (which held the loop while paused):
             # hold here only before the first update, or for a pause asked for since.
@@ -238,7 +231,7 @@ class Monitor:
             self._released = False
         step = self._open_step = MonitoredStep()
         self.driver.block_starts()
-        self._entry_seconds = time.perf_counter() - entered - (self.controller.apart_seconds - apart)
+        self._entry_seconds = time.perf_counter() - entered - (self.controller.budget.apart_seconds - apart)
         try:
             yield step
         except BaseException as exc:
@@ -273,7 +266,7 @@ class Monitor:
         result = self.driver.finish_update()
         # amp-tui's own work on the update: from where its measured duration ends (the transfer
         # of its figures is the update's) to the boundary after it, and the entry of its block.
-        after, apart = self.driver.update_ended - self._entry_seconds, self.controller.apart_seconds
+        after, apart = self.driver.update_ended - self._entry_seconds, self.controller.budget.apart_seconds
         if self.controller.ranks:
             result = self.controller.ranks.gather_step(result, self.driver.probe.names, details=False)
         self.driver.update_done()

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from amp_tui.job.monitor import Monitor
+from amp_tui.job.monitor_options import MonitorOptions
 
 __all__ = ["monitor"]
 
@@ -40,9 +41,9 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
     docs/session-format.md, "Forecasts"). `min_scale`: the loss scale's floor (default 2**-24): the
     loop's GradScaler is never let below it (at 0 it would apply NaN updates), with an alert when it
     binds."""
-    return Monitor(model, optimizer, scaler=scaler, scheduler=scheduler, dtype=dtype, run_dir=run_dir,
-                   probe_every=probe_every, probe_budget=probe_budget, probe_alert_bits=probe_alert_bits,
-                   underflow_every=underflow_every, checkpoint_every=checkpoint_every, control=control,
-                   announce=announce, tensorboard_dir=tensorboard_dir, on_nonfinite=on_nonfinite,
-                   forecast_horizon=forecast_horizon, min_scale=min_scale,
-                   fp32_modules=fp32_modules)
+    options = MonitorOptions.of(
+        dtype=dtype, run_dir=run_dir, probe_every=probe_every, probe_budget=probe_budget,
+        probe_alert_bits=probe_alert_bits, underflow_every=underflow_every, checkpoint_every=checkpoint_every,
+        control=control, announce=announce, tensorboard_dir=tensorboard_dir, on_nonfinite=on_nonfinite,
+        forecast_horizon=forecast_horizon, min_scale=min_scale, fp32_modules=fp32_modules)
+    return Monitor(model, optimizer, options, scaler=scaler, scheduler=scheduler)

@@ -15,16 +15,16 @@ middle, so a hostile file can't make a replay hold or draw megabytes of text.
 
 from __future__ import annotations
 
-import bisect
 import math
 import os
 from array import array
 from pathlib import Path
 
 from amp_tui.core.jsonsafe import read_float
-from amp_tui.core.records import MARKER_EVENTS, STATE_EVENTS, InForce, next_in_force
+from amp_tui.core.records import MARKER_EVENTS, STATE_EVENTS
 from amp_tui.core.text import clip_strings, plural
 from amp_tui.recording.format import KNOWN_TYPES, MAX_LINE_BYTES, SessionFormatError
+from amp_tui.recording.index_lookups import EVENT_CACHE, SessionIndexLookups
 from amp_tui.recording.reader import (
     MAX_STEP,
     header_record,
@@ -52,8 +52,10 @@ CHUNK_BYTES = 1 << 20          # the file is read in chunks of this size
 # writer's longest, a traceback, is 20,000; a longer one (a hostile or damaged file) is cut, so a
 # replay never holds or draws megabytes of it.
 TEXT_LIMIT = 20_000
-EVENT_CACHE = 4096             # parsed nonfinite events kept at most (others are always kept)
 RATE_WINDOW = 64               # step records used for the steps-per-second figure
+
+__all__ = ["CHUNK_BYTES", "EVENT_CACHE", "RATE_WINDOW", "TEXT_LIMIT", "SessionIndex"]
+
 
 def _new_code(names: list[str], codes: dict, name: str) -> int:
     """A one-byte code for `name`; past 254 distinct names (a hostile file), all share "?"."""
@@ -68,7 +70,7 @@ def _new_code(names: list[str], codes: dict, name: str) -> int:
     return codes["?"]
 
 
-class SessionIndex:
+class SessionIndex(SessionIndexLookups):
     """A compact, growable index of one session file (see the module docstring).
 
     Per step record, in file order ("frames"): `offsets`, `lengths` (the line's bytes), `steps`,
@@ -354,100 +356,7 @@ class SessionIndex:
         if kind == "error" and e.get("during") == "step":
             self.error_events.append(k)
 
-    # ---- lookups ------------------------------------------------------------------------
-    @property
-    def frames(self) -> int:
-        """Step records indexed."""
-        return len(self.steps)
-
-    @property
-    def event_count(self) -> int:
-        return len(self.event_steps)
-
-    def event_kind(self, k: int) -> str:
-        return self.kinds[self.event_kinds[k]]
-
-    def kind_code(self, kind: str) -> int | None:
-        """The code of an event kind in `event_kinds`, None if no such event was indexed."""
-        return self._kind_code.get(kind)
-
-    def dtype_at(self, frame: int) -> str:
-        return self.dtypes[self.dtype_codes[frame]]
-
-    def loss_at(self, frame: int) -> float | None:
-        return None if self.flags[frame] & F_LOSS_NONE else self.loss[frame]
-
-    def scale_at(self, frame: int) -> float | None:
-        return None if self.flags[frame] & F_SCALE_NONE else self.scale[frame]
-
-    def skipped_at(self, frame: int) -> bool:
-        return bool(self.flags[frame] & F_SKIPPED)
-
-    def frame_of(self, step: int) -> int:
-        """The newest frame whose step is <= `step` (0 when `step` is before the first; -1 when
-        there is no frame)."""
-        n = len(self.steps)
-        if n == 0:
-            return -1
-        if self._steps_sorted:
-            return max(bisect.bisect_right(self.steps, step) - 1, 0)
-        best = 0
-        for i, s in enumerate(self.steps):
-            if s <= step:
-                best = i
-        return best
-
-    def events_before_frame(self, frame: int) -> int:
-        """How many events were written before step record `frame` (all of them past the last)."""
-        if frame >= len(self.steps):
-            return len(self.event_steps)
-        return bisect.bisect_right(self.event_frames, frame)
-
-    def events_shown_at(self, frame: int) -> int:
-        """How many events a live dashboard had shown right after step record `frame`."""
-        return self.events_before_frame(frame + 1)
-
-    def events_upto(self, step: int) -> int:
-        """How many events (in file order) have a step <= `step`."""
-        if self._events_sorted:
-            return bisect.bisect_right(self.event_steps, step)
-        return sum(1 for s in self.event_steps if s <= step)
-
-    def event(self, k: int) -> dict:
-        """Event `k` (file order) as a dict; nonfinite events are read back from the file (an
-        unreadable one becomes a stand-in with the kind and step)."""
-        e = self._kept.get(k)
-        if e is not None:
-            return e
-        e = self._cache.get(k)
-        if e is None:
-            e = self._read(self.event_offsets[k], self.event_lengths[k])
-            if e is None or e.get("type") != "event":
-                e = {"type": "event", "step": self.event_steps[k], "kind": self.event_kind(k),
-                     "message": "(this event could not be read back from the file)"}
-            e["step"] = self.event_steps[k]
-            if len(self._cache) >= EVENT_CACHE:
-                self._cache.clear()
-            self._cache[k] = e
-        return e
-
-    def in_force(self, frame: int, count: int | None = None) -> InForce:
-        """What the run trained with once step record `frame` and the first `count` events (every
-        one by default) were written: core/records.py's reducer over the header, the events that
-        change it (STATE_EVENTS) and the frame's dtype, in file order (-1: before any step)."""
-        count = self.event_count if count is None else count
-        in_force = next_in_force(InForce(), self.header)
-        stepped = frame < 0 or frame >= len(self.steps)
-        for k in self.state_events:
-            if k >= count:
-                break
-            if not stepped and self.event_frames[k] > frame:
-                in_force, stepped = next_in_force(in_force, {"type": "step", "dtype": self.dtype_at(frame)}), True
-            in_force = next_in_force(in_force, self.event(k))
-        if not stepped:
-            in_force = next_in_force(in_force, {"type": "step", "dtype": self.dtype_at(frame)})
-        return in_force
-
+    # ---- reading back (the lookups by frame, step and event: index_lookups.py) ----------
     def read_step(self, frame: int) -> dict | None:
         """The full step record of `frame`, or None when it can't be read or parsed."""
         r = self._read(self.offsets[frame], self.lengths[frame])

@@ -15,45 +15,42 @@ import signal
 import threading
 import time
 from functools import partial
-from pathlib import Path
 from typing import Callable, Iterable
 
 from textual.app import App, SystemCommand
 from textual.notifications import Notify, SeverityLevel
 from textual.screen import Screen
 
-from amp_tui.core import precision
 from amp_tui.core.commands import Action, Command, Outcome
-from amp_tui.core.fixes import NO_FIX, last_verified_fix
-from amp_tui.core.records import ENDED, STEERED_MODES
+from amp_tui.core.records import ENDED
 from amp_tui.core.signals import handling_signals
-from amp_tui.core.text import clip, visible
-from amp_tui.recording.xray_file import read_xray
-from amp_tui.sources.protocol import Snapshot, Source
+from amp_tui.core.text import visible
+from amp_tui.sources.protocol import Source
 from amp_tui.ui.actions import BY_ACTION, KEY_ACTIONS, bindings, key_label
+from amp_tui.ui.announcements import NOTIFY_LIMIT, Announcements, brief
 from amp_tui.ui.dialogs.goto_dialog import GotoDialog
-from amp_tui.ui.dialogs.note_dialog import NoteDialog
-from amp_tui.ui.dialogs.restore_dialog import RestoreDialog
-from amp_tui.ui.dialogs.scale_dialog import ScaleDialog
-from amp_tui.ui.dialogs.xray_dialog import XrayDialog
 from amp_tui.ui.messages import InterventionDone, SourceStopped, TerminalGone
 from amp_tui.ui.screens.dashboard import DashboardScreen
 from amp_tui.ui.screens.help_screen import HelpScreen
 from amp_tui.ui.screens.output_screen import OutputScreen
+from amp_tui.ui.steering_keys import SteeringKeys
 from amp_tui.ui.toasts import ToastShelf, take_off
-from amp_tui.ui.view import SORTS, current_precision, nonfinite_pause, probing_every_step
+from amp_tui.ui.view import SORTS
 
 STOP_TIMEOUT_S = 10.0     # how long `q` waits for the current step before forcing the exit
 FORCED_EXIT_DELAY_S = 1.5  # leave the "forcing the exit" message on screen this long
 COMMAND_SOURCE = "dashboard"
-NOTIFY_LIMIT = 400         # characters of a recorded text in a notification (the event log has more)
 COMMAND_TITLES: dict[Action, str] = {
     "dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore", "pause": "pause",
     "resume": "resume", "step": "single step", "stop": "stop", "fp32": "local fp32", "note": "note",
     "probe": "probes", "xray": "X-ray", "undo": "undo autopilot", "fix": "fix"}
 
+__all__ = ["COMMAND_SOURCE", "COMMAND_TITLES", "FORCED_EXIT_DELAY_S", "NOTIFY_LIMIT", "STOP_TIMEOUT_S", "AmpTuiApp",
+           "brief", "create_app"]
 
-class AmpTuiApp(App[int]):
+
+# Plain mixins, not Textual classes: the CSS type and BINDINGS stay this class's and App's.
+class AmpTuiApp(Announcements, SteeringKeys, App[int]):
     TITLE = "amp-tui"
     BINDINGS = bindings()
     NOTIFICATION_TIMEOUT = 6
@@ -167,52 +164,6 @@ class AmpTuiApp(App[int]):
                                     playback=self._playback_text())
         self._heavy_pending = not drawn   # charts/table skipped for pacing: look again next tick
 
-    def _announce(self, snap: Snapshot) -> None:
-        """One notification per notable change that the user didn't cause with a key."""
-        pause = nonfinite_pause(snap)
-        if pause is not None and ("pause", pause.event_index) not in self._announced:
-            self._announced.add(("pause", pause.event_index))
-            where = f"; first non-finite layer: {brief(pause.layer)}" if pause.layer else ""
-            what = "activation" if pause.where == "activations" else "loss"
-            offer = f"f applies {pause.fix}, " if pause.fix and not pause.fix_applied else ""
-            self.notify(f"non-finite {what} at step {pause.step}{where}. Paused: {offer}d dtype, "
-                        "s halve scale, r restore", title="paused", severity="warning",
-                        timeout=10, markup=False)
-        for event in self._new_events(snap):
-            if event.get("kind") == "alert":
-                self.notify(brief(event.get("message", "")), title=f"alert at step {event.get('step')}",
-                            severity="warning", timeout=12, markup=False, kind="alert")
-            elif event.get("kind") == "error" and event.get("during") in ("io", "save"):
-                self.notify(brief(event.get("message", "")), title="could not write",
-                            severity="error", timeout=20, markup=False)
-            elif event.get("kind") == "nonfinite" and event.get("fix_verified") is True \
-                    and snap.mode in STEERED_MODES and ("fix", event.get("fix")) not in self._announced:
-                # Once per fix: a run that keeps overflowing the same way verifies it every step.
-                self._announced.add(("fix", event.get("fix")))
-                self.notify(visible(f"{event.get('fix')} made step {event.get('step')} finite: f applies it"),
-                            title="fix verified", severity="warning", timeout=15, markup=False)
-            elif event.get("kind") == "xray" and snap.mode in STEERED_MODES:
-                self._show_xray(event)
-            elif event.get("kind") == "paused" and event.get("reason") == "io":
-                # A full disk (the previous checkpoint is intact): freeing space and resuming
-                # writes the records kept meanwhile.
-                self.notify("The run is paused: free some space, then space resumes.",
-                            title="paused", severity="warning", timeout=20, markup=False)
-        # Last: of what came at once, what ended the run is the toast that stays.
-        error = snap.error
-        if error is not None and ("error", error.get("step"), error.get("message")) not in self._announced:
-            self._announced.add(("error", error.get("step"), error.get("message")))
-            self._error_where = self._where()   # once: it lists the checkpoint folder
-            self.notify(brief(error.get("message", "error")), title="the script raised",
-                        severity="error", timeout=15, markup=False)
-        if snap.state != self._last_state:
-            if snap.state in ENDED:
-                self._pending.clear()
-            if snap.state == "finished" and snap.mode in STEERED_MODES:
-                self.notify("the run finished: q quits", title="finished", markup=False)
-            self._last_state = snap.state
-            self.refresh_bindings()
-
     def _playback_text(self) -> str | None:
         """A replay's "paused · 16 steps/s" / "playing 16 steps/s" for the status bar."""
         if self.playback is None:
@@ -222,32 +173,7 @@ class AmpTuiApp(App[int]):
             text += f" · {self.playback.speed:g} steps/s"
         return text
 
-    def _new_events(self, snap: Snapshot) -> list[dict]:
-        """Events fed since the last call (a replay seeking back starts over)."""
-        new = snap.events_seen - self._events_seen
-        self._events_seen = snap.events_seen
-        if new <= 0:
-            return []
-        return snap.events[-min(new, len(snap.events)):]
-
-    def _where(self) -> list[tuple[str, str]]:
-        """Where the user's work is kept, for the error panel."""
-        lines = []
-        session = self.source.session_path
-        if session is not None:
-            lines.append(("session", str(session)))
-        try:
-            found = self.source.checkpoints()
-        except Exception:  # noqa: BLE001 - listing is best effort here
-            found = []
-        if found:
-            info = found[0]
-            lines.append(("last checkpoint", f"{info.path} (step {info.step})"))
-        else:
-            lines.append(("last checkpoint", "none saved"))
-        return lines
-
-    # ---- commands -------------------------------------------------------------------------------
+    # ---- commands (the keys that steer the run: steering_keys.py) -------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         key_action = BY_ACTION.get(action)
         if key_action is None:
@@ -322,119 +248,6 @@ class AmpTuiApp(App[int]):
             if command.action == action:
                 return command.value
         return None
-
-    def action_cycle_dtype(self) -> None:
-        snap = self.source.snapshot()
-        base = self._pending_value("dtype") or current_precision(snap).dtype or "float16"
-        self.send("dtype", precision.CYCLE.get(base, "float16"))
-
-    def action_halve_scale(self) -> None:
-        self.send("scale", "half")
-
-    def action_set_scale(self) -> None:
-        prec = current_precision(self.source.snapshot())
-
-        def chosen(value: float | None) -> None:
-            if value is not None:
-                self.send("scale", value)
-
-        self.push_screen(ScaleDialog(prec.dtype, prec.scale), chosen)
-
-    def action_save_checkpoint(self) -> None:
-        self.send("save")
-
-    def action_pick_checkpoint(self) -> None:
-        try:
-            found = list(self.source.checkpoints())
-        except Exception as exc:  # noqa: BLE001 - e.g. an unreadable checkpoint folder
-            self.notify(visible(exc), title="checkpoints", severity="error", markup=False)
-            found = []
-        run_dir = self.source.run_dir
-        # Training on while the user picks would make the restore roll back every update made
-        # meanwhile: the run is paused while the picker is open, and goes on once it closes
-        # (from the checkpoint, when one was picked) only if this paused it. The status bar says
-        # so; the toast left is the restore's.
-        paused_here = self.source.snapshot().state == "running" and not self._paused_or_pausing() \
-            and self.send("pause", quiet=True)
-
-        def chosen(path: str | None) -> None:
-            if path is not None:
-                self.send("restore", path)
-            if paused_here:
-                self.send("resume", quiet=True)
-
-        self.push_screen(RestoreDialog(found, Path(run_dir) if run_dir else None), chosen)
-
-    def action_toggle_pause(self) -> None:
-        if self.source.mode == "replay":   # the same key plays/pauses a recording
-            if self.playback is not None:
-                self.playback.toggle()
-                self.refresh_view_soon()
-            return
-        self.send("resume" if self._paused_or_pausing() else "pause")
-
-    def _paused_or_pausing(self) -> bool:
-        """The run is paused, or will be: the last pause or resume queued decides, else its state."""
-        pending = [c.action for c in self._pending if c.action in ("pause", "resume")]
-        if pending:
-            return pending[-1] == "pause"
-        return self.source.snapshot().state == "paused"
-
-    def action_single_step(self) -> None:
-        self.send("step")
-
-    def action_toggle_probes(self) -> None:
-        pending = self._pending_value("probe")
-        every = pending == "every" if pending is not None else probing_every_step(self.source.snapshot())
-        self.send("probe", "auto" if every else "every")
-
-    def action_add_note(self) -> None:
-        def chosen(text: str | None) -> None:
-            if text is not None:
-                self.send("note", text)
-
-        self.push_screen(NoteDialog(), chosen)
-
-    def action_apply_fix(self) -> None:
-        if self.source.mode != "replay":
-            self.send("fix")   # the run chooses its last verified fix, or refuses and records why
-            return
-        event = last_verified_fix(self.source.snapshot().events)
-        if event is None:
-            self.notify(NO_FIX, title="fix", severity="warning", markup=False)
-        else:
-            self.notify(visible(f"a recording can't be steered: run again with {event['fix']}"),
-                        title="fix", severity="warning", markup=False)
-
-    def action_undo_autopilot(self) -> None:
-        if self.source.mode == "replay":
-            self.notify("a recording can't be steered: u undoes the autopilot's last decision in a live run "
-                        "(or amp-tui ctl RUN undo)", title="undo autopilot", severity="warning", markup=False)
-        else:
-            self.send("undo")
-
-    def action_xray(self) -> None:
-        if self.source.mode == "replay":
-            self.notify("a recording can't be X-rayed: the X-ray runs a step a second time, which only a "
-                        "live amp-tui train can (x there, or amp-tui ctl RUN xray)", title="X-ray",
-                        severity="warning", markup=False)
-        else:
-            self.send("xray")
-
-    def _show_xray(self, event: dict) -> None:
-        """An X-ray's event came: its file in a dialog (over the dashboard only: a dialog the user
-        has open keeps the keys, and the event's message says where the file is)."""
-        step, path = event.get("step"), str(event.get("path", ""))
-        try:
-            xray = read_xray(self.source.run_dir, path)
-        except (OSError, ValueError, TypeError) as exc:
-            self.notify(visible(f"X-ray of step {step}: can't read {path}: {exc}"), title="X-ray",
-                        severity="error", markup=False)
-            return
-        if self.screen is self.dashboard:
-            self.push_screen(XrayDialog(step, path, xray))
-        else:
-            self.notify(brief(event.get("message", "")), title="X-ray", timeout=15, markup=False)
 
     def action_show_output(self) -> None:
         if self.source.output_path is not None:
@@ -572,11 +385,6 @@ class AmpTuiApp(App[int]):
         for column, (label, _) in SORTS.items():
             yield SystemCommand(f"Sort layers: {label}", f"order the layer table by {column}",
                                 partial(self.action_sort_layers, column))
-
-
-def brief(value: object) -> str:
-    """A recorded text for a notification: control characters shown, cut to NOTIFY_LIMIT."""
-    return clip(visible(value), NOTIFY_LIMIT)
 
 
 def create_app(source: Source, *, refresh_rate: float = 20.0, clock: Callable[[], float] = time.time,

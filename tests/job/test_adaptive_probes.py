@@ -17,6 +17,7 @@ import amp_tui.job.controller as controller_module
 import amp_tui.job.drivers.engine_driver as engine_driver_module
 import amp_tui.job.drivers.hook_driver as hook_driver_module
 import amp_tui.job.monitor as monitor_module
+import amp_tui.job.records.probe_budget as probe_budget_module
 import amp_tui.training.step.engine as engine_module
 from amp_tui.core.commands import parse_action
 from amp_tui.recording.reader import read_session
@@ -51,7 +52,7 @@ def made_up_clock(monkeypatch):
     real = __import__("time")
     still = types.SimpleNamespace(perf_counter=lambda: 0.0, monotonic=real.monotonic, time=real.time,
                                   sleep=real.sleep)
-    for module in (controller_module, engine_driver_module, monitor_module):
+    for module in (controller_module, probe_budget_module, engine_driver_module, monitor_module):
         monkeypatch.setattr(module, "time", still)
     collect = LayerProbe.collect
 
@@ -352,7 +353,7 @@ def test_a_boundary_that_holds_the_loop_is_not_counted_as_the_monitors_own_work(
     monitor = fp32_monitored_loop(tmp_path / "run", 20, note_at=10)
     schedule = monitor.driver.probe_schedule
     monitor.close()
-    assert monitor.controller.held_seconds >= held
+    assert monitor.controller.budget.held_seconds >= held
     assert schedule.total_seconds < held
     notes = [e for e in read_session(tmp_path / "run").events if e["kind"] == "note"]
     assert len(notes) == 1

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from amp_tui.job.ranks.distributed import Ranks
 from amp_tui.training.step.engine import GuardedTrainer
+from amp_tui.training.probes.probe_options import ProbeOptions
 
 out = Path(sys.argv[1])
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -56,7 +57,7 @@ def build(kind):
         inner = m.module if bypass else m
         return nn.functional.mse_loss(inner(x.to(next(net.parameters()).dtype)).float(), y)
     trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), loss_fn,
-                             dtype="bf16", diagnose=False, probe_every=1)
+                             dtype="bf16", diagnose=False, probes=ProbeOptions(every=1))
     trainer.agree_finite = ranks.agree_finite
     problem = ranks.carry_in_gradients(model, len(trainer.layer_names))
     return net, ranks, trainer, problem

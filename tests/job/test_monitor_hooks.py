@@ -10,6 +10,7 @@ from torch import nn
 
 import amp_tui
 from amp_tui.job.monitor import Monitor
+from amp_tui.job.monitor_options import MonitorOptions
 from amp_tui.recording.reader import read_session
 
 from frameworks import command
@@ -112,7 +113,8 @@ def test_a_step_ended_without_a_loss_is_not_recorded(tmp_path):
 
 def test_a_refused_key_says_why(tmp_path):
     model, opt = build()
-    monitor = Monitor(model, opt, run_dir=tmp_path / "run", announce=False, framework="the Trainer", probe_every=1)
+    monitor = Monitor(model, opt, MonitorOptions.of(run_dir=tmp_path / "run", announce=False, probe_every=1),
+                      framework="the Trainer")
     monitor.controller.refuse("scale", "scale change refused: DeepSpeed owns the loss scale")
     answers = []
     order = command("scale=1024")

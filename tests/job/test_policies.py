@@ -23,3 +23,32 @@ def test_a_framework_callback_refuses_a_bad_policy_when_it_is_made():
     from amp_tui.integrations.common import options
     with pytest.raises(ValueError, match="'skip' or 'isolate'"):
         options(None, "Lightning", 'precision="16-mixed"', {"on_nonfinite": "pause"})
+
+
+def test_the_probe_options_are_checked_as_one_value_where_they_are_made(tmp_path):
+    from amp_tui.training.probes.probe_options import ProbeOptions
+    assert ProbeOptions() == ProbeOptions("auto", 1.0, 3.0, 10)
+    for bad, words in [({"probe_every": 0}, "probe_every=0"), ({"probe_every": "often"}, "probe_every='often'"),
+                       ({"probe_budget": 150}, "probe_budget=150"), ({"probe_alert_bits": -1}, "probe_alert_bits=-1"),
+                       ({"underflow_every": 0}, "underflow_every=0")]:
+        with pytest.raises(ValueError, match=words):
+            ProbeOptions.of(**bad)
+        with pytest.raises(ValueError, match=words):
+            RunConfig(script=tmp_path / "train.py", **bad)
+    assert RunConfig(script=tmp_path / "train.py", probe_every=5).probes == ProbeOptions(every=5)
+
+
+def test_the_monitor_options_are_checked_before_anything_is_hooked():
+    import torch
+
+    import amp_tui
+    from amp_tui.job.monitor_options import MonitorOptions
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad, words in [({"min_scale": 0.0}, "min_scale=0.0"), ({"checkpoint_every": -1}, "checkpoint_every=-1"),
+                       ({"on_nonfinite": "stop"}, "on_nonfinite='stop'"), ({"probe_every": 0}, "probe_every=0")]:
+        with pytest.raises(ValueError, match=words):
+            MonitorOptions.of(**bad)
+        with pytest.raises(ValueError, match=words):
+            amp_tui.monitor(model, opt, announce=False, control=False, **bad)
+    assert not model._forward_hooks and not opt._optimizer_step_pre_hooks   # nothing was hooked

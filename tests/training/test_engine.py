@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from amp_tui.training.probes.probe_options import ProbeOptions
 from amp_tui.training.step.engine import GuardedTrainer, LossError, PrecisionRefused
 
 
@@ -227,7 +228,7 @@ def test_unprobed_bad_step_is_diagnosed_with_a_second_pass():
     with torch.no_grad():
         model[0].weight.fill_(1e4)
     trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                             lambda m, b: m(b).float().mean(), dtype="fp16", probe_every=10)
+                             lambda m, b: m(b).float().mean(), dtype="fp16", probes=ProbeOptions(every=10))
     trainer.step([torch.ones(4, 8)])  # step 0 is probed
     result = trainer.step([torch.ones(4, 8)])
     assert result.figures is None and result.first_nonfinite_layer == "0"
@@ -293,7 +294,7 @@ def test_probe_hooks_stay_on_only_while_steps_are_probed():
     model = mlp(depth=2)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), mse, dtype="fp32",
-                             probe_every=3)
+                             probes=ProbeOptions(every=3))
     hooked = lambda: [bool(m._forward_hooks) for m in linears]  # noqa: E731
     trainer.step([regression_batch()])  # step 0 probed, step 1 is not: hooks off
     assert not any(hooked())
@@ -447,7 +448,7 @@ def test_a_step_the_boundary_took_off_the_schedule_runs_its_forward_without_the_
         return mse(m, batch)
 
     trainer = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), watched, dtype="fp32",
-                             probe_every="auto")
+                             probes=ProbeOptions(every="auto"))
     trainer.probe_schedule.set_mode("every")
     for _ in range(4):
         trainer.step([regression_batch()])

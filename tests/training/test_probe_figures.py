@@ -15,6 +15,7 @@ from torch import nn
 from amp_tui.core.precision import FP16_TINY
 from amp_tui.training.probes import extremes
 from amp_tui.training.probes.layer_probes import LayerProbe
+from amp_tui.training.probes.probe_options import ProbeOptions
 from amp_tui.training.step.engine import GuardedTrainer
 
 
@@ -110,8 +111,8 @@ def run_and_compare(model, loss_fn, batches, *, dtype="fp32", opt_params=None, i
     params = list(model.parameters()) if opt_params is None else opt_params
     opt = torch.optim.SGD([p for p in params if p.requires_grad], lr=1e-3)
     # No diagnosis pass: it would run the forward again under the reference's hooks.
-    trainer = GuardedTrainer(model, opt, loss_fn, dtype=dtype, init_scale=init_scale, underflow_every=1,
-                             diagnose=False)
+    trainer = GuardedTrainer(model, opt, loss_fn, dtype=dtype, init_scale=init_scale,
+                             probes=ProbeOptions(every=1, underflow_every=1), diagnose=False)
     ref = Reference(trainer.probe)
     judged = {id(p) for g in opt.param_groups for p in g["params"]}
     compared = 0

@@ -56,9 +56,7 @@ class EngineDriver:
             ranks.replicate(setup.model) if ranks else setup.model, setup.optimizer, setup.loss_fn,
             device=device, dtype=config.dtype,
             init_scale=config.init_scale, scheduler=setup.scheduler,
-            max_grad_norm=setup.max_grad_norm, probe_every=config.probe_every,
-            probe_budget=config.probe_budget, probe_alert_bits=config.probe_alert_bits,
-            underflow_every=config.underflow_every)
+            max_grad_norm=setup.max_grad_norm, probes=config.probes)
         self.training = self.trainer
         self.local_fp32 = LocalFp32(setup.model, device.type)
         for pattern in config.fp32_modules:
@@ -89,7 +87,7 @@ class EngineDriver:
         cfg, setup = self.config, self.setup
         return {"script": str(cfg.script), "argv": cfg.script_argv, "command": cfg.command_line,
                 "steps": cfg.steps, "accumulate": setup.accumulate, "max_grad_norm": setup.max_grad_norm,
-                **self.trainer.probe_schedule.header_fields(), "underflow_every": cfg.underflow_every,
+                **self.trainer.probe_schedule.header_fields(), **cfg.probes.header_fields(),
                 "layers": self.trainer.layer_names, "compile": self.trainer.compile_info()}
 
     def request_xray(self, by: dict | None = None) -> None:
@@ -151,7 +149,7 @@ class EngineDriver:
             # amp-tui's own work on the step starts where its measured duration ends: what the
             # trainer does around the forward, backward and update (asking the schedule, telling
             # it the step) counts with the run's, not in the step's duration.
-            after, apart = begun + result.duration, run.apart_seconds
+            after, apart = begun + result.duration, run.budget.apart_seconds
             if self.ranks:
                 # The last probed step's gather: every rank issued it before this step's loss
                 # check, which has been answered, so it is in (or as good as).

@@ -27,65 +27,38 @@ import time
 from pathlib import Path
 
 import torch
-from torch.amp.grad_scaler import OptState
 
 from amp_tui.core import precision as dtypes
 from amp_tui.job.drivers.loop_objects import (
     MonitorError,
     check_objects,
-    closure_given,
     device_of,
     example_names,
-    found_inf,
     inner_optimizer,
 )
+from amp_tui.job.drivers.update_hooks import UpdateAttempt, UpdateHooks
 from amp_tui.job.ranks.rank_probes import RankProbes
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.local_fp32 import LocalFp32, match_modules
 from amp_tui.training.probes.hidden_activation import HiddenActivationWatch
 from amp_tui.training.probes.layer_probes import LayerFigures, LayerProbe
-from amp_tui.training.probes.probe_schedule import ProbeSchedule, observe_step
+from amp_tui.training.probes.probe_options import ProbeOptions
+from amp_tui.training.probes.probe_schedule import observe_step
 from amp_tui.training.step.engine import StepResult, to_host
 from amp_tui.training.step.forward_autocast import fixed_autocast_dtype, wrapped_in_autocast
 from amp_tui.training.step.guards import Alert
 from amp_tui.training.step.outcome import CountedSteps, StepOutcomes, first_nonfinite_layer
 from amp_tui.training.step.precision_state import BorrowedScaling, PrecisionRefused
-from amp_tui.training.step.update_guard import (
-    drop_gradients,
-    gradients_of,
-    mark_unscaled_nonfinite,
-    nonfinite_flag,
-    unscale_untrusted,
-)
 from amp_tui.training.trace.forward_keeper import ForwardKeeper, KeptForward
 from amp_tui.training.trace.kept_step_trace import trace_kept_step, xray_kept
 
 
-class _Attempt:
-    """What one update attempt saw, from its first hook to the step's end."""
-
-    __slots__ = ("gradients", "scaled", "found_inf", "stepped", "scale", "lr", "checked", "held_back",
-                 "through_scaler")
-
-    def __init__(self, scale: float | None, lr: float | None):
-        self.gradients = False   # the gradients were measured (or there was nothing to measure)
-        self.scaled = False      # ... while they still carried the loss scale
-        self.found_inf: torch.Tensor | None = None   # GradScaler's verdict, on the device
-        self.stepped = False     # optimizer.step() ran
-        self.checked = False     # the gradients were checked for inf/NaN before the update
-        self.held_back = False   # ... held some, and amp-tui kept the update from applying them
-        self.scale = scale       # the loss scale this attempt's backward used
-        self.lr = lr
-        self.through_scaler = False   # the loop called the GradScaler (unscale_ or step) in it
-
-
-class HookDriver(CountedSteps):
+class HookDriver(CountedSteps, UpdateHooks):
     """Hooks on the user's model, optimizer and scaler; the training state a checkpoint saves.
     `in_step()` says whether the loop is inside a monitored step (the hooks only count there)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=None, scheduler=None,
-                 dtype: str | None = None, probe_every: int | str = "auto", probe_budget: float = 1.0,
-                 probe_alert_bits: float = 3.0, underflow_every: int = 10, framework: str | None = None,
+                 dtype: str | None = None, probes: ProbeOptions | None = None, framework: str | None = None,
                  fp32_modules: str | list[str] | tuple[str, ...] = ()):
         check_objects(model, optimizer, scaler, scheduler)
         # A framework's callback starts the dtype it chose, recorded as it is (fp16 without a
@@ -99,13 +72,13 @@ class HookDriver(CountedSteps):
         # The scaler the loop calls (maybe disabled: bf16 and fp32 loops often keep one with
         # enabled=False; or amp-tui's, `monitor.scaler`); the precision state holds the one that scales.
         self.loop_scaler = self.precision.loop_scaler
-        self.underflow_every = max(1, int(underflow_every))
+        probes = probes or ProbeOptions()
+        self.underflow_every = probes.underflow_every
         eager = original_module(model)
         self.eager_model = eager
         self.compiled_modules = compiled_module_names(model)
         self.probe = LayerProbe(eager, keep_hooks=bool(self.compiled_modules))
-        self.probe_schedule = ProbeSchedule(probe_every, budget=probe_budget, alert_bits=probe_alert_bits,
-                                            names=self.probe.names)
+        self.probe_schedule = probes.schedule(self.probe.names)
         # A skipped step that was not probed still gets its gradients' figures (not with several
         # ranks: they gather the planned steps only).
         self.unplanned_figures = True
@@ -299,155 +272,6 @@ class HookDriver(CountedSteps):
         if self.in_step() and self.probe.active:
             self.probe.end_forward()
 
-    def _scaler_state_dict(self, original):
-        def state_dict():
-            return self.precision.loop_state_dict(original)
-        return state_dict
-
-    def _scaler_load_state_dict(self, original):
-        def load_state_dict(state_dict):
-            self.precision.loop_load_state_dict(original, state_dict)
-        return load_state_dict
-
-    def _scaler_unscale(self, original):
-        def unscale_(optimizer):
-            result = original(optimizer)
-            if optimizer is self.optimizer and self.scaler is not None:
-                self._check_unscaled(optimizer)
-            if optimizer is self.optimizer and self.in_step():
-                self._attempt_starts()
-                self._attempt.through_scaler = True
-                self._gradients_seen(scaled=False)
-            return result
-        return unscale_
-
-    def _check_unscaled(self, optimizer) -> None:
-        """Below scale 1, GradScaler's check (made before the unscale) misses what the unscale
-        makes: the unscaled gradients are checked again, and an inf/NaN found there skips the
-        update through GradScaler's own found-inf (training/step/update_guard.py)."""
-        if not unscale_untrusted(self.precision.scale_value):
-            return
-        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        own = sum(float(v.item()) for v in found.values())
-        flag = mark_unscaled_nonfinite(self.scaler, optimizer, self.device)
-        if self.in_step():
-            self._attempt_starts()
-            self._attempt.checked = True
-            self._attempt.held_back = self._attempt.held_back or (own == 0 and flag.item() > 0)
-
-    def _scaler_step(self, original):
-        def step(optimizer, *args, **kwargs):
-            if optimizer is not self.optimizer or not self.in_step():
-                return original(optimizer, *args, **kwargs)
-            self._attempt_starts()
-            self._attempt.through_scaler = True
-            if self.scaler is not None and unscale_untrusted(self.precision.scale_value) \
-                    and self.scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-                # A fused optimizer would unscale inside its kernel, past any check: unscaled here.
-                self.loop_scaler.unscale_(optimizer)
-            self._in_scaler_step = True
-            try:
-                result = original(optimizer, *args, **kwargs)
-            finally:
-                self._in_scaler_step = False
-            if self.scaler is not None:
-                # GradScaler's own decision, for this optimizer, whatever the kind of optimizer.
-                found = self.scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
-                self._attempt.found_inf = found_inf(found, self.device)
-                self._measure_unplanned_skip(optimizer)
-            return result
-        return step
-
-    def _measure_unplanned_skip(self, optimizer) -> None:
-        """A step GradScaler skipped that was not planned to be probed: its gradients (never
-        applied) and weights are measured now, before the loop zeroes them. A skip is seen without
-        a sync of ours: GradScaler didn't call the optimizer's step. A fused optimizer is stepped
-        anyway, and only its verdict, read here, says it."""
-        attempt = self._attempt
-        if self.probe.active or not self.unplanned_figures or attempt.found_inf is None:
-            return
-        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-        if (attempt.stepped and not fused) or (fused and not attempt.found_inf.item()):
-            return
-        self.probe.begin()
-        self.probe.record_gradients(self.precision.scale, underflow=False)
-        self.probe.record_weights()
-
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if not self.in_step():
-            return
-        through_scaler = self._in_scaler_step or (self._attempt is not None and self._attempt.through_scaler)
-        if self.scaler is None or not through_scaler:
-            # Without loss scaling (no scaler, or an optimizer stepped without calling it), the
-            # gradients as the optimizer gets them (a loop with no unscale_ call to mark the place
-            # before its clipping). A closure computes them inside step(): they are read after it
-            # (gradients_ready, or the post-hook).
-            self._attempt_starts()
-            if not closure_given(args, kwargs):
-                self._gradients_seen(scaled=False)
-                self._hold_back_if_nonfinite()
-        elif self._attempt is not None and not self._attempt.gradients:
-            # A fused optimizer stepped by GradScaler without unscale_: its gradients still carry
-            # the scale, which the optimizer's kernel takes off itself.
-            self._gradients_seen(scaled=True)
-
-    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if self._attempt is not None:
-            self._attempt.stepped = True
-            if not self._attempt.gradients and not self._attempt.through_scaler and self.in_step():
-                self._gradients_seen(scaled=False)   # a closure's, with nobody to say when before
-            if (self.scaler is None or not self._attempt.through_scaler) and not self._attempt.checked \
-                    and self.in_step():
-                self._unchecked_closure()
-
-    def gradients_ready(self) -> None:
-        """Without a GradScaler, the gradients are read here (a framework's hook between the
-        backward and the update), and an update with inf/NaN among them is held back."""
-        if self.in_step() and self.scaler is None:
-            self._gradients_seen(scaled=False)
-            self._hold_back_if_nonfinite()
-
-    def _hold_back_if_nonfinite(self) -> None:
-        """Without a GradScaler nothing skips for the loop: gradients holding inf/NaN are taken
-        away before the optimizer steps, which then leaves every parameter as it was."""
-        attempt = self._attempt
-        if attempt is None or attempt.checked:
-            return
-        attempt.checked = True
-        if nonfinite_flag(gradients_of(self.optimizer), self.device).item() > 0:
-            drop_gradients(self.optimizer)
-            attempt.held_back = True
-
-    def _unchecked_closure(self) -> None:
-        """An optimizer stepped with a closure computes its gradients inside step(), where no
-        hook sees them before the update: said once, plainly."""
-        if self._closure_said or self.run is None:
-            return
-        self._closure_said = True
-        self.run.alert("unchecked_update", "this loop steps its optimizer with a closure and no GradScaler: "
-                       "amp-tui can't check its gradients for inf/NaN before the update",
-                       cause="the closure computes the gradients inside optimizer.step(), after every hook "
-                       "amp-tui can put before the update",
-                       fix="call monitor.gradients_ready() inside the closure after the backward, or use a GradScaler")
-
-    def _attempt_starts(self) -> None:
-        if self._attempt is None:
-            lr = self.optimizer.param_groups[0].get("lr")
-            self._attempt = _Attempt(self.precision.scale,
-                                     float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None)
-
-    def _gradients_seen(self, *, scaled: bool) -> None:
-        """The gradients of this update, as the optimizer will use them; and the weights before it."""
-        self._attempt_starts()
-        attempt = self._attempt
-        if attempt.gradients:
-            return
-        attempt.gradients, attempt.scaled = True, scaled
-        if self.probe.active:
-            underflow = self.probe_schedule.underflow_due(self.step_index, self.underflow_every)
-            self.probe.record_gradients(self.precision.scale, underflow=not scaled and underflow)
-            self.probe.record_weights()
-
     # ---- an update, from its first block to its end ------------------------------------------------
     def block_starts(self) -> None:
         if self._started is None:
@@ -562,7 +386,7 @@ class HookDriver(CountedSteps):
         self.probe.end()
 
     def _forget_update(self) -> None:
-        self._attempt: _Attempt | None = None
+        self._attempt: UpdateAttempt | None = None
         self._losses: list[torch.Tensor] = []   # the losses set in this update's blocks
         self._forwards = 0                      # the model's forward passes in this update
         self._started: float | None = None

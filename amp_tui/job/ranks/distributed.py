@@ -52,10 +52,12 @@ after the timeout given to `init_process_group` (`--dist-timeout`, DEFAULT_TIMEO
 the collective raises `RanksLost`, which ends the run on every rank that is left, with the
 session kept. docs/distributed.md tells the whole story.
 
-This module holds the process group and the collectives; what they carry is laid out in modules
-of its own: the words (job/ranks/boundary_words.py), the commands (job/ranks/command_codec.py), the figures
-(job/ranks/rank_figures.py), the probe schedule's words (job/ranks/rank_probes.py), the checkpoints' RNG
-states (job/ranks/rng_states.py).
+This module holds the process group and the step's collectives; the gathers to rank 0 (the
+figures, the checkpoints' RNG states) are job/ranks/rank_gathers.py's, `RanksLost` with
+`communication_failure` job/ranks/ranks_lost.py's, and `StopVote` job/ranks/stop_votes.py's.
+What they carry is laid out in modules of its own: the words (job/ranks/boundary_words.py), the
+commands (job/ranks/command_codec.py), the figures (job/ranks/rank_figures.py), the probe schedule's
+words (job/ranks/rank_probes.py), the checkpoints' RNG states (job/ranks/rng_states.py).
 """
 
 from __future__ import annotations
@@ -65,7 +67,6 @@ import datetime
 import gc
 import math
 import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,35 +76,24 @@ import torch
 import torch.distributed as dist
 
 from amp_tui.core.commands import Command
-from amp_tui.core.text import one_line
 from amp_tui.job.ranks.boundary_words import BoundaryWords
 from amp_tui.job.ranks.command_codec import decode_commands, encode_commands
 from amp_tui.job.ranks.gradient_channel import GradientChannel, unsuitable
 from amp_tui.job.ranks.group_end import forget_group
 from amp_tui.job.ranks.in_flight import InFlight
-from amp_tui.job.ranks.rank_figures import OWN_KINDS, merge_figures, pack_figures
+from amp_tui.job.ranks.rank_gathers import RankGathers
 from amp_tui.job.ranks.rank_output import rank_log_path
 from amp_tui.job.ranks.rank_probes import RankProbes
-from amp_tui.job.ranks.rng_states import rng_state
+from amp_tui.job.ranks.ranks_lost import RanksLost, backend_words, communication_failure
+from amp_tui.job.ranks.stop_votes import StopVote, signal_name, signal_number
 from amp_tui.training.sharding import is_sharded
-from amp_tui.training.step.engine import StepResult
 
 DEFAULT_TIMEOUT_S = 300.0   # init_process_group's timeout: how long a collective waits for a rank
 HEARTBEAT_S = 1.0           # while paused, the boundary's own all-reduce runs at least this often
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")   # what torchrun sets in every worker
 
-
-class RanksLost(RuntimeError):
-    """Another rank died or stopped answering: every collective of the group fails from now on."""
-
-
-@dataclass(frozen=True)
-class StopVote:
-    """A stop asked for on one rank (a signal, a key, a full disk), to be agreed at a boundary."""
-
-    checkpoint: bool
-    reason: str | None
-    signum: int = 0
+__all__ = ["DEFAULT_TIMEOUT_S", "HEARTBEAT_S", "RANK_VARIABLES", "Ranks", "RanksLost", "StopVote",
+           "communication_failure", "decode_commands", "encode_commands", "launched_by_torchrun"]
 
 
 @dataclass(frozen=True)
@@ -125,41 +115,7 @@ def launched_by_torchrun(environ=os.environ) -> bool:
         return False
 
 
-def _signal_number(reason: str | None) -> int:
-    try:
-        return int(signal.Signals[reason]) if reason else 0
-    except KeyError:
-        return 0
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _backend_words(exc: BaseException) -> str:
-    """The backend's own first sentence, without the source path gloo puts in front of it."""
-    text = one_line(str(exc))
-    if text.startswith("[") and "] " in text:
-        text = text.split("] ", 1)[1]
-    return text.split(". ", 1)[0][:300]
-
-
-def communication_failure(exc: BaseException) -> bool:
-    """An exception from a collective (ours or DDP's): the process group lost a rank."""
-    if isinstance(exc, RanksLost) or isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc)
-    return any(mark in text for mark in ("gloo", "Gloo", "NCCL", "Connection closed by peer",
-                                         "Connection reset by peer", "Timed out waiting",
-                                         "pair closure", "ProcessGroup"))
-
-
-class Ranks:
+class Ranks(RankGathers):
     """The ranks of this job, as one rank sees them, over the default process group."""
 
     def __init__(self, *, device: torch.device, timeout_s: float | None, owns_group: bool):
@@ -295,10 +251,18 @@ class Ranks:
         except RuntimeError as exc:
             raise RanksLost(self.lost_message(exc, what)) from exc
 
+    def _let_go(self, work: list, what: str, *tensors: torch.Tensor) -> None:
+        """Wait for a started collective (`work`: its one Work, taken out once done), then hold
+        its tensors until gloo's thread lets go of them too (job/ranks/in_flight.py)."""
+        if work:
+            self._collective(what, work[0].wait)
+            work.clear()
+            self._in_flight.hold(*tensors)
+
     def lost_message(self, exc: BaseException, what: str | None = None) -> str:
         if isinstance(exc, RanksLost):
             return str(exc)
-        words = _backend_words(exc)
+        words = backend_words(exc)
         lower = words.lower()
         if "timed out" in lower or "timeout" in lower:
             limit = f"{self.timeout_s:g} s (--dist-timeout)" if self.timeout_s else "the process group's timeout"
@@ -337,7 +301,7 @@ class Ranks:
         old = self._vote
         self._vote = StopVote(checkpoint=checkpoint or (old is not None and old.checkpoint),
                               reason=(old.reason if old is not None and old.reason else reason),
-                              signum=(old.signum if old is not None and old.signum else _signal_number(reason)))
+                              signum=(old.signum if old is not None and old.signum else signal_number(reason)))
 
     # ---- step boundaries --------------------------------------------------------------------
     def _local_words(self, commands: list[Command], *, finite: bool = True) -> _Agreed:
@@ -403,7 +367,7 @@ class Ranks:
         if vote is not None and self.rank == first and vote.reason:
             reason = vote.reason
         elif words.signum:
-            reason = f"{_signal_name(words.signum)} on rank {first}"
+            reason = f"{signal_name(words.signum)} on rank {first}"
         else:
             reason = f"a stop asked for on rank {first}"
         return commands, StopVote(checkpoint=words.checkpoint, reason=reason, signum=words.signum)
@@ -488,113 +452,3 @@ class Ranks:
         the backward's all-reduce."""
         if self._compute_s is None:
             self._compute_s = time.perf_counter() - self._synced_at
-
-    def gather_step(self, result: StepResult, names: list[str], *, details: bool) -> StepResult:
-        """Every rank's figures of a probed step (or an agreed non-finite one, with `details`: a
-        step whose loss check or gradients every rank judged alike) to rank 0, which gets the
-        result to record: each layer's maximum over the ranks, each rank's loss and step time,
-        and where a value went non-finite, the first rank that saw it with its layer and
-        diagnosis. The other ranks get `result` back. Rank 0 waits here for every rank's end of
-        the step; `gather_later` does not."""
-        if details and result.nonfinite is not None:
-            return self._gather_details(result, names)
-        due = self.gather_later(result, names)
-        return due() if due is not None else result
-
-    def gather_later(self, result: StepResult, names: list[str]) -> Callable[[], StepResult] | None:
-        """The gather of a probed step's figures, started (None: an unprobed step has none): the
-        function returned waits for it and gives what `gather_step` would have. Waited for once
-        the next step's loss check has been answered, it is long done: every rank issued it at
-        the end of this step, before that check. Issued at once, waited for later, it keeps
-        gloo's rule (every rank issues the same collectives in the same order) and rank 0 no
-        longer waits at the end of each probed step for the slowest rank to finish it. Not for a
-        non-finite step that needs `details`."""
-        compute_s = self._take_compute_s(result)
-        if result.figures is None:
-            return None
-        loss_rank = self.nonfinite_rank if result.nonfinite == "loss" else None   # reset at the boundary
-        if self._channel is not None:
-            return self._figures_by_gradients(result, compute_s, names, loss_rank)
-        arrived = self._start_gather(pack_figures(result, compute_s))
-
-        def figures(*, failed: bool = False) -> StepResult:
-            rows = arrived()
-            if rows is None:
-                return result
-            return merge_figures(result, rows, names, None, loss_rank=loss_rank)
-        return figures
-
-    def _figures_by_gradients(self, result: StepResult, compute_s: float, names: list[str],
-                              loss_rank: int | None) -> Callable[..., StepResult]:
-        """gather_later where DDP's all-reduce carries the figures: this rank's row goes with the
-        next step's gradients. Where they are asked for first (a pause, a stop, a save, a restore,
-        the end: every rank at the same boundary) it goes on its own, in a gather. After a
-        failure (`failed`) no collective is started: a row still here never comes."""
-        row = pack_figures(result, compute_s, kinds=OWN_KINDS)
-        self._rows_out, self._rows_in = row, None
-
-        def figures(*, failed: bool = False) -> StepResult:
-            came = self._rows_in
-            if came is not None and came[0] is row:
-                rows = came[1]
-            elif self._rows_out is row and not failed:
-                self._rows_out = None
-                rows = self._start_gather(row)()
-            else:
-                raise RanksLost("the other ranks' figures of the step never came")
-            if not self.is_main or rows is None:
-                return result
-            return merge_figures(result, rows, names, None, loss_rank=loss_rank, kinds=OWN_KINDS)
-        return figures
-
-    def _take_compute_s(self, result: StepResult) -> float:
-        compute_s = self._compute_s if self._compute_s is not None else result.duration
-        self._compute_s = None
-        return compute_s
-
-    def _start_gather(self, packed: torch.Tensor) -> Callable[[], torch.Tensor | None]:
-        """This rank's packed figures on their way to rank 0: the function returned waits for
-        them and gives rank 0 every rank's row, on the host (None on the others)."""
-        packed = packed.to(self._comm)
-        rows = [torch.empty_like(packed) for _ in range(self.world_size)] if self.is_main else None
-        what = "gathering the step's figures"
-        work = [self._collective(what, lambda: dist.gather(packed, gather_list=rows, dst=0, async_op=True))]
-
-        def arrived() -> torch.Tensor | None:
-            self._let_go(work, what, packed, *(rows or ()))
-            return torch.stack(rows).cpu() if rows is not None else None
-        return arrived
-
-    def _let_go(self, work: list, what: str, *tensors: torch.Tensor) -> None:
-        """Wait for a started collective (`work`: its one Work, taken out once done), then hold
-        its tensors until gloo's thread lets go of them too (job/ranks/in_flight.py)."""
-        if work:
-            self._collective(what, work[0].wait)
-            work.clear()
-            self._in_flight.hold(*tensors)
-
-    def _gather_details(self, result: StepResult, names: list[str]) -> StepResult:
-        """A non-finite step's figures, and where each rank saw it go non-finite: its layer, its
-        diagnosis and the op its own replay found (rare: waited for at once)."""
-        rows = self._start_gather(pack_figures(result, self._take_compute_s(result)))()
-        mine = {"loss": result.loss, "layer": result.first_nonfinite_layer, "diagnosis": result.diagnosis,
-                "op_trace": result.op_trace}
-        seen = [None] * self.world_size if self.is_main else None
-        self._collective("gathering where the step went non-finite",
-                         lambda: dist.gather_object(mine, seen, dst=0))
-        if rows is None:
-            return result
-        return merge_figures(result, rows, names, seen,
-                             loss_rank=self.nonfinite_rank if result.nonfinite == "loss" else None)
-
-    # ---- checkpoints ------------------------------------------------------------------------
-    def gather_rng(self) -> list[dict] | None:
-        """Every rank's RNG state, on rank 0 (None on the others): a checkpoint holds them all."""
-        mine = rng_state(self.device)
-        states = [None] * self.world_size if self.is_main else None
-        self._collective("gathering the RNG states for a checkpoint",
-                         lambda: dist.gather_object(mine, states, dst=0))
-        return states
-
-    def checkpoint_extra(self, states: list[dict]) -> dict:
-        return {"world_size": self.world_size, "rank_rng": states}

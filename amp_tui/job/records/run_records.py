@@ -178,3 +178,16 @@ def record_xray(run: RunContext, step: int, xray: dict, by: dict | None = None) 
     run.event("xray", xray_message(step, xray), step=step, path=name, dtype=xray.get("dtype"),
               op=first.get("op"), op_module=first.get("module"), op_phase=first.get("phase"),
               headroom_bits=first.get("headroom_bits"), **by)
+
+
+def status_snapshot(run, *, pid: int) -> dict:
+    """The run now, for `amp-tui ctl RUN status` (read from another thread: plain values only).
+    `run` is the run controller (job/controller.py): its settings and last step as well."""
+    t, r = run.training, run.last_result
+    # The counts before the step: the training thread moves the step on before it counts it.
+    return {"state": run.state, "step": run.step_index, "steps": run.steps, "dtype": t.dtype,
+            "scale": run.precision.scale, "updates": t.updates_applied, "skipped": t.skipped_total,
+            "loss": encode_float(r.loss) if r is not None else None, "pid": pid,
+            "run_dir": str(run.run_dir), "script": str(run.script),
+            "probes": run.driver.probe_schedule.status_field(),
+            **(run.ranks.header_fields() if run.ranks else {})}

@@ -7,16 +7,27 @@ commands that move the run's own state (pause, resume, step, stop) are the contr
 from __future__ import annotations
 
 import shlex
+from functools import partial
 
 from amp_tui.core import precision
 from amp_tui.core.commands import Command, CommandError, Outcome, note_text
 from amp_tui.job.records.probe_events import escalate_probes
 from amp_tui.job.run_context import RunContext
 from amp_tui.job.states import PauseReason
+from amp_tui.job.steering.commands import Handler
 from amp_tui.training.local_fp32 import ModuleMatchError, match_modules
 from amp_tui.training.probes.probe_schedule import dtype_change_reason
 from amp_tui.training.step.engine import PrecisionRefused
 from amp_tui.training.step.guards import LadderMove
+
+
+def table(run: RunContext, *, stop: Handler, fix: Handler, undo: Handler) -> dict[str, Handler]:
+    """One handler per action: a new command is one entry here (docs/architecture.md). `stop`,
+    `fix` and `undo` are the controller's and the autopilot's own."""
+    own = {"dtype": set_dtype, "scale": set_scale, "save": save, "restore": restore, "fp32": toggle_fp32,
+           "note": note, "pause": pause, "resume": resume, "step": single_step, "probe": set_probes, "xray": xray}
+    return {**{action: partial(handler, run) for action, handler in own.items()},
+            "stop": stop, "fix": fix, "undo": undo}
 
 
 def set_dtype(run: RunContext, command: Command) -> Outcome:

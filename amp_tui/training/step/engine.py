@@ -21,28 +21,27 @@ import torch
 from amp_tui.training.compiled import compiled_module_names, original_module
 from amp_tui.training.probes.hidden_activation import HiddenActivationWatch
 from amp_tui.training.probes.layer_probes import LayerFigures, LayerProbe
-from amp_tui.training.probes.probe_schedule import ProbeSchedule, observe_step
+from amp_tui.training.probes.probe_options import ProbeOptions
+from amp_tui.training.probes.probe_schedule import observe_step
 from amp_tui.training.sharding import full_value, is_sharded
-from amp_tui.training.step.autocast import autocast
 from amp_tui.training.step.outcome import CountedSteps, StepOutcomes, first_nonfinite_layer
 from amp_tui.training.step.precision_state import OwnedScaling, PrecisionRefused
 from amp_tui.training.step.step_result import StepResult
 from amp_tui.training.step.update_guard import mark_unscaled_nonfinite, nonfinite_flag, unscale_untrusted
-from amp_tui.training.trace.diagnose import Diagnosis, diagnose
 from amp_tui.training.trace.isolation import FailedStep
 from amp_tui.training.trace.op_trace import RngSnapshot, rng_snapshot
-from amp_tui.training.trace.step_trace import trace_failing_step, xray_step
+from amp_tui.training.trace.step_replays import StepReplays
 
 # A rank replays alone, and an FSDP2 forward can't: each block all-gathers its weights from every rank.
-SHARDED_NOT_TRACED = ("not traced to its op: a rank replays the step alone, and a model sharded with FSDP2 "
-                      "can't run a forward without the other ranks (each block all-gathers its weights)")
-
 __all__ = ["GuardedTrainer", "LossError", "PrecisionRefused", "StepResult", "check_loss", "to_host"]
 
 ACT_UNMEASURED_UNDER_COMPILE = (
     "act not measured under torch.compile: the compiled graph runs without amp-tui's hooks (it was "
     "compiled before they were attached, e.g. by a call in setup()); gradients and weights are "
     "measured")
+
+
+EVERY_STEP = ProbeOptions(every=1)   # the engine alone probes every step; a run says otherwise
 
 
 class LossError(Exception):
@@ -71,7 +70,7 @@ def check_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
-class GuardedTrainer(CountedSteps):
+class GuardedTrainer(CountedSteps, StepReplays):
     """One guarded optimizer update per `step()`; dtype and scale can change between steps."""
 
     def __init__(
@@ -86,10 +85,7 @@ class GuardedTrainer(CountedSteps):
         scheduler: Any = None,
         max_grad_norm: float | None = None,
         probe: bool = True,
-        probe_every: int | str = 1,
-        probe_budget: float = 1.0,
-        probe_alert_bits: float = 3.0,
-        underflow_every: int = 10,
+        probes: ProbeOptions = EVERY_STEP,
         diagnose: bool = True,
         trace_ops: bool = True,
     ):
@@ -108,9 +104,8 @@ class GuardedTrainer(CountedSteps):
         # Set once a probed step of a compiled model ran none of the hooks: its graph was
         # compiled before they were attached, and activations can't be measured inside it.
         self.act_unmeasured: str | None = None
-        self.probe_schedule = ProbeSchedule(probe_every, budget=probe_budget, alert_bits=probe_alert_bits,
-                                            names=self.probe.names) if probe else None
-        self.underflow_every = max(1, int(underflow_every))  # in probed steps
+        self.probe_schedule = probes.schedule(self.probe.names) if probe else None
+        self.underflow_every = probes.underflow_every   # in probed steps
         self.diagnose_bad_steps = diagnose
         # A non-finite step replayed under the op tracer; the RNG state each micro-batch started
         # from is kept for it (5 KB copied, about 3 µs, per micro-batch: docs/performance.md).
@@ -246,7 +241,7 @@ class GuardedTrainer(CountedSteps):
         ahead, self._started = self._started, None
         if ahead is not None and ahead.batch is not micro_batches[0]:
             ahead = None  # kept for another batch
-        xray = self._xray(micro_batches, ahead) if self._xray_due else None
+        xray = self._xray(micro_batches, ahead.rng if ahead is not None else None) if self._xray_due else None
         self.failed_step = None
         started = time.perf_counter()
         self._batch_rng = [ahead.rng] if ahead is not None else []
@@ -448,12 +443,6 @@ class GuardedTrainer(CountedSteps):
         self.probe.end()
         return figures
 
-    def _locate_nonfinite_gradient(self, micro_batches, used_scale, figures):
-        """The checked second pass over a skipped step, then the probes' own figures."""
-        diagnosis = self._diagnose(micro_batches, used_scale, backward=True)
-        first = diagnosis.backward_layer if diagnosis else None
-        return first or first_nonfinite_layer(figures, "gradients", self.layer_names), diagnosis
-
     def _hidden_activation(self, figures: LayerFigures | None) -> str | None:
         """A non-finite activation the loss never saw, when that is news (hidden_activation.py).
         Several ranks: not looked for (this rank's figures alone would make the step non-finite on
@@ -485,61 +474,6 @@ class GuardedTrainer(CountedSteps):
             skipped=skipped, applied=not skipped, lr=lr, loss=loss, scale=scale, dtype=self.dtype,
             micro_batches=micro, nonfinite=nonfinite, first_nonfinite_layer=first_layer, grad_norm=grad_norm,
             figures=figures, diagnosis=diagnosis, next_scale=self.scale, op_trace=op_trace, calibration=calibration)
-
-    def _diagnose(self, micro_batches, scale: float | None, *, backward: bool) -> Diagnosis | None:
-        """The second, checked pass over a bad step's micro-batches (the first that shows it)."""
-        if not self.diagnose_bad_steps:
-            return None
-        diagnosis = None
-        for batch in micro_batches:
-            # Sharded: every rank replays the same forwards (each gathers the shards with the
-            # others) and no backward (whose gradients go to the unsharded parameters).
-            found = diagnose(self.eager_model, lambda batch=batch: self._forward_unchecked(batch, self.eager_model),
-                             scale=scale, device=self.device, backward=backward and not self.sharded)
-            if diagnosis is None or not (diagnosis.forward_layer or diagnosis.backward_layer):
-                diagnosis = found
-            if (diagnosis.forward_layer or diagnosis.backward_layer) and not self.sharded:
-                break
-        self._zero_grad()
-        return diagnosis
-
-    def _trace_ops(self, micro_batches, indices, scale: float | None, *, backward: bool = True) -> dict | None:
-        """The failing step replayed op by op from the micro-batches at `indices`, with the
-        backward as the step ran it (the loss over the micro-batches, times the scale); without it
-        (`backward` False) for a non-finite loss, which the forward made.
-        Several ranks: each rank replays its own micro-batches on the inner module, not the DDP
-        wrapper, and alone: the replay refuses any collective (the others would never join it)."""
-        if not self.trace_ops:
-            return None
-        if self.sharded:
-            return {"op_message": SHARDED_NOT_TRACED}
-        n = len(micro_batches)
-        factor = (scale if scale is not None else 1.0) / n
-        self.failed_step = FailedStep(
-            self.eager_model, lambda batch: self.loss_fn(self.eager_model, batch),
-            [micro_batches[i] for i in indices],
-            [self._batch_rng[i] if i < len(self._batch_rng) else None for i in indices], backward=backward,
-            scale=None if scale is None and n == 1 else factor, dtype=self.dtype, device=self.device)
-        f = self.failed_step
-        return trace_failing_step(f.model, f.forward_of, f.batches, f.rngs, scale=f.scale, dtype=f.dtype,
-                                  device=f.device, backward=backward)
-
-    def _xray(self, micro_batches, ahead: _StartedStep | None) -> dict:
-        """The step about to run, X-rayed on its first micro-batch with the backward as the step
-        runs it (the loss over the micro-batches, times the scale); not counted in the step's
-        duration. The probes' hooks idle: a forward run ahead may hold their figures."""
-        self._xray_due = False
-        scale, n = self.precision.scale, len(micro_batches)
-        rng = ahead.rng if ahead is not None else rng_snapshot()
-        with self.probe.disarmed() if self.probe else contextlib.nullcontext():
-            return xray_step(self.eager_model, lambda: self.loss_fn(self.eager_model, micro_batches[0]), rng,
-                             scale=None if scale is None and n == 1 else (scale or 1.0) / n,
-                             dtype=self.dtype, device=self.device)
-
-    def _forward_unchecked(self, batch, model: torch.nn.Module | None = None):
-        with autocast(self.device.type, self.dtype):
-            return self.loss_fn(self.model if model is None else model, batch)
-
 
 def to_host(tensors: list[torch.Tensor]) -> list[float]:
     """One-element tensors (a loss in any float dtype, the float32 scale, flags) as floats. On
