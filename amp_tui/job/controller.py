@@ -291,9 +291,11 @@ class RunController:
             # name its module (a module after it may have been the first to hold the inf/NaN).
             result.first_nonfinite_layer = traced
         self._unpublished.append(result)
-        started = time.perf_counter()
-        self.forecasts.observe(result)   # before it is recorded: its ETAs go in its record
-        if result.figures is not None:   # a probed step's forecasts (the trend fits) are probing's cost
+        if result.figures is None:
+            self.forecasts.observe(result)   # before it is recorded: its ETAs go in its record
+        else:   # a probed step's forecasts (the trend fits) are probing's cost
+            started = time.perf_counter()
+            self.forecasts.observe(result)
             self.budget.probed(time.perf_counter() - started)
         if not batched or result.nonfinite is not None or self.state == "paused" \
                 or time.monotonic() - self._published_at >= PUBLISH_INTERVAL:
