@@ -23,7 +23,7 @@ from amp_tui.core.signals import STOP_SIGNALS, handling_signals
 EVENT_STYLES = {
     "nonfinite": "yellow", "error": "bold red", "intervention": "cyan",
     "checkpoint_saved": "green", "checkpoint_restored": "green", "paused": "magenta",
-    "stopping": "magenta", "alert": "yellow", "note": "bold blue",
+    "stopping": "magenta", "alert": "yellow", "forecast": "dim", "note": "bold blue",
 }
 
 

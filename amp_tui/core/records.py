@@ -23,10 +23,12 @@ EndStatus = Literal["finished", "stopped", "error"]
 Mode = Literal["live", "replay", "attached", "launched"]
 STEERED_MODES: frozenset[str] = frozenset({"live", "attached", "launched"})
 EventKind = Literal["intervention", "checkpoint_saved", "checkpoint_restored", "nonfinite", "alert",
-                    "error", "refused", "paused", "stopping", "resumed", "note", "probes", "forecast_checked",
-                    "xray", "calibration"]
+                    "error", "refused", "paused", "stopping", "resumed", "note", "probes", "forecast",
+                    "forecast_checked", "xray", "calibration"]
 
 ENDED: frozenset[str] = frozenset({"finished", "stopped", "error"})
+# The `probes` events that say why the spacing within the schedule narrowed, not a change of mode.
+PROBE_SPACING_REASONS = frozenset({"trend", "growth"})
 # The events that change a run's state or what it trains with (`InForce`); the others (a
 # checkpoint saved, an alert...) don't.
 STATE_EVENTS: tuple[EventKind, ...] = ("intervention", "checkpoint_restored", "paused", "error", "resumed")

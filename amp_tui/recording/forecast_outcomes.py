@@ -1,4 +1,5 @@
-"""The forecasts a run recorded (its `forecast_scale` and `forecast_layer` alerts) and whether they
+"""The forecasts a run recorded (its `forecast_scale` and `forecast_layer` alerts, and the `forecast`
+events of those that need nothing done) and whether they
 came true, worked out from the records alone (docs/session-format.md, "Forecasts"):
 
 - a scale forecast came true or not as the run judged it, in its `forecast_checked` event
@@ -22,7 +23,7 @@ COLUMNS = ("step", "reason", "layer", "figure", "eta", "at_step", "headroom", "c
 
 
 def is_forecast(event: Mapping[str, Any]) -> bool:
-    return event.get("kind") == "alert" and event.get("reason") in REASONS
+    return event.get("kind") in ("alert", "forecast") and event.get("reason") in REASONS
 
 
 def _same_module(a: str, b: str) -> bool:

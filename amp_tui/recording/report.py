@@ -176,7 +176,7 @@ def read_digest(target: str | Path) -> RecordingDigest:
             note = index.kind_code("note")
             notes = [_note(_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {})
                      for k, code in enumerate(index.event_kinds) if code == note]
-            wanted = {index.kind_code(kind) for kind in ("nonfinite", "alert", "forecast_checked")}
+            wanted = {index.kind_code(kind) for kind in ("nonfinite", "alert", "forecast", "forecast_checked")}
             read = [_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {}
                     for k, code in enumerate(index.event_kinds) if code in wanted]
             op_traces = [op_trace_of(e) for e in read if e.get("kind") == "nonfinite" and e.get("op")]

@@ -219,6 +219,7 @@ _KIND_LABELS: dict[EventKind, str] = {
     "stopping": "stopping",
     "nonfinite": "non-finite",
     "alert": "alert",
+    "forecast": "forecast",
     "note": "note",
 }
 

@@ -13,7 +13,7 @@ from amp_tui.core import precision
 from amp_tui.core.fixes import applied_by_autopilot, fix_in_force, last_verified_fix
 from amp_tui.core.forecast_words import scale_forecast_text
 from amp_tui.core.jsonsafe import read_float
-from amp_tui.core.records import InForce, nonfinite_layer, world_size_of
+from amp_tui.core.records import PROBE_SPACING_REASONS, InForce, nonfinite_layer, world_size_of
 from amp_tui.sources.protocol import LayerView, Snapshot
 
 # Headroom thresholds (bits = doublings left before the dtype's largest finite value).
@@ -239,7 +239,7 @@ def probing_every_step(snap: Snapshot) -> bool:
     applied meanwhile), else what the last step record says of the schedule."""
     last = snap.last or {}
     for event in reversed(snap.events):
-        if event.get("kind") == "probes":
+        if event.get("kind") == "probes" and event.get("reason") not in PROBE_SPACING_REASONS:
             if event.get("step", -1) > last.get("step", -1):
                 return event.get("mode") == "every"
             break
@@ -315,7 +315,7 @@ def scale_forecast(snap: Snapshot) -> str | None:
     for event in reversed(snap.events):
         if event.get("kind") == "forecast_checked":
             judged.add(event.get("forecast_step"))
-        elif event.get("kind") == "alert" and event.get("reason") == "forecast_scale":
+        elif event.get("kind") in ("alert", "forecast") and event.get("reason") == "forecast_scale":
             if event.get("step") in judged:
                 return None
             said = event.get("forecast") if isinstance(event.get("forecast"), dict) else {}
@@ -341,6 +341,7 @@ EVENT_LABELS = {
     "paused": ("paused", "magenta"),
     "stopping": ("stopping", "magenta"),
     "alert": ("alert", "bold yellow"),
+    "forecast": ("forecast", "dim yellow"),   # seen coming, nothing to do: not an alert
     "forecast_checked": ("forecast", "yellow"),
     "note": ("note", "bold blue"),
 }

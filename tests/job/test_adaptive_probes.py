@@ -84,8 +84,12 @@ def setup(ctx=None):
 '''
 
 
+SPACING_REASONS = ("trend", "growth")   # the spacing within the budget narrowed: no change of mode
+
+
 def probes_events(session):
-    return [e for e in session.events if e["kind"] == "probes"]
+    """The schedule's changes of mode: an escalation to every step, a return to the budget."""
+    return [e for e in session.events if e["kind"] == "probes" and e["reason"] not in SPACING_REASONS]
 
 
 def test_trouble_probes_every_step_until_a_clean_stretch(write_script, tmp_path, made_up_clock):

@@ -233,8 +233,10 @@ sys.path.insert(0, sys.argv[3])
 from support import build_live, toasts, until
 from amp_tui.ui.app import create_app
 folder, out, _, script = sys.argv[1:5]
-# every step record waits for the end: the last flush
-run, source = build_live(script, os.path.join(folder, "run"), steps=30, init_scale=256.0, flush_interval=3600.0)
+# every step record waits for the end: the last flush (probes every 10 steps: the adaptive
+# schedule's events would be written at once, on the full disk, before the end)
+run, source = build_live(script, os.path.join(folder, "run"), steps=30, init_scale=256.0, flush_interval=3600.0,
+                         probe_every=10)
 filler_path = os.path.join(folder, "filler")
 
 def fill(record):

@@ -179,9 +179,10 @@ def records(tmp_path_factory) -> list[dict]:
     out.extend(monitored_held_back(folder / "held_back"))
 
     # The forecasts, in monitored loops that show them (bench/forecast_cases.py): a scale growth
-    # that overflows, forecast and checked; the layers' ETAs of attention logits that grow.
+    # that overflows, forecast and checked; the layers' ETAs of attention logits that grow, and
+    # their alert (at step 74 under the horizon of 100).
     near = forecast_cases.near_half(folder / "near_half", steps=forecast_cases.GROWTH_INTERVAL + 2)
-    logits = forecast_cases.growing_logits(folder / "logits", steps=70)
+    logits = forecast_cases.growing_logits(folder / "logits", steps=80)
     out.extend(r for r in near + logits if r["type"] in ("step", "event"))
     return out
 

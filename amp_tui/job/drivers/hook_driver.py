@@ -279,7 +279,9 @@ class HookDriver(CountedSteps, UpdateHooks):
             self.autocast_used = False
             self._planned = self.probing()
             if self._planned:
-                self.probe.begin(weights=self.probe_schedule.weights_due())
+                schedule = self.probe_schedule
+                self.probe.begin(weights=schedule.weights_due(),
+                                 ops=not self.compiled_modules and schedule.ops_due(self.dtype))
 
     def block_ends(self, losses: list[torch.Tensor]) -> bool:
         """A block's losses (one per micro-batch where it set one each); True when the update

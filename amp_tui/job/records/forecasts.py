@@ -1,12 +1,21 @@
 """A run's two forecasts, recorded (docs/session-format.md, "Forecasts"):
 
 - the loss scale's: at each probed fp16 step, the step of GradScaler's next growth and whether it
-  overflows (training/probes/scale_forecast.py). An overflow forecast is an `alert` with reason
-  `forecast_scale`, once per growth; once its step is recorded, a `forecast_checked` event says
-  whether the skip came;
-- each layer's headroom (training/probes/headroom_trend.py): the steps left before its figure reaches
-  the dtype's max, written with the probed step (`layers.eta`), and an `alert` with reason
-  `forecast_layer` once a layer's ETA falls under the horizon.
+  overflows (training/probes/scale_forecast.py). That overflow costs one skipped update and the
+  scaler backs off by itself: nothing needs doing, so it is a `forecast` event (reason
+  `forecast_scale`, severity `info`), not an alert, once per growth; once its step is recorded, a
+  `forecast_checked` event says whether the skip came. The step before each growth is probed
+  (`probe_at`), so the gradients that show it are measured in time;
+- each layer's headroom, and that of the ops inside a module's forward (training/probes/headroom_trend.py,
+  op_probe.py): the steps left before its figure reaches the dtype's max, written with the probed
+  step (`layers.eta`). An `alert` with reason `forecast_layer` comes once a layer's (or an op's)
+  ETA falls under the horizon where the overflow needs doing something about: an activation's (no
+  scaler catches a forward overflow) or a gradient's at every scale the run allows (the scale
+  would have to fall under 1, or under --min-scale). A gradient that only overflows the scale in
+  force costs one skip: a `forecast` event says it.
+
+The soonest overflow a few probes suggest spaces the next probes (`limit_spacing`), before any
+trend is proven.
 
 The controller tells `observe` every step as it is handed over (`record_step`), before it is
 recorded: the GradScaler's growth tracker read then is this step's, whichever driver ran it.
@@ -14,10 +23,14 @@ recorded: the GradScaler's growth tracker read then is this step's, whichever dr
 
 from __future__ import annotations
 
+import math
+
 from amp_tui.core.forecast_words import SKIP_WITHIN, scale_forecast_text
+from amp_tui.core.numfmt import scale_text
 from amp_tui.core.precision import SHORT
 from amp_tui.job.run_context import RunContext
-from amp_tui.training.probes.headroom_trend import HeadroomForecast, LayerEta
+from amp_tui.training.probes.headroom_trend import REACH, HeadroomForecast, LayerEta
+from amp_tui.training.probes.op_probe import split_key
 from amp_tui.training.probes.scale_forecast import ScaleOutlook, largest, scale_outlook
 from amp_tui.training.step.engine import StepResult
 
@@ -31,7 +44,8 @@ class RunForecasts:
         self.layers = HeadroomForecast()
         self._names: list[str] | None = None
         self._dtype: str | None = None
-        self._warned: set[int] = set()                     # layers alerted in this dtype
+        self._warned: set[str] = set()                     # modules alerted in this dtype
+        self._told: set[int] = set()                       # layers whose skip was forecast in this dtype
         self._growths: dict[int, tuple[int, float, float]] = {}   # growth step -> (alerted at, scale, grown)
         self._since_growth = 0   # steps run at a grown scale without a skip, while one is judged
         # GradScaler's count of clean steps, followed on the host from each step's scales (the
@@ -43,8 +57,10 @@ class RunForecasts:
         if result.dtype != self._dtype:
             self._dtype = result.dtype
             self._warned.clear()
+            self._told.clear()
         self._check_growths(result)
         self._count_clean_steps(result)
+        self._probe_before_growth(result)
         if result.figures is None or result.nonfinite is not None:
             return
         self._forecast_layers(result)
@@ -53,40 +69,92 @@ class RunForecasts:
     # ---- the layers ---------------------------------------------------------------------------
     def _forecast_layers(self, result: StepResult) -> None:
         f = result.figures
-        etas = self.layers.observe(result.step, result.dtype, result.scale, f.act, f.grad)
+        floor = self._floor()
+        etas = self.layers.observe(result.step, result.dtype, result.scale, f.act, f.grad,
+                                   ops=f.ops, floor=floor)
+        self._space_probes()
         if not etas:
             return
         column: list[int | None] = [None] * len(f.act)
         for eta in etas:   # the sooner of a layer's two
-            if eta.index < len(column) and column[eta.index] is None:
+            if isinstance(eta.index, int) and eta.index < len(column) and column[eta.index] is None:
                 column[eta.index] = eta.steps
-        result.eta = column
+        if any(v is not None for v in column):
+            result.eta = column
         for eta in etas:
-            # Under a loss scaler, a gradient's overflow costs one skip and the scaler backs off
-            # (the scale forecast says when its growth causes one): its ETA is shown, not alerted.
             if eta.figure == "grad" and result.scale is not None:
-                continue
-            if eta.steps < self.horizon and eta.index not in self._warned:
-                self._warned.add(eta.index)
+                self._gradient_forecast(result, eta, floor)
+            elif eta.steps < self.horizon:
                 self._layer_alert(result, eta)
 
-    def _name(self, index: int) -> str:
+    def _floor(self) -> float:
+        """The lowest scale worth keeping: 1, or the run's min_scale where that is higher."""
+        min_scale = self.run.guard.config.min_scale
+        return max(1.0, min_scale or 1.0)
+
+    def _space_probes(self) -> None:
+        schedule, rough = self.run.driver.probe_schedule, self.layers.rough
+        if schedule is None:
+            return
+        if rough is None:
+            schedule.limit_spacing(None)
+            return
+        what = "max |act|" if rough.figure == "act" else "max |grad| at the lowest scale"
+        schedule.limit_spacing(rough.steps, f"{self._name(rough.index)}'s {what} rises, "
+                                            f"~{rough.steps:,} steps from the dtype's max")
+
+    def _gradient_forecast(self, result: StepResult, eta: LayerEta, floor: float) -> None:
+        """A gradient under a loss scaler: overflowing the scale in force costs one skip (a
+        forecast); overflowing at every scale the run allows is an alert."""
+        left = eta.headroom + math.log2(result.scale / floor)
+        steps = max(0, math.ceil(left / eta.slope))
+        if steps < self.horizon and left <= REACH * eta.rise:
+            self._layer_alert(result, LayerEta(eta.index, "grad", steps, left, eta.slope, eta.rise), floor=floor)
+        elif eta.steps < self.horizon and eta.index not in self._told:
+            self._told.add(eta.index)
+            name = self._name(eta.index)
+            self._forecast(result.step, "forecast_layer",
+                           f"{name}'s max |grad| × scale reaches fp16's max in about {eta.steps} steps: "
+                           "1 skip, harmless", cause=f"the gradients of {name} grow toward the scale in force",
+                           fix="nothing: GradScaler skips that update and backs off",
+                           forecast={"layer": name, "figure": "grad", "eta": eta.steps,
+                                     "at_step": result.step + eta.steps, "headroom": round(eta.headroom, 2),
+                                     "slope": float(f"{eta.slope:.4g}")})
+
+    def _name(self, index: int | str) -> str:
+        if isinstance(index, str):
+            return index
         if self._names is None:
             self._names = [str(n) for n in self.run.driver.description().get("layers") or []]
         return self._names[index] if index < len(self._names) else f"layer {index}"
 
-    def _layer_alert(self, result: StepResult, eta: LayerEta) -> None:
-        name, dtype = self._name(eta.index), SHORT.get(result.dtype, result.dtype)
-        what = "max |act|" if eta.figure == "act" else "max |grad| × scale"
+    def _layer_alert(self, result: StepResult, eta: LayerEta, floor: float | None = None) -> None:
+        op, module = split_key(eta.index) if isinstance(eta.index, str) else (None, self._name(eta.index))
+        if module in self._warned:
+            return
+        self._warned.add(module)
+        name, dtype = (eta.index if op else module), SHORT.get(result.dtype, result.dtype)
+        what = ("max |act|" if eta.figure == "act" else
+                f"max |grad| × the lowest scale ({scale_text(floor)})" if floor else "max |grad| × scale")
         message = (f"{name} reaches {dtype}'s max in about {eta.steps} steps (step ~{result.step + eta.steps:,}): "
                    f"its {what} grows {eta.slope:.3g} bits a step, {eta.headroom:.1f} bits left")
-        cause = (f"the {what} of {name} grows steadily toward {dtype}'s max (attention logits that grow "
-                 "with training, without qk normalisation, are the known case)")
-        fix = (f"run it in fp32 before it overflows (--fp32-modules '{name}', or fp32={name} from the "
-               "dashboard or ctl), switch to bf16 (d), or lower the learning rate")
-        self._alert(result.step, "forecast_layer", message, cause, fix, {
-            "layer": name, "figure": eta.figure, "eta": eta.steps, "at_step": result.step + eta.steps,
-            "headroom": round(eta.headroom, 2), "slope": float(f"{eta.slope:.4g}")})
+        if op:
+            cause = (f"a value computed inside {module or 'the model'}'s forward ({op}) grows steadily toward "
+                     f"{dtype}'s max: attention scores (q @ k.T) that grow with training are the known case")
+        elif eta.figure == "act":
+            cause = (f"the {what} of {name} grows steadily toward {dtype}'s max (attention logits that grow "
+                     "with training, without qk normalisation, are the known case)")
+        else:
+            cause = (f"the gradients of {name} grow until they overflow {dtype} at every loss scale the run "
+                     "allows: the scaler would back off under it, and every update would be skipped")
+        fix = (f"run it in fp32 before it overflows (--fp32-modules '{module}', or fp32={module} from the "
+               "dashboard or ctl), switch to bf16 (d), or lower the learning rate") if module else \
+              "switch to bf16 (d), or lower the learning rate"
+        forecast = {"layer": module, "figure": eta.figure, "eta": eta.steps, "at_step": result.step + eta.steps,
+                    "headroom": round(eta.headroom, 2), "slope": float(f"{eta.slope:.4g}")}
+        if op:
+            forecast["op"] = op
+        self._alert(result.step, "forecast_layer", message, cause, fix, forecast)
 
     # ---- the loss scale -------------------------------------------------------------------------
     def _forecast_scale(self, result: StepResult) -> None:
@@ -109,18 +177,30 @@ class RunForecasts:
         if outlook is None or not outlook.overflows or outlook.headroom < 0 or outlook.growth_step in self._growths:
             return
         self._growths[outlook.growth_step] = (result.step, outlook.scale, outlook.grown)
-        self._scale_alert(result, outlook, scaler.get_growth_interval())
+        self._scale_forecast(result, outlook, scaler.get_growth_interval())
 
-    def _scale_alert(self, result: StepResult, outlook: ScaleOutlook, interval: int) -> None:
-        cause = (f"the largest gradient times the scale ({outlook.scale:g}) is within one growth of fp16's "
-                 f"max: after {interval} clean steps GradScaler grows the scale to {outlook.grown:g}, "
-                 "which takes it over")
+    def _scale_forecast(self, result: StepResult, outlook: ScaleOutlook, interval: int) -> None:
+        cause = (f"the largest gradient times the scale ({scale_text(outlook.scale)}) is within one growth of "
+                 f"fp16's max: after {interval} clean steps GradScaler grows the scale to "
+                 f"{scale_text(outlook.grown)}, which takes it over")
         fix = ("nothing: GradScaler skips that one update and falls back to the scale before; to avoid "
                "the skip, give the GradScaler a longer growth_interval, or train in bf16 (d)")
-        self._alert(result.step, "forecast_scale", scale_forecast_text(outlook.growth_step, outlook.headroom),
-                    cause, fix, {"growth_step": outlook.growth_step, "scale": outlook.scale,
-                                 "grown": outlook.grown, "headroom": round(outlook.headroom, 2),
-                                 "growth_interval": interval})
+        self._forecast(result.step, "forecast_scale", scale_forecast_text(outlook.growth_step, outlook.headroom),
+                       cause=cause, fix=fix, forecast={
+                           "growth_step": outlook.growth_step, "scale": outlook.scale, "grown": outlook.grown,
+                           "headroom": round(outlook.headroom, 2), "growth_interval": interval})
+
+    def _probe_before_growth(self, result: StepResult) -> None:
+        """The step before GradScaler's next growth is probed: its gradients, times the grown
+        scale, say whether the growth overflows (known to the step: once per growth_interval)."""
+        schedule = self.run.driver.probe_schedule
+        if schedule is None or self._clean is None or result.dtype != "float16" or result.next_scale is None:
+            return
+        interval = self.run.precision.scaler.get_growth_interval()
+        growth_step = result.step + max(interval - self._clean, 1) + 1
+        if growth_step - 2 > result.step:
+            schedule.probe_at(growth_step - 2, f"its gradients times the grown scale say whether the growth "
+                                               f"at step {growth_step:,} overflows")
 
     def _count_clean_steps(self, result: StepResult) -> None:
         """GradScaler's update: a step that changes the scale (a growth, a backoff) starts the
@@ -132,8 +212,18 @@ class RunForecasts:
         if self._clean is not None and result.scale == self._next_scale:
             self._clean = 0 if result.next_scale != result.scale else self._clean + 1
         else:
-            self._clean = None
+            self._clean = self._tracker_now(result)
         self._next_scale = result.next_scale
+
+    def _tracker_now(self, result: StepResult) -> int | None:
+        """GradScaler's count read from the scaler (one device read, once per unknown count), where
+        the scaler is still where this step left it; None: not readable, or an fp16 scaler absent."""
+        if result.dtype != "float16":
+            return None
+        tracker = getattr(self.run.precision.scaler, "_get_growth_tracker", None)
+        if tracker is None or self.run.precision.scale != result.next_scale:
+            return None
+        return int(tracker())
 
     def _check_growths(self, result: StepResult) -> None:
         """Each forecast growth once its step is here: did the grown scale skip an update within
@@ -175,6 +265,12 @@ class RunForecasts:
                        f"{'came true' if came else 'did not come true'}: {said}",
                        step=step, reason="forecast_scale", forecast_step=alerted_at,
                        growth_step=growth_step, came_true=came)
+
+    def _forecast(self, step: int, reason: str, message: str, *, cause: str, fix: str, forecast: dict) -> None:
+        """A forecast that needs nothing done: a `forecast` event the status bar, the event log and
+        `report` show, never an alert."""
+        self.run.event("forecast", f"{message}. Likely cause: {cause}. Fix: {fix}", step=step, reason=reason,
+                       severity="info", cause=cause, fix=fix, forecast=forecast)
 
     def _alert(self, step: int, reason: str, message: str, cause: str, fix: str, forecast: dict) -> None:
         # The controller's alert, with what was forecast as one object.

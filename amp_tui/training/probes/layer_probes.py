@@ -22,6 +22,7 @@ import torch
 from amp_tui.core.precision import FP16_TINY
 from amp_tui.training.compiled import clean_name
 from amp_tui.training.probes.extremes import SMALL_NUMEL, MaxAbsPlan, PlanMismatch
+from amp_tui.training.probes.op_probe import OpProbe
 from amp_tui.training.sharding import dtensor_type, local_tensor
 
 UNMEASURED = None  # a module that did not run, or a parameter without a gradient
@@ -42,6 +43,9 @@ class LayerFigures:
     underflow_scaled: list[float | None] | None = None
     # Whether any recorded gradient holds inf/NaN (judged on the host, from the extremes).
     grads_nonfinite: bool = False
+    # The largest |output| of the ops inside modules' forwards, by "aten.op in module" (op_probe.py;
+    # None: not measured this step).
+    ops: dict[str, float] | None = None
 
     def first_nonfinite(self, kind: str = "act") -> int | None:
         values = getattr(self, kind)
@@ -112,6 +116,8 @@ class LayerProbe:
 
     def __init__(self, model: torch.nn.Module, *, keep_hooks: bool = False):
         self.keep_hooks = keep_hooks
+        self._model = model
+        self._ops: OpProbe | None = None   # made on the first step that measures the ops
         self.names: list[str] = []
         self._modules: list[torch.nn.Module] = []
         self._params: list[torch.nn.Parameter] = []  # unique, in first-seen order
@@ -182,9 +188,10 @@ class LayerProbe:
         """id() of every parameter the probed modules own."""
         return {id(p) for p in self._params}
 
-    def begin(self, *, weights: bool = True) -> None:
+    def begin(self, *, weights: bool = True, ops: bool = False) -> None:
         """Start probing a step: unprobed steps (with the hooks off) pay nothing. `weights`:
-        read the weights too (they change little from one step to the next)."""
+        read the weights too (they change little from one step to the next). `ops`: the ops
+        inside modules' forwards too (op_probe.py), after the layers' hooks are on."""
         self._weights_wanted = weights
         self._calls.clear()
         self._kept.clear()
@@ -202,6 +209,10 @@ class LayerProbe:
         if not self._handles:
             make = self._make_traced_hook if self.keep_hooks else self._make_hook
             self._handles = [m.register_forward_hook(make(i)) for i, m in enumerate(self._modules)]
+        if ops:
+            if self._ops is None:
+                self._ops = OpProbe(self._model)
+            self._ops.begin()
 
     def end(self) -> None:
         """Take the hooks off the model (the next begin() puts them back); with `keep_hooks`,
@@ -211,12 +222,16 @@ class LayerProbe:
         self._kept_layers.clear()
         self._kept_versions.clear()
         self._kept_bytes = 0
+        if self._ops is not None:
+            self._ops.detach()
         if not self.keep_hooks:
             self.detach()
 
     def detach(self) -> None:
         """Take the hooks off the model, whatever `keep_hooks` says."""
         self._armed = False
+        if self._ops is not None:
+            self._ops.detach()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -442,7 +457,8 @@ class LayerProbe:
                 underflow_scaled = _shares(nonzero, rows[2 * n_layers:], plan.layer_numel)
         figures = LayerFigures(act=act, grad=grads, weight=weight, order=list(dict.fromkeys(self._calls)),
                                underflow=underflow, underflow_scaled=underflow_scaled,
-                               grads_nonfinite=nonfinite)
+                               grads_nonfinite=nonfinite,
+                               ops=self._ops.collect() if self._ops is not None and self._ops.active else None)
         self._act_parts, self._act_meta = [], []
         return figures, extra_host
 

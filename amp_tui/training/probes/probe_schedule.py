@@ -30,12 +30,11 @@ own too, and goes in the words alike (`own_nonfinite`).
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
 
 from amp_tui.core.precision import MAX_FINITE, SHORT
+from amp_tui.training.probes.recent_median import RecentMedian
 
 Mode = Literal["every", "auto"]
 
@@ -44,6 +43,7 @@ PROBED_WINDOW = 15      # recent probed steps whose median duration is a probed 
 PLAIN_WINDOW = 31       # recent unprobed steps whose median duration is an unprobed step's
 PLAIN_REFRESH = 4       # ... made again every this many counted steps once the window is full
 FIRST_INTERVAL = 10     # one step in this many while a cost is still unknown
+RISK_SHARE = 1 / 8      # the next probe within this share of the soonest overflow the figures suggest
 MAX_SPACING = (1 << 24) - 1   # the widest spacing the ranks agree on (exact in fp32 and int64 words)
 NONFINITE_WORDS = {"loss": "loss", "activations": "activation", "gradients": "gradient"}
 
@@ -53,34 +53,9 @@ class ProbeChange:
     """An escalation to every step, or a return to the schedule: a `probes` event."""
 
     mode: Mode
-    reason: str         # skip, scale_drop, nonfinite, headroom, dtype, restore, resume, command, clean
+    reason: str         # skip, scale_drop, nonfinite, headroom, dtype, restore, resume, command, clean,
+                        # trend (the spacing narrowed by a forecast), growth (the step before a scale growth)
     message: str
-
-
-class RecentMedian:
-    """The median of the last `size` values (None before the first), made again at every value
-    until the window is full, then every `refresh` values: a window's median moves slowly, and
-    every step pays for making it."""
-
-    def __init__(self, size: int, refresh: int = 1):
-        self.values: deque[float] = deque(maxlen=size)
-        self.refresh = refresh
-        self.value: float | None = None
-        self._added = 0
-
-    def add(self, value: float) -> bool:
-        """Whether the median was made again."""
-        self.values.append(value)
-        self._added += 1
-        if len(self.values) < (self.values.maxlen or 0) or self._added % self.refresh == 0:
-            self.value = statistics.median(self.values)
-            return True
-        return False
-
-    def add_to_last(self, extra: float) -> None:
-        """The last value was `extra` more than told."""
-        self.values[-1] += extra
-        self.value = statistics.median(self.values)
 
 
 class ProbeSchedule:
@@ -132,6 +107,12 @@ class ProbeSchedule:
         # A skip and a scale drop are GradScaler's, the same on every rank.
         self.own_verdicts = False
         self.own_nonfinite: str | None = None
+        # Spaced by risk as well as by cost: the next probe no later than a share of the soonest
+        # overflow the figures suggest (`limit_spacing`), and the steps known to matter ahead of
+        # time (`probe_at`: the one before GradScaler's next growth).
+        self.risk_spacing: int | None = None
+        self._due: set[int] = set()
+        self._growth_said = False
 
     @property
     def budget(self) -> float:
@@ -178,9 +159,12 @@ class ProbeSchedule:
             return True
         if self.agreed_spacing is not None:
             return self.since_probe + 1 >= self.agreed_spacing
+        if step in self._due:
+            return True
         if self.plain_time is None:
             return False   # an unprobed step first, to know what probing adds
-        return self.since_probe + 1 >= self.interval() or self.seconds_since_probe >= self.live_seconds
+        spacing = self.interval() if self.risk_spacing is None else min(self.interval(), self.risk_spacing)
+        return self.since_probe + 1 >= spacing or self.seconds_since_probe >= self.live_seconds
 
     def interval(self) -> int:
         """One step in this many is probed, for probing to cost at most what the budget leaves
@@ -230,10 +214,40 @@ class ProbeSchedule:
             return self.every
         if self.budget >= 100:
             return 1
-        spacing = self.interval()
+        spacing = self.interval() if self.risk_spacing is None else min(self.interval(), self.risk_spacing)
         if self.plain_time:
             spacing = min(spacing, math.ceil(self.live_seconds / self.plain_time) + 1)
         return max(1, min(spacing, MAX_SPACING))
+
+    def limit_spacing(self, steps_left: int | None, why: str = "") -> None:
+        """The soonest overflow the figures suggest is `steps_left` steps away (None: none seen):
+        probe again within RISK_SHARE of it, so the estimate sharpens as it nears (the budget's
+        spacing stays the widest). A narrowing by half or more is said in a `probes` event."""
+        if not self.auto:
+            return
+        if steps_left is None:
+            self.risk_spacing = None
+            return
+        spacing = max(1, math.ceil(steps_left * RISK_SHARE))
+        widest = self._interval if self._interval is not None else FIRST_INTERVAL
+        if spacing >= widest:
+            self.risk_spacing = None
+            return
+        before = self.risk_spacing
+        self.risk_spacing = spacing
+        if (before is None or spacing * 2 <= before) and self.mode == "auto":
+            self._changes.append(ProbeChange("auto", "trend", f"probing at least every {spacing} steps: {why}"))
+
+    def probe_at(self, step: int, why: str) -> None:
+        """Probe step `step` whatever the spacing (the adaptive schedule of one process only:
+        several ranks probe what rank 0's spacing says). Said once, the first time."""
+        if not self.auto or self.agreed_spacing is not None or step in self._due:
+            return
+        self._due.add(step)
+        if not self._growth_said:
+            self._growth_said = True
+            self._changes.append(ProbeChange(self.mode, "growth", f"probing the step before each scale growth "
+                                                               f"(next: step {step:,}): {why}"))
 
     def follow(self, spacing: int) -> None:
         """Several ranks: probe at `spacing`, as the ranks agreed (rank 0's), not at this
@@ -244,6 +258,12 @@ class ProbeSchedule:
         """Whether the step being probed reads the weights: every `weights_every`th probed step
         of the adaptive schedule, and every escalated one (a fixed schedule: every probed step)."""
         return not self.auto or self.mode == "every" or self.probed_steps % self.weights_every == 0
+
+    def ops_due(self, dtype: str) -> bool:
+        """Whether the step being probed measures the ops inside modules' forwards (op_probe.py):
+        in fp16 only (what can overflow there), and while every step is probed, every
+        `weights_every`th (their cost counts in the probed steps' time like the rest)."""
+        return dtype == "float16" and (self.mode == "auto" or self.probed_steps % self.weights_every == 0)
 
     def underflow_due(self, step: int, every: int) -> bool:
         """Whether the step being probed counts the underflow shares: every `every`th probed step."""
@@ -266,6 +286,8 @@ class ProbeSchedule:
         figures (`act`, `grad`: None when not measured). `calibration`: a skip of GradScaler
         finding its scale at the start (training/step/calibration.py), which is no trouble."""
         self.observed += 1
+        if step is not None and self._due:
+            self._due = {due for due in self._due if due > step}
         trouble = None if calibration else self._trouble(skipped, nonfinite, scale, next_scale, dtype, act, grad,
                                                          step)
         if planned:

@@ -200,7 +200,9 @@ class GuardedTrainer(CountedSteps, StepReplays):
         return self.probe is not None and self.probe_schedule.probing(self.step_index)
 
     def _begin_probe(self) -> None:
-        self.probe.begin(weights=self.probe_schedule.weights_due())
+        schedule = self.probe_schedule
+        self.probe.begin(weights=schedule.weights_due(),
+                         ops=not self.compiled_modules and schedule.ops_due(self.dtype))
 
     def start_step(self, batch: Any) -> torch.Tensor:
         """Run the next step's forward on `batch` now, and keep it: when step() is then given
