@@ -11,6 +11,7 @@ from collections import Counter
 import numpy as np
 
 from amp_tui.training.probes.headroom_trend import (
+    LATEST_PAIRS,
     MIN_POINTS,
     MIN_RISING,
     MIN_SPAN,
@@ -149,6 +150,10 @@ def _reference_fit(xs, ys):
     recent, _ = _reference_theil_sen(xs[half:], ys[half:])
     if recent <= 0 or not STEADY * older <= recent <= older / STEADY:
         return None, "steady"
+    last_xs, last_ys = xs[n - n // 4:], ys[n - n // 4:]
+    pairs = sum(1 for i in range(len(last_xs)) for j in range(i + 1, len(last_xs)) if last_xs[j] != last_xs[i])
+    if pairs >= LATEST_PAIRS and _reference_theil_sen(last_xs, last_ys)[0] < STEADY * robust:
+        return None, "flattening"
     intercept = statistics.median(y - robust * x for x, y in zip(xs, ys))
     return Trend(min(robust, recent), intercept + robust * xs[-1]), "trend"
 
@@ -197,7 +202,7 @@ def test_the_fit_is_the_plain_python_fit_bit_for_bit():
         else:
             assert got is not None and type(got.slope) is float and type(got.level) is float
             assert (got.slope.hex(), got.level.hex()) == (want.slope.hex(), want.level.hex()), (xs, ys)
-    assert min(ends[end] for end in ("screen", "robust", "steady", "trend")) >= 50, ends
+    assert min(ends[end] for end in ("screen", "robust", "steady", "flattening", "trend")) >= 50, ends
 
 
 def test_the_median_is_statistics_median():

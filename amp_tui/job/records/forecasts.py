@@ -29,12 +29,16 @@ from amp_tui.core.forecast_words import SKIP_WITHIN, scale_forecast_text
 from amp_tui.core.numfmt import scale_text
 from amp_tui.core.precision import SHORT
 from amp_tui.job.run_context import RunContext
-from amp_tui.training.probes.headroom_trend import REACH, HeadroomForecast, LayerEta
+from amp_tui.training.probes.headroom_trend import HeadroomForecast, LayerEta
 from amp_tui.training.probes.op_probe import split_key
 from amp_tui.training.probes.scale_forecast import ScaleOutlook, largest, scale_outlook
 from amp_tui.training.step.engine import StepResult
 
 DEFAULT_HORIZON = 500   # steps: a layer's ETA under this raises its alert
+# A gradient's overflow is said only within the rise its trend has shown (not REACH times it):
+# gradients grow by thousands in the first hundred steps of training and settle, and at scale 1
+# fp16's max is some twenty bits above a typical gradient.
+GRAD_REACH = 1.0
 
 
 class RunForecasts:
@@ -108,9 +112,9 @@ class RunForecasts:
         forecast); overflowing at every scale the run allows is an alert."""
         left = eta.headroom + math.log2(result.scale / floor)
         steps = max(0, math.ceil(left / eta.slope))
-        if steps < self.horizon and left <= REACH * eta.rise:
+        if steps < self.horizon and left <= GRAD_REACH * eta.rise:
             self._layer_alert(result, LayerEta(eta.index, "grad", steps, left, eta.slope, eta.rise), floor=floor)
-        elif eta.steps < self.horizon and eta.index not in self._told:
+        elif eta.steps < self.horizon and eta.headroom <= GRAD_REACH * eta.rise and eta.index not in self._told:
             self._told.add(eta.index)
             name = self._name(eta.index)
             self._forecast(result.step, "forecast_layer",

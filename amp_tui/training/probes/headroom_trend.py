@@ -7,9 +7,10 @@ well (kept as running sums: O(1) a point; each point weighted by the steps it st
 since the probe before it, so that the dense probes near an overflow don't outvote the sparse ones
 that saw the trend begin; a trend backed by few points must fit better), a robust (Theil-Sen)
 slope that agrees (made again every REFIT points of a series that passes the screen, carried on
-between), with most pairs of points rising, and a recent half that rises about as fast as the
-older one (not much slower, not much faster). The cheap screen runs on every series; the robust
-checks only on the few that pass it. And an ETA is only said for what is within reach: bits left
+between), with most pairs of points rising, a recent half that rises about as fast as the
+older one (not much slower, not much faster), and a last quarter not much slower than the whole
+(the S of early training flattens there first). The cheap screen runs on every series; the
+robust checks only on the few that pass it. And an ETA is only said for what is within reach: bits left
 at most REACH times what the trend rose over its window (the growth of the first hundred steps of
 training is a real trend that mostly stops well short of the max).
 
@@ -47,6 +48,7 @@ MIN_R2_FEW = 0.95        # ... and with fewer than MANY points behind it
 MANY = 24
 MIN_RISING = 0.75        # the share of pairs of points that rise (Theil-Sen's pairs)
 STEADY = 0.7             # the two halves' slopes within this factor of each other (either way)
+LATEST_PAIRS = 6         # the last quarter is judged with at least this many pairs (4 points)
 REACH = 2.0              # an ETA is said when the bits left are at most this many times the rise seen
 REFIT = 8                # a trending series' robust fit is made again once this many points came
 ROUGH_R2 = 0.5           # a rough slope (the probe schedule's guess) fits at least this well
@@ -62,11 +64,12 @@ class Trend:
 @lru_cache(maxsize=WINDOW)
 def _pairs(n: int) -> tuple[np.ndarray, ...]:
     """The pairs i < j of n points, as index arrays, and which of them lie in the older half (both
-    below n // 2) and in the recent half (both from it): the halves' fits are subsets of the whole's
-    pairs, so their slopes are computed once. Made once per n (read-only: shared by every fit)."""
+    below n // 2), in the recent half (both from it) and in the last quarter: the parts' fits are
+    subsets of the whole's pairs, so their slopes are computed once. Made once per n (read-only:
+    shared by every fit)."""
     i, j = np.triu_indices(n, 1)
     half = n // 2
-    arrays = (i, j, j < half, i >= half)
+    arrays = (i, j, j < half, i >= half, i >= n - n // 4)
     for a in arrays:
         a.setflags(write=False)
     return arrays
@@ -110,17 +113,22 @@ def fit_trend(xs: list[float], ys: list[float], ws: list[float] | None = None) -
     # Theil-Sen: the median of the pairwise slopes (a pair with the same x has none), over all the
     # points and over each half; and the share of the pairs that rise.
     x, y = np.array(xs, dtype=np.float64), np.array(ys, dtype=np.float64)
-    i, j, older_pairs, recent_pairs = _pairs(n)
+    i, j, older_pairs, recent_pairs, latest_pairs = _pairs(n)
     dx, dy = x[j] - x[i], y[j] - y[i]
     if not dx.all():   # some points share an x: drop their pairs (the span check leaves at least one)
         real = dx != 0
-        dx, dy, older_pairs, recent_pairs = dx[real], dy[real], older_pairs[real], recent_pairs[real]
+        dx, dy = dx[real], dy[real]
+        older_pairs, recent_pairs, latest_pairs = older_pairs[real], recent_pairs[real], latest_pairs[real]
     slopes = dy / dx
     robust = _median(slopes)
     if robust <= 0 or np.count_nonzero(slopes > 0) / len(slopes) < MIN_RISING:
         return None
     older, recent = _median(slopes[older_pairs]), _median(slopes[recent_pairs])
     if recent <= 0 or not STEADY * older <= recent <= older / STEADY:
+        return None
+    # The S of early training flattens in its last points before the halves show it: the last
+    # quarter (where it has points enough to fit) rises about as fast as the whole.
+    if np.count_nonzero(latest_pairs) >= LATEST_PAIRS and _median(slopes[latest_pairs]) < STEADY * robust:
         return None
     intercept = _median(y - robust * x)
     return Trend(min(robust, recent), intercept + robust * xs[-1])

@@ -8,8 +8,9 @@ on the step itself, under a `TorchDispatchMode` armed from the model's forward p
 forward hook. Each op's max |x| stays on the device until `collect()` reads them in one transfer.
 
 Only what can overflow is measured: outputs in float16 (bfloat16 has fp32's range), and only ops
-in the forward of a module that has children of its own, or of the root: a leaf module's ops make
-its output, which the layer probes already measure (layer_probes.py). Not armed under
+in the forward of the root, of a module that has children of its own, or of a module of the
+user's own (not one of torch.nn's): a torch.nn leaf's ops make its output, which the layer probes
+already measure (layer_probes.py). Not armed under
 torch.compile (a compiled graph runs its own kernels, past any dispatch mode) and never in the
 backward (the mode ends with the forward).
 """
@@ -36,6 +37,12 @@ def split_key(key: str) -> tuple[str, str]:
     """(op, module) of an `op_key`."""
     op, _, module = key.partition(" in ")
     return op, "" if module == "<model>" else module
+
+
+def _watched(name: str, module: torch.nn.Module) -> bool:
+    """Whether a module's own forward may compute a value its output doesn't show: the root, a
+    module with children, or a leaf of the user's own (an attention written on raw parameters)."""
+    return name == "" or any(True for _ in module.children()) or not type(module).__module__.startswith("torch.nn")
 
 
 class _OpMaxima(TorchDispatchMode):
@@ -67,10 +74,8 @@ class OpProbe:
     def __init__(self, model: torch.nn.Module):
         modules = named_modules(model)
         self.root = modules.get("", model)
-        # The modules whose own forward is watched: the root and every module with children;
-        # None for a leaf, whose ops make its output.
-        self._modules = [(m, name if (name == "" or any(True for _ in m.children())) else None)
-                         for name, m in modules.items()]
+        # The modules whose own forward is watched; None for a torch.nn leaf, whose ops make its output.
+        self._modules = [(m, name if _watched(name, m) else None) for name, m in modules.items()]
         self.active = False
         self.pending: list[tuple[object, str, torch.Tensor]] = []
         self._stack: list[str | None] = []

@@ -111,7 +111,7 @@ class ProbeSchedule:
         # overflow the figures suggest (`limit_spacing`), and the steps known to matter ahead of
         # time (`probe_at`: the one before GradScaler's next growth).
         self.risk_spacing: int | None = None
-        self._due: set[int] = set()
+        self._due: dict[int, str] = {}   # step -> why it is probed
         self._growth_said = False
 
     @property
@@ -240,14 +240,11 @@ class ProbeSchedule:
 
     def probe_at(self, step: int, why: str) -> None:
         """Probe step `step` whatever the spacing (the adaptive schedule of one process only:
-        several ranks probe what rank 0's spacing says). Said once, the first time."""
-        if not self.auto or self.agreed_spacing is not None or step in self._due:
+        several ranks probe what rank 0's spacing says). Said once, when the first such step is
+        probed."""
+        if not self.auto or self.agreed_spacing is not None:
             return
-        self._due.add(step)
-        if not self._growth_said:
-            self._growth_said = True
-            self._changes.append(ProbeChange(self.mode, "growth", f"probing the step before each scale growth "
-                                                               f"(next: step {step:,}): {why}"))
+        self._due.setdefault(step, why)
 
     def follow(self, spacing: int) -> None:
         """Several ranks: probe at `spacing`, as the ranks agreed (rank 0's), not at this
@@ -287,7 +284,12 @@ class ProbeSchedule:
         finding its scale at the start (training/step/calibration.py), which is no trouble."""
         self.observed += 1
         if step is not None and self._due:
-            self._due = {due for due in self._due if due > step}
+            why = self._due.get(step)
+            if why is not None and planned and not self._growth_said:
+                self._growth_said = True
+                self._changes.append(ProbeChange(self.mode, "growth", f"probing the step before each scale "
+                                                                   f"growth (step {step:,}): {why}"))
+            self._due = {due: said for due, said in self._due.items() if due > step}
         trouble = None if calibration else self._trouble(skipped, nonfinite, scale, next_scale, dtype, act, grad,
                                                          step)
         if planned:
