@@ -130,3 +130,38 @@ def test_training_is_bit_identical_with_the_op_probe():
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(train(True), train(False)))
+
+
+class Wrapper(nn.Module):
+    """A framework's module (Lightning's) that holds the model and never runs a forward of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = Net(gain=50.0)
+
+    def training_step(self, x):
+        return self.model(x)
+
+
+def test_the_outermost_forward_that_runs_arms_it_when_the_root_never_runs():
+    wrapper = Wrapper()
+    probe = OpProbe(wrapper)
+    probe.begin()
+    with torch.autocast("cpu", dtype=torch.float16):
+        wrapper.training_step(torch.randn(4, 8))
+    assert op_key("aten.mul", "model.block") in probe.collect()
+
+
+def test_another_hook_s_measures_are_no_op_of_the_module():
+    """What a module's other forward hooks compute (the layer probes', a user's) runs after its
+    forward: not an op of that module, nor of its parent."""
+    model = Net()
+
+    def measure(_module, _args, out) -> None:
+        assert out.dtype == torch.float16
+        out.abs().amax()
+
+    model.raw.register_forward_hook(measure)   # a watched module's own hook, on its fp16 output
+    _, _, figures = _probed(model, torch.randn(4, 8))
+    assert not [key for key in figures if key.startswith(("aten.abs", "aten.amax"))], figures
+    assert op_key("aten.mul", "block") in figures

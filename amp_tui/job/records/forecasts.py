@@ -41,6 +41,11 @@ DEFAULT_HORIZON = 500   # steps: a layer's ETA under this raises its alert
 GRAD_REACH = 1.0
 
 
+def _related(a: str, b: str) -> bool:
+    """One module is the other or holds it ("" is the model, which holds every one)."""
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
 class RunForecasts:
     def __init__(self, run: RunContext, horizon: int = DEFAULT_HORIZON):
         self.run = run
@@ -49,6 +54,7 @@ class RunForecasts:
         self._names: list[str] | None = None
         self._dtype: str | None = None
         self._warned: set[str] = set()                     # modules alerted in this dtype
+        self._alerted_now: list[str] = []                  # ... at the step being observed
         self._told: set[int] = set()                       # layers whose skip was forecast in this dtype
         self._growths: dict[int, tuple[int, float, float]] = {}   # growth step -> (alerted at, scale, grown)
         self._since_growth = 0   # steps run at a grown scale without a skip, while one is judged
@@ -85,7 +91,10 @@ class RunForecasts:
                 column[eta.index] = eta.steps
         if any(v is not None for v in column):
             result.eta = column
-        for eta in etas:
+        # The soonest first: of a module and one inside it (a query and the scores made from it)
+        # trending at once, the alert names the one that overflows first.
+        self._alerted_now = []
+        for eta in sorted(etas, key=lambda eta: eta.steps):
             if eta.figure == "grad" and result.scale is not None:
                 self._gradient_forecast(result, eta, floor)
             elif eta.steps < self.horizon:
@@ -134,9 +143,10 @@ class RunForecasts:
 
     def _layer_alert(self, result: StepResult, eta: LayerEta, floor: float | None = None) -> None:
         op, module = split_key(eta.index) if isinstance(eta.index, str) else (None, self._name(eta.index))
-        if module in self._warned:
+        if module in self._warned or any(_related(module, other) for other in self._alerted_now):
             return
         self._warned.add(module)
+        self._alerted_now.append(module)
         name, dtype = (eta.index if op else module), SHORT.get(result.dtype, result.dtype)
         what = ("max |act|" if eta.figure == "act" else
                 f"max |grad| × the lowest scale ({scale_text(floor)})" if floor else "max |grad| × scale")

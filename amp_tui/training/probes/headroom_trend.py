@@ -51,7 +51,8 @@ STEADY = 0.7             # the two halves' slopes within this factor of each oth
 LATEST_PAIRS = 6         # the last quarter is judged with at least this many pairs (4 points)
 REACH = 2.0              # an ETA is said when the bits left are at most this many times the rise seen
 REFIT = 8                # a trending series' robust fit is made again once this many points came
-ROUGH_R2 = 0.5           # a rough slope (the probe schedule's guess) fits at least this well
+ROUGH_R2 = 0.5           # a rough slope (the probe schedule's guess) fits at least this well ...
+ROUGH_SPAN = 10          # ... over at least this many steps
 FIGURES = ("act", "grad")
 
 
@@ -209,8 +210,9 @@ class _Series:
 
     def rough_slope(self) -> float | None:
         """The weighted least-squares slope of a few points, before any trend is proven (the probe
-        schedule's guess of how soon to look again): None below three points or a loose fit."""
-        if len(self.points) < 3:
+        schedule's guess of how soon to look again): None below three points, over fewer than
+        ROUGH_SPAN steps (the first steps' transient), or a loose fit."""
+        if len(self.points) < 3 or self.points[-1][0] - self.points[0][0] < ROUGH_SPAN:
             return None
         _, sxx, sxy, syy = self.centred()
         if sxx <= 0 or syy <= 0 or sxy <= 0 or sxy * sxy / (sxx * syy) < ROUGH_R2:

@@ -4,8 +4,8 @@ op that runs in a module's own forward, by module and op ("aten.mul in blocks.1"
 What overflows in real attention is an intermediate: the scores `q @ k.T * scale`, computed inside
 the attention module's forward and squashed by the softmax after them, so no module's output shows
 them growing. The op tracer sees every op (trace/op_trace.py), but replays a step; this probe rides
-on the step itself, under a `TorchDispatchMode` armed from the model's forward pre-hook to its
-forward hook. Each op's max |x| stays on the device until `collect()` reads them in one transfer.
+on the step itself, under a `TorchDispatchMode` armed while the outermost module's forward runs.
+Each op's max |x| stays on the device until `collect()` reads them in one transfer.
 
 Only what can overflow is measured: outputs in float16 (bfloat16 has fp32's range), and only ops
 in the forward of the root, of a module that has children of its own, or of a module of the
@@ -45,6 +45,12 @@ def _watched(name: str, module: torch.nn.Module) -> bool:
     return name == "" or any(True for _ in module.children()) or not type(module).__module__.startswith("torch.nn")
 
 
+# Ops that only move or rename values another op computed (its maximum is already counted): the
+# views are told by the op itself (`is_view`); these are not views but copy or alias the same values.
+SAME_VALUES = frozenset({"_unsafe_view", "clone", "alias", "lift_fresh", "lift_fresh_copy", "_reshape_alias",
+                         "contiguous", "detach", "copy", "copy_"})
+
+
 class _OpMaxima(TorchDispatchMode):
     """Each watched op's max |output|, kept on the device, keyed by the module it runs in."""
 
@@ -55,7 +61,7 @@ class _OpMaxima(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         module = self.probe.current()
-        if module is None or func.is_view:
+        if module is None or func.is_view or func.overloadpacket.__name__ in SAME_VALUES:
             return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.dtype in WATCHED_DTYPES and t.numel() > 0:
@@ -65,15 +71,15 @@ class _OpMaxima(TorchDispatchMode):
 
 
 class OpProbe:
-    """Armed for one step's forwards (`begin`), read at its end (`collect`). The root's forward
-    pre-hook arms the mode and its forward hook (the first of the root's hooks) disarms it; each
-    module's own pre-hook and hook say which module runs, put on after the layer probes' hooks
-    (`begin` comes after theirs), so that what those measure in a leaf's hook counts as the leaf's
-    (not watched) and never as an op of its parent."""
+    """Armed for one step's forwards (`begin`), read at its end (`collect`). The mode is entered by
+    the pre-hook of the outermost module that runs (the root, or under a framework that calls a
+    child's forward itself, as Lightning's training_step does, that child) and left once it returns.
+    Each module's pre-hook, put on last, says which module runs; its first forward hook (put on
+    first) says none does while the other hooks of that module run (the layer probes' measures are
+    no op of any module), and its last pops it."""
 
     def __init__(self, model: torch.nn.Module):
         modules = named_modules(model)
-        self.root = modules.get("", model)
         # The modules whose own forward is watched; None for a torch.nn leaf, whose ops make its output.
         self._modules = [(m, name if _watched(name, m) else None) for name, m in modules.items()]
         self.active = False
@@ -88,12 +94,10 @@ class OpProbe:
         self.pending = []
         if self._handles:
             return
-        self._handles = [self.root.register_forward_pre_hook(self._forward_starts),
-                         self.root.register_forward_hook(self._forward_ends, prepend=True)]
         for module, name in self._modules:
-            if module is not self.root:
-                self._handles.append(module.register_forward_pre_hook(self._enter(name)))
-                self._handles.append(module.register_forward_hook(self._leave))
+            self._handles += [module.register_forward_pre_hook(self._enter(name)),
+                              module.register_forward_hook(self._hooks_run, prepend=True),
+                              module.register_forward_hook(self._leave)]
 
     def collect(self) -> dict[str, float]:
         """The step's maxima by `op_key` (inf or NaN where an op made one), and the probe idle."""
@@ -120,17 +124,9 @@ class OpProbe:
 
     # ---- around each forward ---------------------------------------------------------------------
     def current(self) -> str | None:
-        """The innermost module running now, where watched (None: a leaf's own ops, or no forward)."""
+        """The innermost module running now, where watched (None: a leaf's own ops, a module's
+        other hooks, or no forward)."""
         return self._stack[-1] if self._stack else None
-
-    def _forward_starts(self, *_args) -> None:
-        if self.active and self._mode is None:
-            self._stack = [""]
-            self._mode = _OpMaxima(self)
-            self._mode.__enter__()
-
-    def _forward_ends(self, *_args) -> None:
-        self._disarm()
 
     def _disarm(self) -> None:
         if self._mode is None:
@@ -141,11 +137,22 @@ class OpProbe:
 
     def _enter(self, name: str | None):
         def enter(_module, _args) -> None:
-            if self._mode is not None:
-                self._stack.append(name)
+            if not self.active:
+                return
+            if self._mode is None:
+                self._stack = []
+                self._mode = _OpMaxima(self)
+                self._mode.__enter__()
+            self._stack.append(name)
         return enter
 
-    def _leave(self, _module, _args, _output) -> None:
-        if self._mode is not None and len(self._stack) > 1:
-            self._stack.pop()
+    def _hooks_run(self, _module, _args, _output) -> None:
+        if self._mode is not None:
+            self._stack.append(None)
 
+    def _leave(self, _module, _args, _output) -> None:
+        if self._mode is None:
+            return
+        del self._stack[-2:]
+        if not self._stack:
+            self._disarm()
