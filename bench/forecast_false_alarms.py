@@ -88,7 +88,11 @@ def healthy_demo_run(dtype: str, steps: int, run_dir: Path) -> list[dict]:
 def tally(name: str, dtype: str, records: list[dict], seconds: float) -> dict:
     events = [r for r in records if r["type"] == "event"]
     steps = [r for r in records if r["type"] == "step"]
-    rows = forecast_outcomes(events, steps[-1]["step"] if steps else None)
+    outcomes = forecast_outcomes(events, steps[-1]["step"] if steps else None)
+    # forecast_outcomes keeps the forecasts' order: each row's kind is its event's.
+    kinds = [e["kind"] for e in events if is_forecast(e) and isinstance(e.get("step"), int)]
+    rows = [r for r, kind in zip(outcomes, kinds) if kind == "alert"]
+    said = [r for r, kind in zip(outcomes, kinds) if kind == "forecast"]
     return {"run": name, "dtype": dtype, "steps": len(steps),
             "skipped": sum(1 for s in steps if s["skipped"]),
             "nonfinite_events": sum(1 for e in events if e["kind"] == "nonfinite"),
@@ -97,6 +101,8 @@ def tally(name: str, dtype: str, records: list[dict], seconds: float) -> dict:
             "open": sum(1 for r in rows if r["came_true"] is None),
             "came_true": sum(1 for r in rows if r["came_true"]),
             "false_alarms": sum(1 for r in rows if r["came_true"] is False),
+            # forecasts that need nothing done (a harmless skip) and did not come true: no alarm, but wrong
+            "wrong_forecasts": sum(1 for r in said if r["came_true"] is False),
             "steps_with_eta": sum(1 for s in steps if "eta" in (s.get("layers") or {})),
             "seconds": round(seconds, 1)}
 
@@ -146,11 +152,11 @@ def main() -> int:
         leads = lead_times(folder)
     print()
     print(f"{'run':<22} {'dtype':<9} {'steps':>6} {'skips':>6} {'alerts':>7} {'layer':>6} {'true':>5} "
-          f"{'false':>6} {'open':>5} {'ETA steps':>10}")
+          f"{'false':>6} {'open':>5} {'wrong':>6} {'ETA steps':>10}")
     for r in runs:
         print(f"{r['run']:<22} {r['dtype']:<9} {r['steps']:>6} {r['skipped']:>6} {r['forecast_alerts']:>7} "
               f"{r['layer_alerts']:>6} {r['came_true']:>5} {r['false_alarms']:>6} {r['open']:>5} "
-              f"{r['steps_with_eta']:>10}")
+              f"{r['wrong_forecasts']:>6} {r['steps_with_eta']:>10}")
     print(f"false alarms in all: {sum(r['false_alarms'] for r in runs)} "
           f"(forecast alerts {sum(r['forecast_alerts'] for r in runs)}, came true {sum(r['came_true'] for r in runs)})")
     for s in leads["scale"]:

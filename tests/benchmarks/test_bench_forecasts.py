@@ -27,6 +27,7 @@ def test_healthy_runs_raise_no_false_alarm(tmp_path):
     assert all(r["skipped"] == 0 and r["nonfinite_events"] == 0 for r in runs), runs
     assert sum(r["false_alarms"] for r in runs) == 0, runs
     assert sum(r["layer_alerts"] for r in runs) == 0, runs
+    assert sum(r["wrong_forecasts"] for r in runs) == 0, runs   # not even a harmless skip said wrongly
 
 
 def test_the_lead_times_are_measured(tmp_path):

@@ -12,6 +12,7 @@ import numpy as np
 
 from amp_tui.training.probes.headroom_trend import (
     LATEST_PAIRS,
+    MIN_HALF,
     MIN_POINTS,
     MIN_RISING,
     MIN_SPAN,
@@ -33,11 +34,11 @@ def test_a_steady_rise_gives_its_slope_and_the_steps_left():
     rng = random.Random(0)
     etas = []
     for step in range(80):
-        act = 2.0 ** (6 + 0.05 * step + rng.gauss(0, 0.05))   # 0.05 bits a step, a little noise
+        act = 2.0 ** (7 + 0.05 * step + rng.gauss(0, 0.05))   # 0.05 bits a step, a little noise
         etas = forecast.observe(step, "float16", 1024.0, [act], [1e-6])
     (eta,) = etas
     assert eta.figure == "act" and abs(eta.slope - 0.05) < 0.005
-    truth = (FP16_BITS - (6 + 0.05 * 79)) / 0.05
+    truth = (FP16_BITS - (7 + 0.05 * 79)) / 0.05
     assert abs(eta.steps - truth) < 0.15 * truth
 
 
@@ -145,17 +146,29 @@ def _reference_fit(xs, ys):
     robust, rising = _reference_theil_sen(xs, ys)
     if robust <= 0 or rising < MIN_RISING:
         return None, "robust"
-    half = n // 2
-    older, _ = _reference_theil_sen(xs[:half], ys[:half])
-    recent, _ = _reference_theil_sen(xs[half:], ys[half:])
+    middle, last_quarter = xs[0] + (xs[-1] - xs[0]) / 2, xs[0] + 3 * (xs[-1] - xs[0]) / 4
+    older_part = [(x, y) for x, y in zip(xs, ys) if x < middle]
+    recent_part = [(x, y) for x, y in zip(xs, ys) if x >= middle]
+    if min(len(older_part), len(recent_part)) < MIN_HALF:
+        older_part, recent_part = list(zip(xs, ys))[:n // 2], list(zip(xs, ys))[n // 2:]
+    if not (_has_pair(older_part) and _has_pair(recent_part)):
+        return None, "steady"
+    older, _ = _reference_theil_sen(*zip(*older_part))
+    recent, _ = _reference_theil_sen(*zip(*recent_part))
     if recent <= 0 or not STEADY * older <= recent <= older / STEADY:
         return None, "steady"
-    last_xs, last_ys = xs[n - n // 4:], ys[n - n // 4:]
+    last = [(x, y) for x, y in zip(xs, ys) if x >= last_quarter]
+    last_xs, last_ys = [x for x, _ in last], [y for _, y in last]
     pairs = sum(1 for i in range(len(last_xs)) for j in range(i + 1, len(last_xs)) if last_xs[j] != last_xs[i])
     if pairs >= LATEST_PAIRS and _reference_theil_sen(last_xs, last_ys)[0] < STEADY * robust:
         return None, "flattening"
     intercept = statistics.median(y - robust * x for x, y in zip(xs, ys))
     return Trend(min(robust, recent), intercept + robust * xs[-1]), "trend"
+
+
+def _has_pair(points) -> bool:
+    """Two points of a part at different steps (a slope to take)."""
+    return len({x for x, _ in points}) >= 2
 
 
 def _random_series(rng):

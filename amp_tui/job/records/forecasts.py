@@ -39,6 +39,7 @@ DEFAULT_HORIZON = 500   # steps: a layer's ETA under this raises its alert
 # gradients grow by thousands in the first hundred steps of training and settle, and at scale 1
 # fp16's max is some twenty bits above a typical gradient.
 GRAD_REACH = 1.0
+GRAD_MIN_SPAN = 100   # steps a gradient's trend spans before it says anything (that growth lasts ~100)
 
 
 def _related(a: str, b: str) -> bool:
@@ -119,6 +120,8 @@ class RunForecasts:
     def _gradient_forecast(self, result: StepResult, eta: LayerEta, floor: float) -> None:
         """A gradient under a loss scaler: overflowing the scale in force costs one skip (a
         forecast); overflowing at every scale the run allows is an alert."""
+        if eta.rise < GRAD_MIN_SPAN * eta.slope:
+            return   # a trend over fewer steps than early training's growth of the gradients lasts
         left = eta.headroom + math.log2(result.scale / floor)
         steps = max(0, math.ceil(left / eta.slope))
         if steps < self.horizon and left <= GRAD_REACH * eta.rise:

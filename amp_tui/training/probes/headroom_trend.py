@@ -48,9 +48,12 @@ MIN_R2_FEW = 0.95        # ... and with fewer than MANY points behind it
 MANY = 24
 MIN_RISING = 0.75        # the share of pairs of points that rise (Theil-Sen's pairs)
 STEADY = 0.7             # the two halves' slopes within this factor of each other (either way)
+MIN_HALF = 3             # points in each half of the steps, else the halves are by count
+TRANSIENT_STEPS = 10     # the run's first steps are a transient: their points are in no trend's fit
 LATEST_PAIRS = 6         # the last quarter is judged with at least this many pairs (4 points)
 REACH = 2.0              # an ETA is said when the bits left are at most this many times the rise seen
-REFIT = 8                # a trending series' robust fit is made again once this many points came
+REFIT = 8                # a trending series' robust fit is made again once this many points came ...
+RETRY = 2                # ... one that failed it, after this many (sparse probes: each point counts)
 ROUGH_R2 = 0.5           # a rough slope (the probe schedule's guess) fits at least this well ...
 ROUGH_SPAN = 10          # ... over at least this many steps
 FIGURES = ("act", "grad")
@@ -63,14 +66,10 @@ class Trend:
 
 
 @lru_cache(maxsize=WINDOW)
-def _pairs(n: int) -> tuple[np.ndarray, ...]:
-    """The pairs i < j of n points, as index arrays, and which of them lie in the older half (both
-    below n // 2), in the recent half (both from it) and in the last quarter: the parts' fits are
-    subsets of the whole's pairs, so their slopes are computed once. Made once per n (read-only:
-    shared by every fit)."""
-    i, j = np.triu_indices(n, 1)
-    half = n // 2
-    arrays = (i, j, j < half, i >= half, i >= n - n // 4)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs i < j of n points, as index arrays. Made once per n (read-only: shared by every
+    fit)."""
+    arrays = np.triu_indices(n, 1)
     for a in arrays:
         a.setflags(write=False)
     return arrays
@@ -112,14 +111,25 @@ def fit_trend(xs: list[float], ys: list[float], ws: list[float] | None = None) -
     if not screen(*sums, points=n):
         return None
     # Theil-Sen: the median of the pairwise slopes (a pair with the same x has none), over all the
-    # points and over each half; and the share of the pairs that rise.
+    # points and over each half of the steps; and the share of the pairs that rise.
+    # The parts are spans of steps, not counts of points: the probes are denser at the start (the
+    # first steps probed) and near an overflow, and halves by count would set a few steps of the
+    # start against hundreds of steps after them.
     x, y = np.array(xs, dtype=np.float64), np.array(ys, dtype=np.float64)
-    i, j, older_pairs, recent_pairs, latest_pairs = _pairs(n)
+    i, j = _pairs(n)
     dx, dy = x[j] - x[i], y[j] - y[i]
     if not dx.all():   # some points share an x: drop their pairs (the span check leaves at least one)
         real = dx != 0
-        dx, dy = dx[real], dy[real]
-        older_pairs, recent_pairs, latest_pairs = older_pairs[real], recent_pairs[real], latest_pairs[real]
+        i, j, dx, dy = i[real], j[real], dx[real], dy[real]
+    middle, last_quarter = xs[0] + (xs[-1] - xs[0]) / 2, xs[0] + 3 * (xs[-1] - xs[0]) / 4
+    older_pairs, recent_pairs, latest_pairs = x[j] < middle, x[i] >= middle, x[i] >= last_quarter
+    if min(np.count_nonzero(x < middle), np.count_nonzero(x >= middle)) < MIN_HALF:
+        # Too few points in one half of the steps (a lone probe long before the dense ones that
+        # followed a warning): the halves by count instead.
+        half = n // 2
+        older_pairs, recent_pairs = j < half, i >= half
+    if not (older_pairs.any() and recent_pairs.any()):
+        return None   # a half with no pair of points: nothing to judge its steadiness by
     slopes = dy / dx
     robust = _median(slopes)
     if robust <= 0 or np.count_nonzero(slopes > 0) / len(slopes) < MIN_RISING:
@@ -222,9 +232,9 @@ class _Series:
     def current(self) -> Trend | None:
         """The trend as of the last point: the robust fit when due, else the last one carried on."""
         step = self.points[-1][0]
-        if self.fitted_at is None or self.since_fit >= REFIT:
-            self.trend = fit_trend([float(s) for s, _, _ in self.points], [y for _, y, _ in self.points],
-                                   [w for _, _, w in self.points])
+        if self.fitted_at is None or self.since_fit >= (REFIT if self.trend is not None else RETRY):
+            kept = [p for p in self.points if p[0] >= TRANSIENT_STEPS]
+            self.trend = fit_trend([float(s) for s, _, _ in kept], [y for _, y, _ in kept], [w for _, _, w in kept])
             self.fitted_at, self.since_fit = step, 0
         if self.trend is None:
             return None
