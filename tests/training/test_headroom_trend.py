@@ -229,3 +229,24 @@ def test_the_median_is_statistics_median():
         values = [rng.choice((round(rng.gauss(0, 1), 1) + 0.0, rng.gauss(0, 1))) for _ in range(m)]
         got = _median(np.array(values))
         assert type(got) is float and got.hex() == float(statistics.median(values)).hex()
+
+
+def test_a_dense_start_does_not_outvote_the_sparse_probes_after_it():
+    """The adaptive schedule's probes: the first three steps (a transient: the figure jumps), then one
+    every 25 steps on a steady rise. Weighted by the steps each point stands for, the pairs among the
+    first three count for little and the rise is a trend; unweighted, the jump breaks the halves."""
+    xs = [0.0, 1.0, 2.0] + [float(s) for s in range(12, 200, 25)]
+    ys = [1.0, 3.0, 3.6] + [1.5 + 0.04 * x for x in xs[3:]]
+    ws = [1.0] + [b - a for a, b in zip(xs, xs[1:])]
+    trend = fit_trend(xs, ys, ws)
+    assert trend is not None and abs(trend.slope - 0.04) < 0.004
+    assert fit_trend(xs, ys) is None
+
+
+def test_the_weighted_median_is_the_median_with_equal_weights():
+    from amp_tui.training.probes.headroom_trend import _median, _weighted_median
+    rng = random.Random(5)
+    for n in range(1, 30):
+        values = np.array([rng.choice((rng.gauss(0, 1), 0.5)) for _ in range(n)])
+        assert _weighted_median(values, np.ones(n)) == _median(values)
+    assert _weighted_median(np.array([1.0, 2.0, 3.0]), np.array([1.0, 1.0, 10.0])) == 3.0

@@ -49,7 +49,6 @@ MANY = 24
 MIN_RISING = 0.75        # the share of pairs of points that rise (Theil-Sen's pairs)
 STEADY = 0.7             # the two halves' slopes within this factor of each other (either way)
 MIN_HALF = 3             # points in each half of the steps, else the halves are by count
-TRANSIENT_STEPS = 10     # the run's first steps are a transient: their points are in no trend's fit
 LATEST_PAIRS = 6         # the last quarter is judged with at least this many pairs (4 points)
 REACH = 2.0              # an ETA is said when the bits left are at most this many times the rise seen
 REFIT = 8                # a trending series' robust fit is made again once this many points came ...
@@ -97,8 +96,8 @@ def fit_trend(xs: list[float], ys: list[float], ws: list[float] | None = None) -
     older half's: a growth that flattens out (the first steps' transient, gradients that grow
     early in training and settle) or that is only taking off (early training's S-shaped rise,
     caught on its way up) is not extrapolated. A steady slope of log2 is a steady factor a step:
-    attention logits that grow with training show one. `ws`: each point's weight in the
-    least-squares screen (None: all alike)."""
+    attention logits that grow with training show one. `ws`: each point's weight, in the
+    least-squares screen and in the robust fits (None: all alike)."""
     n = len(xs)
     if n < MIN_POINTS or xs[-1] - xs[0] < MIN_SPAN:
         return None
@@ -111,16 +110,21 @@ def fit_trend(xs: list[float], ys: list[float], ws: list[float] | None = None) -
     if not screen(*sums, points=n):
         return None
     # Theil-Sen: the median of the pairwise slopes (a pair with the same x has none), over all the
-    # points and over each half of the steps; and the share of the pairs that rise.
-    # The parts are spans of steps, not counts of points: the probes are denser at the start (the
-    # first steps probed) and near an overflow, and halves by count would set a few steps of the
-    # start against hundreds of steps after them.
+    # points and over each half of the steps; and the share of the pairs that rise. With `ws`,
+    # each pair weighs the product of its points' weights (a weighted median): three probes of
+    # the first steps, a step apart, then say as much as the steps they span, not as much as
+    # three probes a hundred steps apart. The halves are spans of steps, not counts of points:
+    # probes are denser at the start and near an overflow.
     x, y = np.array(xs, dtype=np.float64), np.array(ys, dtype=np.float64)
     i, j = _pairs(n)
     dx, dy = x[j] - x[i], y[j] - y[i]
     if not dx.all():   # some points share an x: drop their pairs (the span check leaves at least one)
         real = dx != 0
         i, j, dx, dy = i[real], j[real], dx[real], dy[real]
+    w = None
+    if ws is not None and len(set(ws)) > 1:
+        weights = np.array(ws, dtype=np.float64)
+        w = weights[i] * weights[j]
     middle, last_quarter = xs[0] + (xs[-1] - xs[0]) / 2, xs[0] + 3 * (xs[-1] - xs[0]) / 4
     older_pairs, recent_pairs, latest_pairs = x[j] < middle, x[i] >= middle, x[i] >= last_quarter
     if min(np.count_nonzero(x < middle), np.count_nonzero(x >= middle)) < MIN_HALF:
@@ -131,18 +135,41 @@ def fit_trend(xs: list[float], ys: list[float], ws: list[float] | None = None) -
     if not (older_pairs.any() and recent_pairs.any()):
         return None   # a half with no pair of points: nothing to judge its steadiness by
     slopes = dy / dx
-    robust = _median(slopes)
-    if robust <= 0 or np.count_nonzero(slopes > 0) / len(slopes) < MIN_RISING:
+
+    def median(part=None) -> float:
+        if w is None:
+            return _median(slopes if part is None else slopes[part])
+        return _weighted_median(slopes, w) if part is None else _weighted_median(slopes[part], w[part])
+
+    robust = median()
+    rising = (np.count_nonzero(slopes > 0) / len(slopes) if w is None
+              else float(w[slopes > 0].sum() / w.sum()))
+    if robust <= 0 or rising < MIN_RISING:
         return None
-    older, recent = _median(slopes[older_pairs]), _median(slopes[recent_pairs])
+    older, recent = median(older_pairs), median(recent_pairs)
     if recent <= 0 or not STEADY * older <= recent <= older / STEADY:
         return None
     # The S of early training flattens in its last points before the halves show it: the last
     # quarter (where it has points enough to fit) rises about as fast as the whole.
-    if np.count_nonzero(latest_pairs) >= LATEST_PAIRS and _median(slopes[latest_pairs]) < STEADY * robust:
+    if np.count_nonzero(latest_pairs) >= LATEST_PAIRS and median(latest_pairs) < STEADY * robust:
         return None
     intercept = _median(y - robust * x)
     return Trend(min(robust, recent), intercept + robust * xs[-1])
+
+
+def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    """The value where the cumulative weight of the sorted values reaches half the total (the mean
+    of it and the next where it lands on half exactly: with equal weights, `_median`'s value).
+    0.0 for none."""
+    if not len(values):
+        return 0.0
+    order = np.argsort(values, kind="stable")
+    ordered, cumulative = values[order], np.cumsum(weights[order])
+    half = cumulative[-1] / 2
+    k = int(np.searchsorted(cumulative, half))
+    if cumulative[k] == half and k + 1 < len(ordered):
+        return (float(ordered[k]) + float(ordered[k + 1])) / 2
+    return float(ordered[k])
 
 
 def screen(n: float, sxx: float, sxy: float, syy: float, *, points: int | None = None) -> bool:
@@ -233,8 +260,8 @@ class _Series:
         """The trend as of the last point: the robust fit when due, else the last one carried on."""
         step = self.points[-1][0]
         if self.fitted_at is None or self.since_fit >= (REFIT if self.trend is not None else RETRY):
-            kept = [p for p in self.points if p[0] >= TRANSIENT_STEPS]
-            self.trend = fit_trend([float(s) for s, _, _ in kept], [y for _, y, _ in kept], [w for _, _, w in kept])
+            self.trend = fit_trend([float(s) for s, _, _ in self.points], [y for _, y, _ in self.points],
+                                   [w for _, _, w in self.points])
             self.fitted_at, self.since_fit = step, 0
         if self.trend is None:
             return None
