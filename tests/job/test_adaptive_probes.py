@@ -28,9 +28,9 @@ from amp_tui.training.probes.probe_schedule import FIRST_INTERVAL, FIRST_PROBED
 from frameworks import at_steps, command, hf_trainer, lightning_module_class, pl_trainer, regression_loader
 from support import monitored_loop, train_run
 
-STEP = 0.005         # seconds an unprobed step takes, by the made-up clock
-PROBE_COST = 0.01    # what probing adds to a step
-# 10% budget: one probed step in ceil(0.01 * 0.9 / (0.1 * 0.005)) = 18
+STEP = 0.01          # seconds an unprobed step takes, by the made-up clock (probe_schedule.SHORT_STEP)
+PROBE_COST = 0.02    # what probing adds to a step
+# 10% budget: one probed step in ceil(0.02 * 0.9 / (0.1 * 0.01)) = 18
 BUDGET = 10.0
 INTERVAL = 18
 

@@ -44,6 +44,10 @@ PLAIN_WINDOW = 31       # recent unprobed steps whose median duration is an unpr
 PLAIN_REFRESH = 4       # ... made again every this many counted steps once the window is full
 FIRST_INTERVAL = 10     # one step in this many while a cost is still unknown
 RISK_SHARE = 1 / 8      # the next probe within this share of the soonest overflow the figures suggest
+# The budget is a share of a step of at least this long: on shorter steps (small models on a CPU)
+# the probes may take 1% of 10 ms a step on average, as the per-step figures are reported in µs
+# there rather than held to 1%, or a probe that costs a few steps would come once in a thousand.
+SHORT_STEP = 0.010
 MAX_SPACING = (1 << 24) - 1   # the widest spacing the ranks agree on (exact in fp32 and int64 words)
 NONFINITE_WORDS = {"loss": "loss", "activations": "activation", "gradients": "gradient"}
 
@@ -179,12 +183,17 @@ class ProbeSchedule:
         run's work between steps), as a share of an unprobed step (0..1)."""
         return (self.record_time + self.own_time) / self.plain_time if self.plain_time else 0.0
 
+    def _budgeted_step(self) -> float:
+        """The step the budget is a share of: an unprobed step's duration, or SHORT_STEP if longer."""
+        return max(self.plain_time or 0.0, SHORT_STEP)
+
     def probe_share(self) -> float:
         """The share of the training time (0..1) the probes may take: the budget, less what every
         step costs whatever the schedule (`fixed_share`), but never under a quarter of the budget
-        (the figures are the point)."""
+        (the figures are the point); of a step of SHORT_STEP where steps are shorter."""
         budget = self.budget / 100
-        return max(budget - self.fixed_share(), budget / 4)
+        fixed = (self.record_time + self.own_time) / self._budgeted_step() if self.plain_time else 0.0
+        return max(budget - fixed, budget / 4)
 
     def _spaced(self) -> int:
         if not self.auto:
@@ -203,7 +212,7 @@ class ProbeSchedule:
             return self._spacing
         # At least every other step unprobed, so that both averages keep up with the run.
         # (rounded first: an exact 18 computed as 18.000000000000004 is 18)
-        self._spacing = max(2, math.ceil(round(cost * (1 - share) / (share * self.plain_time), 6)))
+        self._spacing = max(2, math.ceil(round(cost * (1 - share) / (share * self._budgeted_step()), 6)))
         return self._spacing
 
     def spacing(self) -> int:
