@@ -3,8 +3,8 @@ a value growing 0.5%..5% a step, at a module's output or inside its forward, ear
 last, behind a LayerNorm, a tanh or a softmax, in MLPs and small transformers, under `amp-tui
 train`, a monitored loop and the Lightning callback, in fp16 (where it overflows) and bf16
 (where it doesn't); and healthy runs of 2,000 steps (the family's models without growth, the
-healthy demo and the bench models), in fp16 and bf16. Every run with amp-tui's defaults: the
-adaptive probe schedule at its 1% budget.
+healthy demo and the bench models at their quick sizes), in fp16 and bf16. Every run with
+amp-tui's defaults: the adaptive probe schedule at its 1% budget.
 
     python bench/forecast_family.py             # 36 growing runs, 8 in bf16, healthy runs of 2,000 steps
     python bench/forecast_family.py --quick     # 12 growing runs, 2 in bf16, healthy runs of 400 steps
@@ -198,12 +198,11 @@ def _healthy_demo(dtype: str, steps: int, folder: Path) -> dict:
 
 
 def _bench_models(dtype: str, steps: int, folder: Path) -> list[dict]:
-    from bench.forecast_false_alarms import HEALTHY_INIT_SCALE
-    from bench.models import BlocksSpec, GptSpec, MlpSpec
+    from bench.forecast_false_alarms import HEALTHY_INIT_SCALE, QUICK_SPECS
     from bench.models import build as build_bench
 
     rows = []
-    for spec in (MlpSpec(), GptSpec(), BlocksSpec()):
+    for spec in QUICK_SPECS:   # their full sizes, every step probed: bench/forecast_false_alarms.py
         run_dir = folder / f"{spec.name}-{dtype}"
         started = time.perf_counter()
         model, batches, loss_fn, _ = build_bench(spec)
@@ -281,7 +280,7 @@ def main() -> int:
             print(f"  {s['model']:<11} {s['where']:<6} {s['position']:<6} {s['after']:<9} {s['rate']:>6.2%} "
                   f"{s['driver']:<9} {s['dtype']:<8} overflow {r['overflow']}  alert {r['alert_step']} "
                   f"{r['op'] or ''}  lead {r['lead']}  ETA error {error}  ({r['seconds']} s)", flush=True)
-        healthy = healthy_runs(healthy_steps, folder, bench_models=not args.quick)
+        healthy = healthy_runs(healthy_steps, folder)
         for r in healthy:
             print(f"  healthy {r['run']:<22} {r['scenario']['dtype']:<8} {r['steps']} steps, alerts {r['alerts']}, "
                   f"probed {r['probed']:.1%}, cost {r['cost_percent']}%  ({r['seconds']} s)", flush=True)

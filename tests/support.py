@@ -677,3 +677,40 @@ def monitored_loop(run_dir, steps, *, probe_every="auto", init_scale=2.0 ** 40, 
             scaler.update()
     monitor.close()
     return read_session(run_dir)
+
+
+def install_made_up_clock(monkeypatch, step: float, probe_cost: float):
+    """Each call of the drivers' perf_counter moves it on by `step` (a step's duration is the
+    difference of two calls); collecting a probed step's figures costs `probe_cost` more. Which
+    steps the adaptive schedule probes then depends on the run's own progress, never on how busy
+    the machine is. Recording the steps, and the run's other work between them, take no time on
+    this clock (test_probe_schedule.py counts them)."""
+    import types
+
+    import amp_tui.job.controller as controller_module
+    import amp_tui.job.drivers.engine_driver as engine_driver_module
+    import amp_tui.job.drivers.hook_driver as hook_driver_module
+    import amp_tui.job.monitor as monitor_module
+    import amp_tui.job.records.probe_budget as probe_budget_module
+    import amp_tui.training.step.engine as engine_module
+    from amp_tui.training.probes.layer_probes import LayerProbe
+
+    clock = types.SimpleNamespace(now=0.0)
+
+    def perf_counter():
+        clock.now += step
+        return clock.now
+    fake_time = types.SimpleNamespace(perf_counter=perf_counter, time=time.time)
+    monkeypatch.setattr(engine_module, "time", fake_time)
+    monkeypatch.setattr(hook_driver_module, "time", fake_time)
+    still = types.SimpleNamespace(perf_counter=lambda: 0.0, monotonic=time.monotonic, time=time.time,
+                                  sleep=time.sleep)
+    for module in (controller_module, probe_budget_module, engine_driver_module, monitor_module):
+        monkeypatch.setattr(module, "time", still)
+    collect = LayerProbe.collect
+
+    def costly_collect(self, *args, **kwargs):
+        clock.now += probe_cost
+        return collect(self, *args, **kwargs)
+    monkeypatch.setattr(LayerProbe, "collect", costly_collect)
+    return clock

@@ -6,7 +6,6 @@ busy the machine is.
 """
 
 import time
-import types
 
 import pytest
 import torch
@@ -14,19 +13,14 @@ from torch import nn
 
 import amp_tui
 import amp_tui.job.controller as controller_module
-import amp_tui.job.drivers.engine_driver as engine_driver_module
-import amp_tui.job.drivers.hook_driver as hook_driver_module
-import amp_tui.job.monitor as monitor_module
-import amp_tui.job.records.probe_budget as probe_budget_module
 import amp_tui.training.step.engine as engine_module
 from amp_tui.core.commands import parse_action
 from amp_tui.recording.reader import read_session
 from amp_tui.sources.buffer import RunBuffer
-from amp_tui.training.probes.layer_probes import LayerProbe
 from amp_tui.training.probes.probe_schedule import FIRST_INTERVAL, FIRST_PROBED
 
 from frameworks import at_steps, command, hf_trainer, lightning_module_class, pl_trainer, regression_loader
-from support import monitored_loop, train_run
+from support import install_made_up_clock, monitored_loop, train_run
 
 STEP = 0.01          # seconds an unprobed step takes, by the made-up clock (probe_schedule.SHORT_STEP)
 PROBE_COST = 0.02    # what probing adds to a step
@@ -37,30 +31,8 @@ INTERVAL = 18
 
 @pytest.fixture
 def made_up_clock(monkeypatch):
-    """Each call of the drivers' perf_counter moves it on by STEP (a step's duration is the
-    difference of two calls); collecting a probed step's figures costs PROBE_COST more."""
-    clock = types.SimpleNamespace(now=0.0)
-
-    def perf_counter():
-        clock.now += STEP
-        return clock.now
-    fake_time = types.SimpleNamespace(perf_counter=perf_counter, time=__import__("time").time)
-    monkeypatch.setattr(engine_module, "time", fake_time)
-    monkeypatch.setattr(hook_driver_module, "time", fake_time)
-    # Recording the steps, and the run's other work between them, take no time on this clock
-    # (test_probe_schedule.py counts them).
-    real = __import__("time")
-    still = types.SimpleNamespace(perf_counter=lambda: 0.0, monotonic=real.monotonic, time=real.time,
-                                  sleep=real.sleep)
-    for module in (controller_module, probe_budget_module, engine_driver_module, monitor_module):
-        monkeypatch.setattr(module, "time", still)
-    collect = LayerProbe.collect
-
-    def costly_collect(self, *args, **kwargs):
-        clock.now += PROBE_COST
-        return collect(self, *args, **kwargs)
-    monkeypatch.setattr(LayerProbe, "collect", costly_collect)
-    return clock
+    """Each step takes STEP on the drivers' clock; collecting a probed step's figures PROBE_COST more."""
+    return install_made_up_clock(monkeypatch, STEP, PROBE_COST)
 
 
 HOT = range(60, 90)      # activations at 2 bits of headroom to fp16's max

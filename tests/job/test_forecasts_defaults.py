@@ -13,6 +13,8 @@ from torch import nn
 import amp_tui
 from amp_tui.recording.reader import read_session
 
+from support import install_made_up_clock
+
 
 class GrowingInside(nn.Module):
     """`self.logits(h) * gain` before a LayerNorm: the shape of attention scores computed inside
@@ -49,7 +51,9 @@ def growing_inside_loop(run_dir, steps=600, rate=1.03):
     return read_session(run_dir)
 
 
-def test_a_value_growing_inside_a_forward_is_forecast_by_op_and_module(tmp_path):
+def test_a_value_growing_inside_a_forward_is_forecast_by_op_and_module(tmp_path, monkeypatch):
+    # The probes fall by a made-up clock (a step of 10 ms, a probe 2 ms more), not the machine's load.
+    install_made_up_clock(monkeypatch, 0.010, 0.002)
     session = growing_inside_loop(tmp_path / "run")
     assert session.header["probe_every"] == "auto"
     overflow = next(e["step"] for e in session.events if e["kind"] == "nonfinite")
@@ -62,7 +66,7 @@ def test_a_value_growing_inside_a_forward_is_forecast_by_op_and_module(tmp_path)
     assert abs(said["at_step"] - overflow) <= 0.3 * left, (said, overflow)   # ... and about when
     # The probes narrowed as it neared, each narrowing said.
     trends = [e for e in session.events if e["kind"] == "probes" and e["reason"] == "trend"]
-    assert trends and trends[0]["step"] < alert["step"] and trends[0]["mode"] == "auto"
+    assert trends and trends[0]["step"] < overflow and trends[0]["mode"] == "auto"
     probed = [r["step"] for r in session.steps if "layers" in r and r["step"] < overflow]
     gaps = [b - a for a, b in zip(probed, probed[1:])]
     assert gaps[-1] < gaps[len(gaps) // 2]

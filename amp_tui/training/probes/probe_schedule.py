@@ -44,9 +44,8 @@ PLAIN_WINDOW = 31       # recent unprobed steps whose median duration is an unpr
 PLAIN_REFRESH = 4       # ... made again every this many counted steps once the window is full
 FIRST_INTERVAL = 10     # one step in this many while a cost is still unknown
 RISK_SHARE = 1 / 8      # the next probe within this share of the soonest overflow the figures suggest
-# The budget is a share of a step of at least this long: on shorter steps (small models on a CPU)
-# the probes may take 1% of 10 ms a step on average, as the per-step figures are reported in µs
-# there rather than held to 1%, or a probe that costs a few steps would come once in a thousand.
+# The budget is a share of a step at least this long: on shorter steps (in µs, not held to 1%), a
+# probe that costs a few steps would otherwise come once in a thousand.
 SHORT_STEP = 0.010
 MAX_SPACING = (1 << 24) - 1   # the widest spacing the ranks agree on (exact in fp32 and int64 words)
 NONFINITE_WORDS = {"loss": "loss", "activations": "activation", "gradients": "gradient"}
@@ -183,8 +182,7 @@ class ProbeSchedule:
         run's work between steps), as a share of an unprobed step (0..1)."""
         return (self.record_time + self.own_time) / self.plain_time if self.plain_time else 0.0
 
-    def _budgeted_step(self) -> float:
-        """The step the budget is a share of: an unprobed step's duration, or SHORT_STEP if longer."""
+    def _budgeted_step(self) -> float:   # what the budget is a share of
         return max(self.plain_time or 0.0, SHORT_STEP)
 
     def probe_share(self) -> float:
