@@ -55,13 +55,14 @@ QUICK_SPECS = (MlpSpec(depth=6, width=64), GptSpec(layers=2, d_model=64, vocab=2
 HEALTHY_INIT_SCALE = 4096.0
 
 
-def bench_model_run(spec, dtype: str, steps: int, run_dir: Path) -> list[dict]:
-    """A benchmark model in a loop of its own, as the user guide writes one."""
+def bench_model_run(spec, dtype: str, steps: int, run_dir: Path, probe_every: int | str = 1) -> list[dict]:
+    """A benchmark model in a loop of its own, as the user guide writes one (`probe_every`: the
+    monitor's; "auto", its default, in bench/forecast_family.py)."""
     model, batches, loss_fn, _ = build(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=HEALTHY_INIT_SCALE, enabled=dtype == "float16")
-    monitor = amp_tui.monitor(model, optimizer, scaler=scaler, run_dir=run_dir, dtype=dtype, probe_every=1,
-                              control=False, announce=False)
+    monitor = amp_tui.monitor(model, optimizer, scaler=scaler, run_dir=run_dir, dtype=dtype,
+                              probe_every=probe_every, control=False, announce=False)
     for i in range(steps):
         optimizer.zero_grad(set_to_none=True)
         with monitor.step() as step:

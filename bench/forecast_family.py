@@ -198,30 +198,13 @@ def _healthy_demo(dtype: str, steps: int, folder: Path) -> dict:
 
 
 def _bench_models(dtype: str, steps: int, folder: Path) -> list[dict]:
-    from bench.forecast_false_alarms import HEALTHY_INIT_SCALE, QUICK_SPECS
-    from bench.models import build as build_bench
+    from bench.forecast_false_alarms import QUICK_SPECS, bench_model_run
 
     rows = []
     for spec in QUICK_SPECS:   # their full sizes, every step probed: bench/forecast_false_alarms.py
         run_dir = folder / f"{spec.name}-{dtype}"
         started = time.perf_counter()
-        model, batches, loss_fn, _ = build_bench(spec)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        scaler = torch.amp.GradScaler("cpu", init_scale=HEALTHY_INIT_SCALE, enabled=dtype == "float16")
-        monitor = amp_tui.monitor(model, optimizer, scaler=scaler, run_dir=run_dir, dtype=dtype, control=False,
-                                  announce=False)
-        for i in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            with monitor.step() as step:
-                with monitor.autocast():
-                    loss = loss_fn(model, batches[i % len(batches)])
-                step.loss = loss
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                scaler.step(optimizer)
-                scaler.update()
-        monitor.close()
+        bench_model_run(spec, dtype, steps, run_dir, probe_every="auto")
         rows.append(_healthy_row(spec.name, dtype, read_session(run_dir), time.perf_counter() - started))
     return rows
 
