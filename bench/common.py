@@ -6,6 +6,7 @@ Pure Python (no numpy): the project's environment has none, and the figures are 
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import platform
@@ -14,6 +15,7 @@ import statistics
 import sys
 import time
 from importlib import metadata
+from pathlib import Path
 from typing import Callable, Sequence
 
 
@@ -181,6 +183,13 @@ def checkout(root) -> dict | None:
 
 def now_iso() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def write_results(root, kind: str, result: dict) -> Path:
+    """`result` as JSON to bench/results/<date>-<time>-<kind>.json; its path."""
+    out = Path(root) / "bench" / "results" / f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return out
 
 
 def stamp() -> str:

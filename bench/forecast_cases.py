@@ -44,7 +44,7 @@ class LinearLoss(nn.Module):
 
 
 def scaled_run(run_dir, *, init_scale: float, steps: int, horizon: int | None = None,
-               commands: dict[int, str] | None = None) -> list[dict]:
+               commands: dict[int, str] | None = None, probe_every: int | str = 1) -> list[dict]:
     """A constant gradient (0.6 times 64 rows of ones) under a GradScaler starting at `init_scale`;
     `commands`: a command (`scale=512`) submitted before the step of each key."""
     torch.manual_seed(0)
@@ -53,8 +53,8 @@ def scaled_run(run_dir, *, init_scale: float, steps: int, horizon: int | None = 
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=GROWTH_INTERVAL)
     x = torch.ones(64, 4)
     extra = {} if horizon is None else {"forecast_horizon": horizon}
-    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=run_dir, announce=False, probe_every=1,
-                              control=False, dtype="fp16", **extra)
+    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=run_dir, announce=False,
+                              probe_every=probe_every, control=False, dtype="fp16", **extra)
     for i in range(steps):
         if i in (commands or {}):
             monitor.controller.submit(parse_action(commands[i]))

@@ -21,7 +21,6 @@ Prints a table and writes it as JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -169,9 +168,7 @@ def main() -> int:
           f"{layer['forecast_step']}); first overflow at step {layer['first_overflow']}: lead {layer['lead']} steps")
     result = {"when": common.now_iso(), "machine": common.machine("cpu"), "versions": common.versions(),
               "checkout": common.checkout(ROOT), "steps": steps, "runs": runs, "lead_times": leads}
-    name = f"{time.strftime('%Y%m%d-%H%M%S')}-forecasts{'-quick' if args.quick else ''}.json"
-    out = ROOT / "bench" / "results" / name
-    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    out = common.write_results(ROOT, f"forecasts{'-quick' if args.quick else ''}", result)
     print(f"written: {out.relative_to(ROOT)}")
     return 0
 

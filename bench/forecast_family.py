@@ -26,7 +26,6 @@ may or may not record.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -44,6 +43,7 @@ import torch  # noqa: E402
 import amp_tui  # noqa: E402
 from amp_tui.job.build import build_run  # noqa: E402
 from amp_tui.job.config import RunConfig  # noqa: E402
+from amp_tui.recording.forecast_outcomes import same_module  # noqa: E402
 from amp_tui.recording.reader import read_session  # noqa: E402
 from bench import common  # noqa: E402
 from bench.forecast_scenarios import Scenario, build, family  # noqa: E402
@@ -124,8 +124,7 @@ DRIVERS = {"monitor": run_monitor, "train": run_train, "lightning": run_lightnin
 def _related(named: str, module: str) -> bool:
     """Whether a forecast's module is the scenario's, inside it or holding it (the Lightning
     module holds the model as `model`)."""
-    named = named.removeprefix("model.")
-    return named == module or named.startswith(module + ".") or module.startswith(named + ".")
+    return same_module(named.removeprefix("model."), module)
 
 
 def judge(scenario: Scenario, session, overflow_update: int | None, seconds: float) -> dict:
@@ -274,9 +273,7 @@ def main() -> int:
     result = {"when": common.now_iso(), "machine": common.machine("cpu"), "versions": common.versions(),
               "checkout": common.checkout(ROOT), "seed": args.seed, "summary": figures, "growing": growing,
               "healthy": healthy}
-    name = f"{time.strftime('%Y%m%d-%H%M%S')}-forecast-family{'-quick' if args.quick else ''}.json"
-    out = ROOT / "bench" / "results" / name
-    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    out = common.write_results(ROOT, f"forecast-family{'-quick' if args.quick else ''}", result)
     print(f"written: {out.relative_to(ROOT)}")
     return 0
 

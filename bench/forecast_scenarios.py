@@ -122,8 +122,9 @@ class GrowingLinear(nn.Linear):
         return super().forward(x) * self.factor()
 
 
-def _linear(d_in: int, d_out: int, drift: Drift | None, where: str, grows: bool) -> nn.Linear:
-    return GrowingLinear(d_in, d_out, drift.factor) if grows and drift is not None and where == "output" \
+def _linear(d_in: int, d_out: int, drift: Drift | None, where: str) -> nn.Linear:
+    """The block's Linear whose output is the growing value where it grows at a module's output."""
+    return GrowingLinear(d_in, d_out, drift.factor) if drift is not None and where == "output" \
         else nn.Linear(d_in, d_out)
 
 
@@ -141,7 +142,7 @@ class MlpBlock(nn.Module):
 
     def __init__(self, scenario: Scenario, drift: Drift | None):
         super().__init__()
-        self.proj = _linear(WIDTH, WIDTH, drift, scenario.where, grows=True)
+        self.proj = _linear(WIDTH, WIDTH, drift, scenario.where)
         self.out = nn.Linear(WIDTH, WIDTH)
         self.norm = nn.LayerNorm(WIDTH) if scenario.after == "layernorm" else None
         self.after = scenario.after
@@ -166,7 +167,7 @@ class AttentionBlock(nn.Module):
     def __init__(self, scenario: Scenario, drift: Drift | None):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.q = _linear(WIDTH, WIDTH, drift, scenario.where, grows=True)
+        self.q = _linear(WIDTH, WIDTH, drift, scenario.where)
         self.kv, self.out = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(WIDTH, WIDTH)
         self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
         self.norm = nn.LayerNorm(SEQ) if scenario.after == "layernorm" else None

@@ -26,7 +26,8 @@ def is_forecast(event: Mapping[str, Any]) -> bool:
     return event.get("kind") in ("alert", "forecast") and event.get("reason") in REASONS
 
 
-def _same_module(a: str, b: str) -> bool:
+def same_module(a: str, b: str) -> bool:
+    """One module is the other, or inside it (by their dotted names)."""
     return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
@@ -69,7 +70,7 @@ def _outcome(event: Mapping[str, Any], nonfinite: list, last_step: int | None,
         layer = said.get("layer")
         row.update(layer=layer, figure=said.get("figure"), eta=said.get("eta"), at_step=said.get("at_step"))
         hit = next((s for s, named, _where in nonfinite
-                    if s >= step and isinstance(layer, str) and named and _same_module(named, layer)), None)
+                    if s >= step and isinstance(layer, str) and named and same_module(named, layer)), None)
         row["true_at"] = hit
         at = row["at_step"]
         due = last_step is not None and (not isinstance(at, int) or last_step >= at)

@@ -7,13 +7,21 @@ step it named), not on whether a given CPU's fp16 arithmetic overflows at one st
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 
-import amp_tui
-from amp_tui.recording.reader import read_session
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:   # the acceptance cases live with the benchmark that reuses them
+    sys.path.insert(0, str(ROOT))
 
-from support import install_made_up_clock
+import amp_tui  # noqa: E402
+from amp_tui.recording.reader import read_session  # noqa: E402
+from bench.forecast_cases import GROWTH_INTERVAL, scaled_run  # noqa: E402
+
+from support import install_made_up_clock  # noqa: E402
 
 
 class GrowingInside(nn.Module):
@@ -72,29 +80,11 @@ def test_a_value_growing_inside_a_forward_is_forecast_by_op_and_module(tmp_path,
     assert gaps[-1] < gaps[len(gaps) // 2]
 
 
-GROWTH_INTERVAL = 20
-
-
 def test_a_harmless_growth_skip_is_forecast_on_the_probe_before_it_and_raises_no_alert(tmp_path):
-    """A gradient near half of fp16's max times the scale: each growth overflows once. With the
-    default schedule the step before each growth is probed, and the skip is a forecast event."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1, bias=False)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=GROWTH_INTERVAL)
-    monitor = amp_tui.monitor(model, opt, scaler=scaler, run_dir=tmp_path / "run", announce=False,
-                              control=False, dtype="fp16")
-    x = torch.ones(64, 4)
-    for _ in range(3 * GROWTH_INTERVAL):
-        opt.zero_grad()
-        with monitor.step() as step:
-            with monitor.autocast():
-                loss = model(x).float().sum() * 0.6
-            step.loss = loss
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    monitor.close()
+    """A gradient near half of fp16's max times the scale (bench/forecast_cases.py): each growth
+    overflows once. With the default schedule the step before each growth is probed, and the skip
+    is a forecast event."""
+    scaled_run(tmp_path / "run", init_scale=1024.0, steps=3 * GROWTH_INTERVAL, probe_every="auto")
     session = read_session(tmp_path / "run")
     skipped = [r["step"] for r in session.steps if r["skipped"]]
     forecasts = [e for e in session.events if e["kind"] == "forecast" and e["reason"] == "forecast_scale"]

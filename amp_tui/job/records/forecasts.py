@@ -29,6 +29,7 @@ from amp_tui.core.forecast_words import SKIP_WITHIN, scale_forecast_text
 from amp_tui.core.numfmt import scale_text
 from amp_tui.core.precision import SHORT
 from amp_tui.job.run_context import RunContext
+from amp_tui.recording.forecast_outcomes import same_module
 from amp_tui.training.probes.headroom_trend import HeadroomForecast, LayerEta
 from amp_tui.training.probes.op_probe import split_key
 from amp_tui.training.probes.scale_forecast import ScaleOutlook, largest, scale_outlook
@@ -44,7 +45,7 @@ GRAD_MIN_SPAN = 100   # steps a gradient's trend spans before it says anything (
 
 def _related(a: str, b: str) -> bool:
     """One module is the other or holds it ("" is the model, which holds every one)."""
-    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+    return not a or not b or same_module(a, b)
 
 
 class RunForecasts:
