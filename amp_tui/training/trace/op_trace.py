@@ -20,6 +20,7 @@ scaler are not touched.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -257,7 +258,7 @@ class Replay:
     scale: float | None
 
 
-def _autocast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+def autocast_dtype_for(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return None if dtype == torch.float32 else dtype
     name = canonical(dtype)
@@ -269,6 +270,27 @@ def device_type_of(model: torch.nn.Module, device: torch.device | str | None) ->
         return torch.device(device).type
     first = next(model.parameters(), None)
     return first.device.type if first is not None else "cpu"
+
+
+@contextlib.contextmanager
+def replaying(model: torch.nn.Module, device_type: str, rng: RngSnapshot | None):
+    """What every replay of a step runs inside: the RNG forked (and set to `rng`, the state the
+    step started from), eager even under torch.compile, with grad on, and the buffers the forward
+    updated (BatchNorm's running statistics) put back after it."""
+    buffers = [(b, b.detach().clone()) for b in original_module(model).buffers()]
+    cuda_devices = list(range(torch.cuda.device_count())) if device_type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda_devices), eagerly(), torch.enable_grad():
+            if rng is not None:
+                restore_rng_snapshot(rng)
+            yield
+    finally:
+        with torch.no_grad():
+            for live, kept in buffers:
+                # Only those the replay changed: a copy bumps a buffer's version, and a forward run
+                # ahead of the replay (engine.py's start_step) may have saved it for its backward.
+                if not torch.equal(live, kept):
+                    live.copy_(kept)
 
 
 def replay(model: torch.nn.Module, forward: Callable[[], Any], *, backward: Backward = True,
@@ -283,41 +305,32 @@ def replay(model: torch.nn.Module, forward: Callable[[], Any], *, backward: Back
     eager = original_module(model)
     names = {id(module): name for name, module in named_modules(model).items()}
     device_type = device_type_of(eager, device)
-    autocast_dtype = _autocast_dtype(dtype)
+    autocast_dtype = autocast_dtype_for(dtype)
     params = [p for p in eager.parameters() if p.requires_grad]
-    buffers = [(b, b.detach().clone()) for b in eager.buffers()]
-    cuda_devices = list(range(torch.cuda.device_count())) if device_type == "cuda" else []
     tracker = _NamedTracker(names)
     tracer = OpTracer(tracker)
     roots: list[torch.Tensor] = []
     grads: tuple = ()
-    try:
-        with torch.random.fork_rng(devices=cuda_devices), eagerly(), torch.enable_grad():
-            if rng is not None:
-                restore_rng_snapshot(rng)
-            with tracker, warnings.catch_warnings():
-                # torch.compile warns that global module hooks fire once more for its wrapper:
-                # the tracker's do, and name only the modules inside it.
-                warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
-                with tracer, torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    output = forward()
-                tracer.read_back()   # outside the mode, or it would trace its own reductions
-                with tracer:
-                    roots, grad_outputs = _backward_from(output, backward, scale)
-                    if backward is not False and roots and params \
-                            and not (stop_at_origin and origin(tracer.records)):
-                        grads = torch.autograd.grad(roots, params, grad_outputs=grad_outputs, allow_unused=True)
-                tracer.read_back()
-    finally:
-        with torch.no_grad():
-            for live, kept in buffers:
-                live.copy_(kept)
+    with replaying(eager, device_type, rng):
+        with tracker, warnings.catch_warnings():
+            # torch.compile warns that global module hooks fire once more for its wrapper:
+            # the tracker's do, and name only the modules inside it.
+            warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
+            with tracer, torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                output = forward()
+            tracer.read_back()   # outside the mode, or it would trace its own reductions
+            with tracer:
+                roots, grad_outputs = backward_roots(output, backward, scale)
+                if backward is not False and roots and params \
+                        and not (stop_at_origin and origin(tracer.records)):
+                    grads = torch.autograd.grad(roots, params, grad_outputs=grad_outputs, allow_unused=True)
+            tracer.read_back()
     finite = [torch.isfinite(t.detach()).all() for t in (*roots, *grads) if t is not None]
     step_finite = bool(torch.stack(finite).all()) if finite else True
     return Replay(tracer.records, step_finite, None if autocast_dtype is None else _dtype_name(autocast_dtype), scale)
 
 
-def _backward_from(output: Any, backward: Backward, scale: float | None):
+def backward_roots(output: Any, backward: Backward, scale: float | None):
     """The tensors to differentiate, and the gradients to start from (None: ones)."""
     roots, grads = _roots(output, backward, scale)
     # The engine runs no tensor hook of a root, so ModuleTracker would not see the backward enter
