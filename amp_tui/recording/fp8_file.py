@@ -1,0 +1,169 @@
+"""An fp8 what-if's files: the JSON of one step's Linear layers cast to fp8 and fp4
+(`fp8-step-0000123.json`) and the filter it implies for torchao (`fp8-filter-step-0000123.py`),
+both in the run directory next to the session, named by the `fp8` event (docs/session-format.md).
+Their names, the filter's source, reading the JSON back, and the verdict in words, for the event,
+the report and the dashboard alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from amp_tui.core.jsonsafe import loads_text
+
+# A what-if holds a few hundred bytes per layer and cast; a larger file is not one.
+MAX_FP8_BYTES = 64 << 20
+SHOWN = 5   # the layers kept in bf16 that a report lists
+# torchao's float8 GEMMs need both dimensions of a weight in multiples of 16.
+SHAPE_MULTIPLE = 16
+
+
+def fp8_file_name(step: int) -> str:
+    return f"fp8-step-{step:07d}.json"
+
+
+def fp8_filter_name(step: int) -> str:
+    return f"fp8-filter-step-{step:07d}.py"
+
+
+def read_fp8(run_dir: str | Path, relative: str) -> dict:
+    """The what-if an event's `path` names (relative to the run directory). Raises OSError for a
+    file that can't be read, ValueError for one that is not a what-if. Only a regular file inside
+    the run directory is read, and only up to MAX_FP8_BYTES."""
+    if not isinstance(relative, str) or not relative or Path(relative).is_absolute() \
+            or ".." in Path(relative).parts:
+        raise ValueError(f"{relative!r} is not a file name in the run directory")
+    path = Path(run_dir) / relative
+    if not path.is_file():
+        raise OSError(f"{relative}: no such fp8 what-if file")
+    with open(path, "rb") as fh:
+        raw = fh.read(MAX_FP8_BYTES + 1)
+    if len(raw) > MAX_FP8_BYTES:
+        raise ValueError(f"{relative} is over {MAX_FP8_BYTES >> 20} MiB: not an fp8 what-if")
+    try:
+        data = loads_text(raw.decode("utf-8", "replace"))
+    except RecursionError:
+        raise ValueError(f"{relative} is not an fp8 what-if (nested too deep)") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) \
+            or not isinstance(data.get("verdict"), dict):
+        raise ValueError(f"{relative} is not an fp8 what-if (no 'rows' list and 'verdict')")
+    return data
+
+
+def ready(whatif: dict) -> list[str]:
+    return [m for m, v in whatif.get("verdict", {}).items() if v == "fp8"]
+
+
+def kept(whatif: dict) -> dict[str, str]:
+    """The layers the verdict keeps in bf16, with why (the text after "bf16: ")."""
+    return {m: v.split(":", 1)[1].strip() if ":" in v else v
+            for m, v in whatif.get("verdict", {}).items() if v != "fp8"}
+
+
+def fp8_message(step: int, whatif: dict) -> str:
+    """The what-if's event in words: how many layers are fp8-ready, and the first one kept."""
+    fp8, held = ready(whatif), kept(whatif)
+    total = len(fp8) + len(held)
+    if total == 0:
+        return f"fp8 what-if of step {step}: no nn.Linear ran in the step"
+    words = f"fp8 what-if of step {step}: {len(fp8)} of {total} Linear layers fp8-ready"
+    if held:
+        module, why = next(iter(held.items()))
+        more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+        words += f"; keep {module} in bf16{more}: {why}"
+    return words
+
+
+def filter_source(whatif: dict, *, step: int, run: str) -> str:
+    """A Python file defining `module_filter_fn(module, fqn)` for torchao's
+    `convert_to_float8_training`: the layers the what-if found fp8-ready, and of those only the
+    ones whose weight's dimensions are multiples of 16 (torchao's shape rule)."""
+    fp8 = sorted(ready(whatif))
+    held = kept(whatif)
+    ready_lines = "".join(f"    {name!r},\n" for name in fp8)
+    held_lines = "".join(f"    {name!r}: {why!r},\n" for name, why in sorted(held.items()))
+    return f'''"""Which nn.Linear layers to train in fp8, from amp-tui's what-if of step {step} of {run}.
+
+    from torchao.float8 import convert_to_float8_training
+    convert_to_float8_training(model, module_filter_fn=module_filter_fn)
+
+A layer converts when the what-if found its input, weight and output gradient fp8-ready, cast as
+torchao's default recipe casts them:
+    {_recipe_words(whatif)}
+and both dimensions of its weight are multiples of {SHAPE_MULTIPLE}. Layers the what-if did not see
+(no forward ran them in that step) stay in high precision.
+"""
+
+import torch
+
+FP8_READY = {{
+{ready_lines}}}
+
+# Kept in high precision, and why.
+KEEP_BF16 = {{
+{held_lines}}}
+
+
+def module_filter_fn(module: torch.nn.Module, fqn: str) -> bool:
+    if not isinstance(module, torch.nn.Linear) or fqn not in FP8_READY:
+        return False
+    out_features, in_features = module.weight.shape
+    return out_features % {SHAPE_MULTIPLE} == 0 and in_features % {SHAPE_MULTIPLE} == 0
+'''
+
+
+def _recipe_words(whatif: dict) -> str:
+    recipe = whatif.get("recipe") or {}
+    return ", ".join(f"{tensor} {how}" for tensor, how in recipe.items()) or "tensorwise"
+
+
+def verdict_lines(whatif: dict, shown: int = SHOWN) -> list[str]:
+    """The verdict in lines for a report: the count, then the layers kept in bf16 and why."""
+    held = kept(whatif)
+    fp8 = ready(whatif)
+    lines = [f"{len(fp8)} of {len(fp8) + len(held)} Linear layers fp8-ready"]
+    lines += [f"keep {module} in bf16: {why}" for module, why in list(held.items())[:shown]]
+    if len(held) > shown:
+        lines.append(f"... and {len(held) - shown} more kept in bf16")
+    return lines
+
+
+# The columns of a what-if's layer table (dashboard and report): (key, heading). The casts are the
+# default recipe's (input and weight in e4m3, the gradient in e5m2, tensorwise), MX beside them.
+SUMMARY_COLUMNS = (("module", "layer"), ("verdict", "verdict"), ("input_db", "input dB"),
+                   ("input_channel_db", "in ch dB"), ("weight_db", "weight dB"), ("grad_db", "grad dB"),
+                   ("output_db", "out dB"), ("input_underflow", "in underflow"), ("input_crest", "in crest"),
+                   ("input_mx_db", "in MX dB"), ("why", "why"))
+
+
+def _row(rows: list[dict], module: str, tensor: str, fmt: str, scaling: str) -> dict:
+    return next((r for r in rows if r.get("module") == module and r.get("tensor") == tensor
+                 and r.get("format") == fmt and r.get("scaling") == scaling), {})
+
+
+def layer_summaries(whatif: dict) -> list[dict]:
+    """One line per layer: the verdict, and the figures it was judged on."""
+    rows = [r for r in whatif.get("rows", []) if isinstance(r, dict)]
+    out = []
+    for module, verdict in whatif.get("verdict", {}).items():
+        inp = _row(rows, module, "input", "e4m3", "tensorwise")
+        grad = _row(rows, module, "grad_output", "e5m2", "tensorwise")
+        out.append({"module": module, "verdict": "fp8" if verdict == "fp8" else "bf16",
+                    "input_db": inp.get("sqnr_db"), "input_channel_db": inp.get("channel_sqnr_db"),
+                    "weight_db": _row(rows, module, "weight", "e4m3", "tensorwise").get("sqnr_db"),
+                    "grad_db": grad.get("sqnr_db"), "output_db": inp.get("output_sqnr_db"),
+                    "input_underflow": inp.get("underflow"), "input_crest": inp.get("crest_bits"),
+                    "input_mx_db": _row(rows, module, "input", "mxfp8", "block32").get("sqnr_db"),
+                    "why": verdict.split(":", 1)[1].strip() if verdict != "fp8" and ":" in verdict else ""})
+    return out
+
+
+def summary_cell(key: str, value) -> str:
+    if value is None:
+        return "-"
+    if key == "input_underflow" and isinstance(value, (int, float)):
+        return f"{value:.2%}"
+    if key == "input_crest" and isinstance(value, (int, float)):
+        return f"{value:.1f} b"
+    if isinstance(value, (int, float)):
+        return f"{value:.1f}"
+    return str(value)
