@@ -65,6 +65,11 @@ def probe_every(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"use auto or a whole number of steps, 1 or more, got {text!r}") from None
 
 
+def fp8_every(text: str) -> int | str:
+    """`auto` (spaced to a share of the probe budget) or a whole number of steps."""
+    return probe_every(text)
+
+
 def dtype(text: str) -> str:
     """A precision name in any of its spellings (fp16, half, torch.float16...), canonical."""
     try:

@@ -16,8 +16,9 @@ def add_parser(sub) -> None:
                      help="dtype=fp16|bf16|fp32, scale=N|half, save, restore=latest|PATH, pause, "
                           "resume, step, stop, fp32=MODULE, note=TEXT (a line recorded in the session: "
                           "quote it), probe=every|auto (probe every step, or the schedule), xray (the next step "
-                          "traced op by op, into a file in RUN_DIR), undo (the autopilot's last decision, "
-                          "--on-nonfinite isolate), status")
+                          "traced op by op, into a file in RUN_DIR), fp8 (the next step's Linear layers cast to fp8: a "
+                          "verdict per layer and a torchao filter, into files in RUN_DIR), undo (the autopilot's "
+                          "last decision, --on-nonfinite isolate), status")
     ctl.add_argument("--json", action="store_true", help="print the job's answer as JSON")
     ctl.set_defaults(func=cmd_ctl)
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 
 from amp_tui import __version__
-from amp_tui.cli import attach, compare, ctl, export, ls, plot, replay, report, run, train
+from amp_tui.cli import attach, compare, ctl, export, fp8, ls, plot, replay, report, run, train
 from amp_tui.cli.argv import joined_step_values, split_script_args
 from amp_tui.cli.terminal import CommandParser
 
 # In the order `amp-tui --help` lists them.
-COMMANDS = (train, run, report, replay, export, plot, compare, ctl, attach, ls)
+COMMANDS = (train, run, fp8, report, replay, export, plot, compare, ctl, attach, ls)
 
 
 def build_parser() -> CommandParser:

@@ -67,6 +67,9 @@ def _probe_options(train) -> None:
     train.add_argument("--forecast-horizon", type=argtypes.positive_int, default=500, metavar="STEPS",
                        help="alert when a layer's headroom forecast says it reaches the dtype's max within "
                             "this many steps (default 500)")
+    train.add_argument("--fp8-every", type=argtypes.fp8_every, default=None, metavar="auto|N",
+                       help="the fp8 what-if (8, ctl RUN fp8) recurring: every N steps, or auto (spaced to "
+                            "at most a quarter of --probe-budget); default: only when asked")
     train.add_argument("--underflow-every", type=argtypes.positive_int, default=10, metavar="N",
                        help="underflow shares on every Nth probed step (default 10; 1 = every probe)")
 

@@ -18,10 +18,10 @@ from amp_tui.core.jsonsafe import encode_float
 # the run. The order is part of how rank 0 hands a command to the other ranks (its index is the
 # command's code): add new actions at the end.
 Action = Literal["dtype", "scale", "save", "restore", "pause", "resume", "step", "stop", "fp32", "note",
-                 "probe", "xray", "undo", "fix"]
+                 "probe", "xray", "undo", "fix", "fp8"]
 PROBE_MODES = ("every", "auto")
 ACTIONS: tuple[Action, ...] = get_args(Action)
-NO_VALUE_ACTIONS: tuple[Action, ...] = ("save", "pause", "resume", "step", "stop", "xray", "undo", "fix")
+NO_VALUE_ACTIONS: tuple[Action, ...] = ("save", "pause", "resume", "step", "stop", "xray", "undo", "fix", "fp8")
 # A note is a line for whoever reads the recording later, not a document.
 NOTE_LIMIT = 500
 
@@ -66,7 +66,7 @@ def parse_action(text: str, source: str = "api") -> Command:
     `step`, `stop`, `fp32=MODULE_PATTERN` (toggles local fp32), `note=TEXT` (recorded as it is),
     `probe=every|auto` (every step probed, or the probe schedule), `xray` (the next step traced op
     by op), `undo` (the autopilot's last decision taken back), `fix` (the run's last verified fix
-    applied: `f` in the dashboard)."""
+    applied: `f` in the dashboard), `fp8` (the next step's fp8 what-if)."""
     raw = text.strip()
     name, _, value = raw.partition("=")
     name = name.strip().lower()
@@ -103,7 +103,7 @@ def parse_action(text: str, source: str = "api") -> Command:
             raise CommandError(f"{name!r} takes no value (got {raw!r})")
         return Command(name, None, source)
     raise CommandError(f"unknown action {raw!r}: use dtype=…, scale=…, save, restore=…, pause, "
-                       "resume, step, stop, fp32=MODULE, note=TEXT, probe=every|auto, xray, undo or fix")
+                       "resume, step, stop, fp32=MODULE, note=TEXT, probe=every|auto, xray, undo, fix or fp8")
 
 
 def note_text(text: str) -> str:

@@ -24,7 +24,7 @@ Mode = Literal["live", "replay", "attached", "launched"]
 STEERED_MODES: frozenset[str] = frozenset({"live", "attached", "launched"})
 EventKind = Literal["intervention", "checkpoint_saved", "checkpoint_restored", "nonfinite", "alert",
                     "error", "refused", "paused", "stopping", "resumed", "note", "probes", "forecast",
-                    "forecast_checked", "xray", "calibration"]
+                    "forecast_checked", "xray", "calibration", "fp8"]
 
 ENDED: frozenset[str] = frozenset({"finished", "stopped", "error"})
 # The `probes` events that say why the spacing within the schedule narrowed, not a change of mode.

@@ -58,13 +58,13 @@ class AmpTuiCallback(_pl.Callback):
     Options as amp_tui.monitor's: `run_dir` (default $AMP_TUI_RUN_DIR, set by `amp-tui run`, or
     runs/<time>-<script>), `probe_every`, `probe_budget`, `probe_alert_bits`, `underflow_every`,
     `checkpoint_every`, `control`, `announce`, `tensorboard_dir`, `forecast_horizon`, `min_scale`,
-    `fp32_modules`.
+    `fp32_modules`, `fp8_every`.
     The dtype is the Trainer's (`precision=`)."""
 
     def __init__(self, *unexpected, run_dir=None, probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0,
                  underflow_every=10, checkpoint_every=None, control=True, announce=True, tensorboard_dir=None,
                  dtype=None, on_nonfinite="skip", forecast_horizon=500, min_scale=None,
-                 fp32_modules=()):
+                 fp32_modules=(), fp8_every=None):
         if unexpected:
             raise TypeError(f"AmpTuiCallback() takes no {type(unexpected[0]).__name__}: Lightning hands the "
                             "callback its Trainer, so give it to the Trainer: L.Trainer(callbacks=[AmpTuiCallback()])")
@@ -74,7 +74,7 @@ class AmpTuiCallback(_pl.Callback):
             "checkpoint_every": checkpoint_every, "control": control, "announce": announce,
             "tensorboard_dir": tensorboard_dir, "on_nonfinite": on_nonfinite,
             "forecast_horizon": forecast_horizon, "min_scale": min_scale,
-            "fp32_modules": fp32_modules})
+            "fp32_modules": fp32_modules, "fp8_every": fp8_every})
         self.monitor: Monitor | None = None
         self._plugin = None      # the precision plugin whose forward_context is ours while watching
         self._in_step = False

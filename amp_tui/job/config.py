@@ -31,6 +31,7 @@ class RunConfig:
     probe_budget: float = 1.0           # percent of the training time amp-tui may cost (auto)
     probe_alert_bits: float = 3.0       # headroom under which every step is probed (auto)
     underflow_every: int = 10           # underflow shares on every Nth probed step
+    fp8_every: int | str | None = None  # the fp8 what-if recurring (job/steering/fp8_schedule.py)
     on_nonfinite: NonfinitePolicy = "skip"   # (core/policies.py; the guard's fallback follows it)
     at: list[tuple[int, Command]] = field(default_factory=list)
     command_line: list[str] = field(default_factory=list)
@@ -50,7 +51,8 @@ class RunConfig:
     @property
     def probes(self) -> ProbeOptions:
         return ProbeOptions.of(probe_every=self.probe_every, probe_budget=self.probe_budget,
-                               probe_alert_bits=self.probe_alert_bits, underflow_every=self.underflow_every)
+                               probe_alert_bits=self.probe_alert_bits, underflow_every=self.underflow_every,
+                               fp8_every=self.fp8_every)
 
     def __post_init__(self) -> None:
         # Checked where the config is made, so a bad word fails before anything is built or recorded.

@@ -35,12 +35,13 @@ from amp_tui.job.records.full_disk import FullDisk
 from amp_tui.job.records.probe_budget import ProbeBudget
 from amp_tui.job.records.probe_events import announce_probe_changes
 from amp_tui.job.records.recorder import Observers, RankEcho, Recorder
-from amp_tui.job.records.run_records import record_xray, session_header, status_snapshot
+from amp_tui.job.records.run_records import record_replays, session_header, status_snapshot
 from amp_tui.job.states import EXIT_ERROR, EXIT_OK, TRAIN_LOOP, IoPolicy, LoopKind, PauseReason
 from amp_tui.job.steering import autopilot
 from amp_tui.job.steering import command_handlers as handlers
 from amp_tui.job.steering.commands import CommandQueue, apply_command
 from amp_tui.job.steering.fix_choice import VerifiedFixes
+from amp_tui.job.steering.fp8_schedule import Fp8Schedule
 from amp_tui.job.steering.trouble import TroubleResponse
 from amp_tui.recording.format import event_record, step_record
 from amp_tui.training import checkpoint as ckpt
@@ -111,6 +112,8 @@ class RunController:
         self._unpublished: list[StepResult] = []   # measured, not yet recorded (record_step)
         self._published_at = time.monotonic()
         self.budget = ProbeBudget(self._schedule, told=not ranks)   # job/records/probe_budget.py
+        options = driver.probe_options   # the what-if runs with one process only
+        self.fp8_schedule = Fp8Schedule(None if ranks else options.fp8_every, options.budget)
         self.single_steps = 0
         self.pause_reason: PauseReason | None = None
         self._stopping_state()
@@ -270,8 +273,8 @@ class RunController:
             self.after_step(result)   # what decides from the step uses what the ranks agreed on
         else:
             self.record_step(result, batched=batched)
-        if result.xray is not None:
-            record_xray(self, result.step, result.xray, self.driver.xray_by)
+        record_replays(self, result)   # the X-ray and the fp8 what-if asked of the step
+        self.fp8_schedule.observe(result)
         announce_probe_changes(self, step=result.step + 1)
         for alert in self.driver.news(result):
             self.alert(alert.reason, alert.message, cause=alert.cause, fix=alert.fix, step=result.step)
@@ -391,7 +394,7 @@ class RunController:
 
     def queued(self, step: int) -> list[Command]:
         """The `--at` commands of boundary `step`, then those queued meanwhile."""
-        return self._scheduled.pop(step, []) + self.commands.drain()
+        return self._scheduled.pop(step, []) + self.fp8_schedule.commands(step) + self.commands.drain()
 
     def _apply_fix(self, command: Command) -> Outcome:
         choice = self.fixes.choose(command)

@@ -21,7 +21,7 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
             checkpoint_every: int | None = None, control: bool = True, announce: bool = True,
             tensorboard_dir: str | Path | None = None, on_nonfinite: str = "skip",
             forecast_horizon: int = 500, min_scale: float | None = None,
-            fp32_modules: str | list[str] = ()) -> Monitor:
+            fp32_modules: str | list[str] = (), fp8_every: int | str | None = None) -> Monitor:
     """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
 
     `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default what
@@ -40,10 +40,11 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
     forecast says it reaches the dtype's max within this many steps raises an alert (see
     docs/session-format.md, "Forecasts"). `min_scale`: the loss scale's floor (default 2**-24): the
     loop's GradScaler is never let below it (at 0 it would apply NaN updates), with an alert when it
-    binds."""
+    binds. `fp8_every`: the fp8 what-if of a step (as `ctl RUN fp8`) every N steps, or "auto" (at most
+    a quarter of `probe_budget`); None: only when asked (docs/fp8.md)."""
     options = MonitorOptions.of(
         dtype=dtype, run_dir=run_dir, probe_every=probe_every, probe_budget=probe_budget,
         probe_alert_bits=probe_alert_bits, underflow_every=underflow_every, checkpoint_every=checkpoint_every,
         control=control, announce=announce, tensorboard_dir=tensorboard_dir, on_nonfinite=on_nonfinite,
-        forecast_horizon=forecast_horizon, min_scale=min_scale, fp32_modules=fp32_modules)
+        forecast_horizon=forecast_horizon, min_scale=min_scale, fp32_modules=fp32_modules, fp8_every=fp8_every)
     return Monitor(model, optimizer, options, scaler=scaler, scheduler=scheduler)

@@ -39,8 +39,9 @@ class MonitorOptions:
 
     @classmethod
     def of(cls, *, probe_every: int | str = "auto", probe_budget: float = 1.0, probe_alert_bits: float = 3.0,
-           underflow_every: int = 10, **given) -> MonitorOptions:
-        """From amp_tui.monitor's keywords: the four probe options become one ProbeOptions."""
+           underflow_every: int = 10, fp8_every: int | str | None = None, **given) -> MonitorOptions:
+        """From amp_tui.monitor's keywords: the probe options become one ProbeOptions."""
         return cls(probes=ProbeOptions.of(probe_every=probe_every, probe_budget=probe_budget,
-                                          probe_alert_bits=probe_alert_bits, underflow_every=underflow_every),
+                                          probe_alert_bits=probe_alert_bits, underflow_every=underflow_every,
+                                          fp8_every=fp8_every),
                    **given)

@@ -20,6 +20,7 @@ from amp_tui.recording.forecast_outcomes import (
     outcome_text,
 )
 from amp_tui.recording.format import MAX_LINE_BYTES, SessionFormatError
+from amp_tui.recording.fp8_file import read_fp8, verdict_lines
 from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.reader import (
     Session,
@@ -68,6 +69,8 @@ class Summary:
     # The last X-ray: {"step", "path", "closest"} (its file's closest ops), or "error" for why
     # its file can't be read; None: the run has none.
     xray: dict | None = None
+    # The last fp8 what-if: {"step", "path", "filter", "lines"} (its verdict in lines), or "error".
+    fp8: dict | None = None
     # The forecasts (forecast_scale, forecast_layer alerts) and whether they came true (forecast_outcomes.py)
     forecasts: list[dict] = field(default_factory=list)
     skipped_lines: int = 0
@@ -115,6 +118,7 @@ class RecordingDigest:
     notes: list[dict] = field(default_factory=list)   # {"step", "text"} of the note events, in file order
     op_traces: list[dict] = field(default_factory=list)   # `op_trace_of` each non-finite event naming an op
     last_xray: dict | None = None   # the last xray event
+    last_fp8: dict | None = None    # the last fp8 event
     forecasts: list[dict] = field(default_factory=list)   # forecast_outcomes of the events
     skipped_lines: int = 0
     unknown_records: int = 0
@@ -133,6 +137,7 @@ def digest_of(session: Session) -> RecordingDigest:
         notes=[_note(e) for e in events if e.get("kind") == "note"],
         op_traces=[op_trace_of(e) for e in events if e.get("kind") == "nonfinite" and e.get("op")],
         last_xray=next((e for e in reversed(events) if e.get("kind") == "xray"), None),
+        last_fp8=next((e for e in reversed(events) if e.get("kind") == "fp8"), None),
         forecasts=forecast_outcomes(events, steps[-1].get("step") if steps else None),
         skipped_lines=session.skipped_lines, unknown_records=session.unknown_records,
         long_lines=session.long_lines)
@@ -181,10 +186,7 @@ def read_digest(target: str | Path) -> RecordingDigest:
                     for k, code in enumerate(index.event_kinds) if code in wanted]
             op_traces = [op_trace_of(e) for e in read if e.get("kind") == "nonfinite" and e.get("op")]
             said = [e for e in read if e.get("kind") == "nonfinite" or is_forecast(e) or is_verdict(e)]
-            xray = index.kind_code("xray")
-            xrays = [k for k, code in enumerate(index.event_kinds) if code == xray]
-            last_xray = _record_at(fh, index.event_offsets[xrays[-1]], index.event_lengths[xrays[-1]], "event") \
-                if xrays else None
+            last_xray, last_fp8 = (_last_event(fh, index, kind) for kind in ("xray", "fp8"))
             unknown, long_lines = index.unknown_records, index.long_lines
             in_force = index.in_force(steps - 1)
             if end is not None:
@@ -192,7 +194,7 @@ def read_digest(target: str | Path) -> RecordingDigest:
     return RecordingDigest(
         header=header, path=path, steps=steps, skipped_steps=skipped_steps, last_step=last, end=end,
         event_kinds=kinds, errors=errors, in_force=in_force, refused=refusals, notes=notes, op_traces=op_traces,
-        last_xray=last_xray,
+        last_xray=last_xray, last_fp8=last_fp8,
         forecasts=forecast_outcomes(said, last.get("step") if last else None),
         skipped_lines=skipped_lines,
         unknown_records=unknown, long_lines=long_lines)
@@ -222,6 +224,13 @@ def _record_at(fh, offset: int, length: int, kind: str) -> dict | None:
     raw = fh.read(length)
     record = parse_record(raw.decode("utf-8", "replace")) if len(raw) == length else None
     return record if record is not None and record.get("type") == kind else None
+
+
+def _last_event(fh, index, kind: str) -> dict | None:
+    """The last event of `kind` the index knows of, read from the session (None: none)."""
+    code = index.kind_code(kind)
+    found = [k for k, c in enumerate(index.event_kinds) if c == code]
+    return _record_at(fh, index.event_offsets[found[-1]], index.event_lengths[found[-1]], "event") if found else None
 
 
 def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None = None) -> Summary:
@@ -256,6 +265,7 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         notes=list(d.notes),
         op_traces=list(d.op_traces),
         xray=_xray_of(d.last_xray, d.path.parent if d.path is not None else None),
+        fp8=_fp8_of(d.last_fp8, d.path.parent if d.path is not None else None),
         forecasts=list(d.forecasts),
         way=MONITOR if header.get("way") == MONITOR else TRAIN,
         skipped_lines=d.skipped_lines,
@@ -285,6 +295,20 @@ def _xray_of(event: dict | None, run_dir: Path | None) -> dict | None:
         if run_dir is None:
             raise OSError("the recording's folder is not known")
         said["closest"] = read_xray(run_dir, said["path"])["closest"]
+    except (OSError, ValueError) as exc:
+        said["error"] = str(exc)
+    return said
+
+
+def _fp8_of(event: dict | None, run_dir: Path | None) -> dict | None:
+    """The last fp8 what-if as a report says it: its step, its files, its verdict in lines."""
+    if event is None:
+        return None
+    said = {"step": event.get("step"), "path": str(event.get("path", "")), "filter": event.get("filter")}
+    try:
+        if run_dir is None:
+            raise OSError("the recording's folder is not known")
+        said["lines"] = verdict_lines(read_fp8(run_dir, said["path"]))
     except (OSError, ValueError) as exc:
         said["error"] = str(exc)
     return said
@@ -361,6 +385,8 @@ def summary_lines(s: Summary) -> list[tuple[str, str]]:
                      + (f" (and {len(s.op_traces) - 1} more steps)" if len(s.op_traces) > 1 else "")))
     if s.xray is not None:
         rows += _xray_rows(s.xray)
+    if s.fp8 is not None:
+        rows += _fp8_rows(s.fp8)
     if s.forecasts:
         came = sum(1 for f in s.forecasts if f["came_true"])
         rows.append(("forecasts", f"{len(s.forecasts)}, {came} came true"))
@@ -388,6 +414,14 @@ def _xray_rows(xray: dict) -> list[tuple[str, str]]:
     lines = closest_lines(xray, CLOSEST_SHOWN)
     return [("last X-ray", f"step {xray['step']}: {xray['path']}")] + \
         [("closest to max" if i == 0 else "", line) for i, line in enumerate(lines)]
+
+
+def _fp8_rows(fp8: dict) -> list[tuple[str, str]]:
+    """The last fp8 what-if's file and filter, then its verdict, one line a row."""
+    if "error" in fp8:
+        return [("last fp8 what-if", f"step {fp8['step']}: {fp8['path']} can't be read ({fp8['error']})")]
+    files = fp8["path"] + (f", filter {fp8['filter']}" if isinstance(fp8.get("filter"), str) else "")
+    return [("last fp8 what-if", f"step {fp8['step']}: {files}")] + [("", line) for line in fp8["lines"]]
 
 
 def describe_records(counts: dict[str, int]) -> str:

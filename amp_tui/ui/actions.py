@@ -132,6 +132,11 @@ KEY_ACTIONS: tuple[KeyAction, ...] = (
               "headroom to that dtype's max, shown once the step ran", refused_in=REPLAY,
               texts=(("replay", ("X-ray", "X-ray", "Say why a recording can't be X-rayed (the X-ray runs a "
                                  "step again: x in a live run)")),)),
+    KeyAction("amp.fp8", "8", "fp8", "fp8?", "fp8 what-if of the next step",
+              "Cast the next step's Linear layers to fp8 and fp4 in a what-if: a verdict per layer and a "
+              "filter for torchao's convert_to_float8_training, shown once the step ran", refused_in=REPLAY,
+              texts=(("replay", ("fp8?", "fp8 what-if", "Say why a recording can't be cast to fp8 (the "
+                                 "what-if runs a step again: 8 in a live run)")),)),
 )
 
 BY_ACTION = {a.action.partition("(")[0]: a for a in KEY_ACTIONS}

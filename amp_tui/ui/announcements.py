@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from amp_tui.core.records import ENDED, STEERED_MODES
 from amp_tui.core.text import clip, visible
+from amp_tui.recording.fp8_file import read_fp8
 from amp_tui.recording.xray_file import read_xray
 from amp_tui.sources.protocol import Snapshot
+from amp_tui.ui.dialogs.fp8_dialog import Fp8Dialog
 from amp_tui.ui.dialogs.xray_dialog import XrayDialog
 from amp_tui.ui.view import nonfinite_pause
 
@@ -47,6 +49,8 @@ class Announcements:
                             title="fix verified", severity="warning", timeout=15, markup=False)
             elif event.get("kind") == "xray" and snap.mode in STEERED_MODES:
                 self._show_xray(event)
+            elif event.get("kind") == "fp8" and snap.mode in STEERED_MODES:
+                self._show_fp8(event)
             elif event.get("kind") == "paused" and event.get("reason") == "io":
                 # A full disk (the previous checkpoint is intact): freeing space and resuming
                 # writes the records kept meanwhile.
@@ -106,3 +110,17 @@ class Announcements:
             self.push_screen(XrayDialog(step, path, xray))
         else:
             self.notify(brief(event.get("message", "")), title="X-ray", timeout=15, markup=False)
+
+    def _show_fp8(self, event: dict) -> None:
+        """An fp8 what-if's event came: its layers in a dialog, as `_show_xray` shows an X-ray."""
+        step, path = event.get("step"), str(event.get("path", ""))
+        try:
+            whatif = read_fp8(self.source.run_dir, path)
+        except (OSError, ValueError, TypeError) as exc:
+            self.notify(visible(f"fp8 what-if of step {step}: can't read {path}: {exc}"), title="fp8 what-if",
+                        severity="error", markup=False)
+            return
+        if self.screen is self.dashboard:
+            self.push_screen(Fp8Dialog(step, path, event.get("filter"), whatif))
+        else:
+            self.notify(brief(event.get("message", "")), title="fp8 what-if", timeout=15, markup=False)

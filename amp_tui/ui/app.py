@@ -43,7 +43,8 @@ COMMAND_SOURCE = "dashboard"
 COMMAND_TITLES: dict[Action, str] = {
     "dtype": "dtype", "scale": "loss scale", "save": "checkpoint", "restore": "restore", "pause": "pause",
     "resume": "resume", "step": "single step", "stop": "stop", "fp32": "local fp32", "note": "note",
-    "probe": "probes", "xray": "X-ray", "undo": "undo autopilot", "fix": "fix"}
+    "probe": "probes", "xray": "X-ray", "undo": "undo autopilot", "fix": "fix",
+    "fp8": "fp8 what-if"}
 
 __all__ = ["COMMAND_SOURCE", "COMMAND_TITLES", "FORCED_EXIT_DELAY_S", "NOTIFY_LIMIT", "STOP_TIMEOUT_S", "AmpTuiApp",
            "brief", "create_app"]

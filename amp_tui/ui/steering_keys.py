@@ -114,3 +114,11 @@ class SteeringKeys:
                         severity="warning", markup=False)
         else:
             self.send("xray")
+
+    def action_fp8(self) -> None:
+        if self.source.mode == "replay":
+            self.notify("a recording can't be cast to fp8: the what-if runs a step a second time, which only "
+                        "a live run can (8 there, or amp-tui ctl RUN fp8)", title="fp8 what-if",
+                        severity="warning", markup=False)
+        else:
+            self.send("fp8")

@@ -252,3 +252,39 @@ def test_a_backward_overflow_is_replayed_from_the_gradient_that_reached_the_outp
     assert (event["op_phase"], event["op_module"], event["op_output_dtype"]) == ("backward", "head", "float16")
     assert event["op_replay_exact"] is True
     assert (event["fix"], event["fix_verified"]) == ("--dtype bf16", True)
+
+
+def test_fp8_in_the_users_own_loop_casts_the_next_forwards_layers(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = amp_tui.monitor(model, opt, dtype="bf16", run_dir=tmp_path / "run", announce=False)
+    answers = []
+    command = Command("fp8", None, "ctl pid=1 user=me", client={"pid": 1, "uid": 1000, "user": "me"})
+    command.on_done = answers.append
+    monitor.controller.submit(command)
+    losses = []
+    for _ in range(2):
+        with monitor.step() as step:
+            with monitor.autocast():
+                loss = model(torch.randn(4, 16), target=torch.zeros(4, 16))
+            step.loss = loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    monitor.close()
+    assert answers and answers[0].ok, answers
+    session = read_session(tmp_path / "run")
+    [event] = [e for e in session.events if e["kind"] == "fp8"]
+    assert (event["step"], event["source"], event["filter"]) == (0, "ctl pid=1 user=me", "fp8-filter-step-0000000.py")
+    whatif = json.loads((tmp_path / "run" / event["path"]).read_text(encoding="utf-8"))
+    assert whatif["backward_from"] == "loss" and whatif["dtype"] == "bfloat16"
+    # Both Linear layers, the gradient of their outputs too (from the model's own loss).
+    tensors = {(r["module"], r["tensor"]) for r in whatif["rows"]}
+    assert {("body", "input"), ("body", "grad_output"), ("head.proj", "weight"),
+            ("head.proj", "grad_output")} <= tensors
+    assert set(whatif["verdict"]) == {"body", "head.proj"}
+    assert session.steps[0]["loss"] == losses[0]
+    lines = summary_lines(summarize(session))
+    assert any("last fp8 what-if" in label and "fp8-step-0000000.json" in value for label, value in lines)

@@ -137,14 +137,14 @@ def records(tmp_path_factory) -> list[dict]:
         script, steered, steps=14, underflow_every=1, on_nonfinite="pause", guard=GuardConfig(min_scale=2048.0),
         at=["1:save", "1:scale=1024", "2:fp32=0", "6:restore=latest", "6:restore=nothing-here.safetensors",
             "8:dtype=bf16", "9:dtype=fp16", "10:pause", "11:note=shard 3 → 4: lr=1e-4", "13:stop",
-            "1:probe=every", "4:xray"])
+            "1:probe=every", "4:xray", "5:fp8"])
     answers: list[dict] = []
     pauses = []
 
     def on_record(record):
         if record.get("kind") == "paused" or (record.get("action") == "pause"
                                               and record.get("after", {}).get("state") == "paused"):
-            commands = (["step", "note=answered over ctl", "probe=auto", "xray", "undo", "resume"] if not pauses
+            commands = (["step", "note=answered over ctl", "probe=auto", "xray", "fp8", "undo", "resume"] if not pauses
                         else ["resume"])
             pauses.append(record)
             threading.Thread(target=lambda: answers.extend(send(steered, c) for c in commands)).start()

@@ -345,7 +345,7 @@ async def test_every_key_is_bound_with_id_in_footer_palette_and_help():
     source = FixedSource(synthetic_records(), answer=Outcome(True, "checkpoint saved: x"))
     app = create_app(source, clock=lambda: FROZEN)
     keys = {b.key: b for b in AmpTuiApp.BINDINGS}
-    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "m", "p", "f", "u", "x", "question_mark", "q",
+    assert set(keys) == {"d", "s", "S", "c", "r", "space", "n", "m", "p", "f", "u", "x", "8", "question_mark", "q",
                          "ctrl+c"}
     assert all(b.id and b.description for b in keys.values())
     # ctrl+c is a second key for quit, f only does something after a verified fix and u after an

@@ -9,6 +9,7 @@ import torch
 
 from amp_tui.job.checkpoints.run_checkpoints import TrainingState
 from amp_tui.training.local_fp32 import LocalFp32
+from amp_tui.training.probes.probe_options import ProbeOptions
 from amp_tui.training.probes.probe_schedule import ProbeSchedule
 from amp_tui.training.step.engine import StepResult
 from amp_tui.training.step.guards import Alert
@@ -23,7 +24,9 @@ class Driver(Protocol):
     model: torch.nn.Module       # the model as the user gave it
     optimizer: torch.optim.Optimizer
     probe_schedule: ProbeSchedule   # which steps are probed, told what the run's own work costs
+    probe_options: ProbeOptions     # what the schedule and the recurring fp8 what-if were made from
     xray_by: dict                   # who asked for the last step's X-ray (StepResult.xray)
+    fp8_by: dict                    # ... and for its fp8 what-if (StepResult.fp8)
 
     @property
     def failed_step(self) -> FailedStep | None:
@@ -48,6 +51,9 @@ class Driver(Protocol):
 
     def request_xray(self, by: dict | None = None) -> None:
         """Trace the next step op by op; its event names who asked (`by`: source, client)."""
+
+    def request_fp8(self, by: dict | None = None) -> None:
+        """The fp8 what-if of the next step; its event names who asked (`by`)."""
 
     def close(self) -> None:
         """Leave the user's objects as they were given."""

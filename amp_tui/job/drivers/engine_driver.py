@@ -58,11 +58,13 @@ class EngineDriver:
             init_scale=config.init_scale, scheduler=setup.scheduler,
             max_grad_norm=setup.max_grad_norm, probes=config.probes)
         self.training = self.trainer
+        self.probe_options = config.probes
         self.local_fp32 = LocalFp32(setup.model, device.type)
         for pattern in config.fp32_modules:
             self.local_fp32.add(pattern)  # ModuleMatchError names a pattern that matches nothing
         self.run: RunController | None = None
         self.xray_by: dict = {}   # who asked for the X-ray of the next step (its event says)
+        self.fp8_by: dict = {}    # ... for its fp8 what-if
         # Several ranks: the last probed step's figures on their way to rank 0 (what waits for
         # them, and the step's own result), its record held until then.
         self._figures_due: tuple[Callable[..., StepResult], StepResult] | None = None
@@ -93,6 +95,10 @@ class EngineDriver:
     def request_xray(self, by: dict | None = None) -> None:
         self.xray_by = by or {}
         self.trainer.request_xray()
+
+    def request_fp8(self, by: dict | None = None) -> None:
+        self.fp8_by = by or {}
+        self.trainer.request_fp8()
 
     def fp32_root(self) -> torch.nn.Module:
         return self.trainer.model

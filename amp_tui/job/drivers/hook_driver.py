@@ -50,7 +50,7 @@ from amp_tui.training.step.guards import Alert
 from amp_tui.training.step.outcome import CountedSteps, StepOutcomes, first_nonfinite_layer
 from amp_tui.training.step.precision_state import BorrowedScaling, PrecisionRefused
 from amp_tui.training.trace.forward_keeper import ForwardKeeper, KeptForward
-from amp_tui.training.trace.kept_step_trace import trace_kept_step, xray_kept
+from amp_tui.training.trace.kept_step_trace import fp8_kept, trace_kept_step, xray_kept
 
 
 class HookDriver(CountedSteps, UpdateHooks):
@@ -79,6 +79,7 @@ class HookDriver(CountedSteps, UpdateHooks):
         self.compiled_modules = compiled_module_names(model)
         self.probe = LayerProbe(eager, keep_hooks=bool(self.compiled_modules))
         self.probe_schedule = probes.schedule(self.probe.names)
+        self.probe_options = probes
         # A skipped step that was not probed still gets its gradients' figures (not with several
         # ranks: they gather the planned steps only).
         self.unplanned_figures = True
@@ -88,7 +89,7 @@ class HookDriver(CountedSteps, UpdateHooks):
         # Each forward of a step kept (references, RNG, autocast), for a replay of the step under
         # the op tracer when it fails, or an X-ray asked for (training/trace/forward_keeper.py).
         self.keeper = ForwardKeeper(model, self.device.type, lambda: self.in_step())
-        self.keeper.on_kept = self._xray_if_due
+        self.keeper.on_kept = self._replays_if_due
         self.replay_failing = True
         # A probed step whose loss and gradients came out finite while a layer's output held
         # inf/NaN (a saturating op after it hid it) is a non-finite step of its own, "activations".
@@ -97,6 +98,9 @@ class HookDriver(CountedSteps, UpdateHooks):
         self._xray_due: dict | None = None   # who asked for the X-ray of the next step
         self._xray: tuple[dict, dict] | None = None   # this step's X-ray, and who asked for it
         self.xray_by: dict = {}               # ... of the last step's X-ray (StepResult.xray)
+        self._fp8_due: dict | None = None    # the same for the fp8 what-if (StepResult.fp8)
+        self._fp8: tuple[dict, dict] | None = None
+        self.fp8_by: dict = {}
         self.training = self
         self.outcomes = StepOutcomes()   # the step counter and the counts (training/step/outcome.py)
         self.last_skipped = False   # the last update was skipped (a scheduler stepped only after
@@ -340,6 +344,8 @@ class HookDriver(CountedSteps, UpdateHooks):
             result.op_trace = self._replayed(used_scale, applied=attempt.stepped and not skipped)
         if self._xray is not None:
             (result.xray, self.xray_by), self._xray = self._xray, None
+        if self._fp8 is not None:
+            (result.fp8, self.fp8_by), self._fp8 = self._fp8, None
         return result
 
     def _hidden_activation(self, figures: LayerFigures | None) -> str | None:
@@ -353,13 +359,20 @@ class HookDriver(CountedSteps, UpdateHooks):
         the model's own loss, when it returns one) traced op by op into `StepResult.xray`."""
         self._xray_due = by or {}
 
-    def _xray_if_due(self, kept: KeptForward) -> None:
-        if self._xray_due is None:
-            return
-        by, self._xray_due = self._xray_due, None
-        with self._replaying():
-            self._xray = (xray_kept(self.model, kept, dtype=self.dtype, scale=self.precision.scale_value,
-                                    device=self.device), by)
+    def request_fp8(self, by: dict | None = None) -> None:
+        """The fp8 what-if of the next step, from its first forward as `request_xray` has it."""
+        self._fp8_due = by or {}
+
+    def _replays_if_due(self, kept: KeptForward) -> None:
+        arguments = {"dtype": self.dtype, "scale": self.precision.scale_value, "device": self.device}
+        if self._xray_due is not None:
+            by, self._xray_due = self._xray_due, None
+            with self._replaying():
+                self._xray = (xray_kept(self.model, kept, **arguments), by)
+        if self._fp8_due is not None:
+            by, self._fp8_due = self._fp8_due, None
+            with self._replaying():
+                self._fp8 = (fp8_kept(self.model, kept, **arguments), by)
 
     def _replayed(self, scale: float | None, *, applied: bool) -> dict:
         with self._replaying():

@@ -19,6 +19,7 @@ from amp_tui.core.jsonsafe import encode_float
 from amp_tui.core.numfmt import number
 from amp_tui.core.records import traced_module
 from amp_tui.job.run_context import RunContext
+from amp_tui.recording.fp8_file import filter_source, fp8_file_name, fp8_filter_name, fp8_message, kept, ready
 from amp_tui.recording.xray_file import xray_file_name, xray_message
 from amp_tui.training.devices import describe_device
 from amp_tui.training.step.calibration import CALIBRATION_SKIPS
@@ -46,6 +47,7 @@ def session_header(controller: RunContext, described: dict) -> dict:
         "probe_every": described["probe_every"],
         "probe_budget": described.get("probe_budget"),
         "underflow_every": described["underflow_every"],
+        "fp8_every": controller.fp8_schedule.every,
         "on_nonfinite": controller.on_nonfinite,
         "checkpoint_every": controller.checkpoint_every,
         "optimizer": type(driver.optimizer).__name__,
@@ -152,32 +154,65 @@ def nonfinite_fields(result: StepResult) -> dict:
             **(result.op_trace or {})}
 
 
+def record_replays(run: RunContext, result: StepResult) -> None:
+    """What was asked of the step just ended: its X-ray and its fp8 what-if."""
+    if result.xray is not None:
+        record_xray(run, result.step, result.xray, run.driver.xray_by)
+    if result.fp8 is not None:
+        record_fp8(run, result.step, result.fp8, run.driver.fp8_by)
+
+
 def record_xray(run: RunContext, step: int, xray: dict, by: dict | None = None) -> None:
     """The X-ray of `step` (StepResult.xray) as JSON in the run directory, then its event naming
     the file and the op closest to its dtype's max, and who asked for it (`by`: the command's
-    `source` and `client`). Written whole or not at all (a temporary file renamed): a reader never
-    finds half of one."""
+    `source` and `client`)."""
     name = xray_file_name(step)
     by = by or {}
-    asked = {"source": by["source"]} if "source" in by else {}   # an error names its source only
-    if "error" in xray:
-        run.event("error", f"X-ray of step {step} failed: {xray['error']}", step=step, during="xray", **asked)
-        return
-    path = run.run_dir / name
-    temporary = path.with_name(f".{name}.tmp")
-    try:
-        temporary.write_text(json.dumps(xray, indent=1, allow_nan=False), encoding="utf-8")
-        os.replace(temporary, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
-        run.event("error", f"X-ray of step {step} not written: {exc.strerror or exc}: {path}", step=step,
-                  during="xray", **asked)
+    if not _write_on_request(run, step, "xray", "X-ray", {name: json.dumps(xray, indent=1, allow_nan=False)}
+                             if "error" not in xray else {}, xray.get("error"), by):
         return
     first = (xray.get("closest") or [{}])[0]
     run.event("xray", xray_message(step, xray), step=step, path=name, dtype=xray.get("dtype"),
               op=first.get("op"), op_module=first.get("module"), op_phase=first.get("phase"),
               headroom_bits=first.get("headroom_bits"), **by)
+
+
+def record_fp8(run: RunContext, step: int, whatif: dict, by: dict | None = None) -> None:
+    """The fp8 what-if of `step` (StepResult.fp8) as JSON in the run directory, with the filter
+    it implies for torchao beside it, then the `fp8` event naming both and who asked (`by`)."""
+    name, filter_name = fp8_file_name(step), fp8_filter_name(step)
+    by = by or {}
+    files = {} if "error" in whatif else {
+        filter_name: filter_source(whatif, step=step, run=run.run_dir.name),
+        name: json.dumps({**whatif, "step": step, "filter": filter_name}, indent=1, allow_nan=False)}
+    if not _write_on_request(run, step, "fp8", "fp8 what-if", files, whatif.get("error"), by):
+        return
+    run.event("fp8", fp8_message(step, whatif), step=step, path=name, filter=filter_name,
+              dtype=whatif.get("dtype"), ready=len(ready(whatif)), kept=sorted(kept(whatif)), **by)
+
+
+def _write_on_request(run: RunContext, step: int, during: str, what: str, files: dict[str, str],
+                      error: str | None, by: dict) -> bool:
+    """Files asked of a step, each written whole or not at all (a temporary file renamed: a reader
+    never finds half of one). False, with an `error` event naming who asked, when the replay
+    failed or a file can't be written."""
+    asked = {"source": by["source"]} if "source" in by else {}   # an error names its source only
+    if error is not None:
+        run.event("error", f"{what} of step {step} failed: {error}", step=step, during=during, **asked)
+        return False
+    for name, text in files.items():
+        path = run.run_dir / name
+        temporary = path.with_name(f".{name}.tmp")
+        try:
+            temporary.write_text(text, encoding="utf-8")
+            os.replace(temporary, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
+            run.event("error", f"{what} of step {step} not written: {exc.strerror or exc}: {path}", step=step,
+                      during=during, **asked)
+            return False
+    return True
 
 
 def status_snapshot(run, *, pid: int) -> dict:

@@ -25,7 +25,8 @@ def table(run: RunContext, *, stop: Handler, fix: Handler, undo: Handler) -> dic
     """One handler per action: a new command is one entry here (docs/architecture.md). `stop`,
     `fix` and `undo` are the controller's and the autopilot's own."""
     own = {"dtype": set_dtype, "scale": set_scale, "save": save, "restore": restore, "fp32": toggle_fp32,
-           "note": note, "pause": pause, "resume": resume, "step": single_step, "probe": set_probes, "xray": xray}
+           "note": note, "pause": pause, "resume": resume, "step": single_step, "probe": set_probes, "xray": xray,
+           "fp8": fp8_whatif}
     return {**{action: partial(handler, run) for action, handler in own.items()},
             "stop": stop, "fix": fix, "undo": undo}
 
@@ -133,6 +134,17 @@ def xray(run: RunContext, command: Command) -> Outcome:
                                     "DDP's collectives in a replay of the step")
     run.driver.request_xray({"source": command.source, **({"client": command.client} if command.client else {})})
     return Outcome(True, f"step {run.step_index} will be X-rayed: its file and event come once it ran")
+
+
+def fp8_whatif(run: RunContext, command: Command) -> Outcome:
+    """`fp8`: the next step's fp8 what-if (training/fp8/whatif.py), at its start as the X-ray is;
+    its files and event come once the step ran (run_records.py, `record_fp8`)."""
+    if run.ranks:
+        return run.refused(command, "the fp8 what-if runs with one process only: a rank alone can't run "
+                                    "DDP's collectives in a replay of the step")
+    run.driver.request_fp8({"source": command.source, **({"client": command.client} if command.client else {})})
+    return Outcome(True, f"step {run.step_index} will be cast to fp8 in a what-if: its files and event come "
+                         "once it ran")
 
 
 def fall_back(run: RunContext, move: LadderMove, source: str = "fallback") -> None:

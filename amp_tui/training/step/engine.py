@@ -112,6 +112,7 @@ class GuardedTrainer(CountedSteps, StepReplays):
         self.trace_ops = trace_ops
         self._batch_rng: list[RngSnapshot] = []
         self._xray_due = False   # request_xray(): the next step is traced op by op first
+        self._fp8_due = False    # request_fp8(): the next step's Linear layers cast to fp8 first
         self.failed_step: FailedStep | None = None   # the last step traced, until the next one starts
         self._hidden = HiddenActivationWatch()
         # Several ranks: the finite-loss check agreed by all of them. Called with the loss, it
@@ -236,6 +237,12 @@ class GuardedTrainer(CountedSteps, StepReplays):
         gradients and the RNG as they were), into `StepResult.xray`."""
         self._xray_due = True
 
+    def request_fp8(self) -> None:
+        """The fp8 what-if of the next step (training/fp8/whatif.py): before it runs, its first
+        micro-batch's forward and backward once more with every nn.Linear's tensors cast to fp8,
+        from the same RNG state, into `StepResult.fp8`."""
+        self._fp8_due = True
+
     def step(self, micro_batches: Sequence[Any]) -> StepResult:
         """One iteration over `micro_batches` (already on the device): one update attempt."""
         if not micro_batches:
@@ -243,7 +250,9 @@ class GuardedTrainer(CountedSteps, StepReplays):
         ahead, self._started = self._started, None
         if ahead is not None and ahead.batch is not micro_batches[0]:
             ahead = None  # kept for another batch
-        xray = self._xray(micro_batches, ahead.rng if ahead is not None else None) if self._xray_due else None
+        rng = ahead.rng if ahead is not None else None
+        xray = self._xray(micro_batches, rng) if self._xray_due else None
+        fp8 = self._fp8(micro_batches, rng) if self._fp8_due else None
         self.failed_step = None
         started = time.perf_counter()
         self._batch_rng = [ahead.rng] if ahead is not None else []
@@ -259,7 +268,7 @@ class GuardedTrainer(CountedSteps, StepReplays):
                 probe.end()
             raise
         result.duration = time.perf_counter() - started + (ahead.seconds if ahead is not None else 0.0)
-        result.xray = xray
+        result.xray, result.fp8 = xray, fp8
         if probe and self.compiled_modules and result.figures is not None and not result.figures.order:
             self.act_unmeasured = self.act_unmeasured or ACT_UNMEASURED_UNDER_COMPILE
         if self.probe_schedule is not None:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from amp_tui.core.precision import canonical
 from amp_tui.training.compiled import original_module
+from amp_tui.training.fp8.whatif import fp8_whatif
 from amp_tui.training.trace.forward_keeper import KeptForward, own_loss
 from amp_tui.training.trace.op_fix import try_fixes
 from amp_tui.training.trace.op_trace import Backward, NoLoss, OpTrace, trace_step
@@ -151,16 +152,29 @@ def xray_kept(model: torch.nn.Module, kept: KeptForward, *, dtype: str, scale: f
     starts from), and of the backward from the model's own loss times `scale` when it returns one
     (`backward_from: "loss"`); else of the forward alone (`backward_from: null`: the loop's loss
     code is out of reach). {"error": ...} when the replay failed (never raised)."""
+    return _replay_kept(xray, model, kept, dtype=dtype, scale=scale, device=device)
+
+
+def fp8_kept(model: torch.nn.Module, kept: KeptForward, *, dtype: str, scale: float | None,
+             device: torch.device) -> dict:
+    """The fp8 what-if (training/fp8/whatif.py) of a forward about to run, and of its backward as
+    `xray_kept` has it: without the model's own loss, no gradient reaches the layers and the
+    what-if holds their inputs and weights only."""
+    return _replay_kept(fp8_whatif, model, kept, dtype=dtype, scale=scale, device=device)
+
+
+def _replay_kept(run: Callable[..., dict], model: torch.nn.Module, kept: KeptForward, *, dtype: str,
+                 scale: float | None, device: torch.device) -> dict:
     try:
         eager = original_module(model)
         replayable = _Replayable(eager, kept, dtype)
         arguments = {"scale": scale, "dtype": replayable.dtype or "float32", "device": device, "rng": kept.rng}
         try:
-            result = xray(eager, replayable.forward, backward=True, **arguments)
+            result = run(eager, replayable.forward, backward=True, **arguments)
             result["backward_from"] = "loss"
         except NoLoss:
-            result = xray(eager, replayable.forward, backward=False, **arguments)
+            result = run(eager, replayable.forward, backward=False, **arguments)
             result["backward_from"] = None
         return result
-    except Exception as exc:  # noqa: BLE001 - an X-ray must never stop the loop
+    except Exception as exc:  # noqa: BLE001 - a replay on request must never stop the loop
         return {"error": f"{type(exc).__name__}: {exc}"}

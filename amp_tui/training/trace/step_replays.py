@@ -1,6 +1,7 @@
 """A guarded step's replays, for GuardedTrainer (training/step/engine.py): the checked second pass
 over a bad step (diagnose.py), its op-by-op trace (op_trace.py) and the X-ray of a step about to
-run (op_xray.py). Apart from the step itself: none of this runs on a healthy step."""
+run (op_xray.py), and its fp8 what-if (training/fp8/whatif.py). Apart from the step itself: none of
+this runs on a healthy step."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from amp_tui.training.step.outcome import first_nonfinite_layer
 from amp_tui.training.trace.diagnose import Diagnosis, diagnose
 from amp_tui.training.trace.isolation import FailedStep
 from amp_tui.training.trace.op_trace import RngSnapshot, rng_snapshot
-from amp_tui.training.trace.step_trace import trace_failing_step, xray_step
+from amp_tui.training.trace.step_trace import fp8_step, trace_failing_step, xray_step
 
 SHARDED_NOT_TRACED = ("not traced to its op: a rank replays the step alone, and a model sharded with FSDP2 "
                       "can't run a forward without the other ranks (each block all-gathers its weights)")
@@ -78,6 +79,16 @@ class StepReplays:
             return xray_step(self.eager_model, lambda: self.loss_fn(self.eager_model, micro_batches[0]), rng,
                              scale=None if scale is None and n == 1 else (scale or 1.0) / n,
                              dtype=self.dtype, device=self.device)
+
+    def _fp8(self, micro_batches, rng: RngSnapshot | None) -> dict:
+        """The fp8 what-if of the step about to run, on its first micro-batch (as `_xray`)."""
+        self._fp8_due = False
+        scale, n = self.precision.scale, len(micro_batches)
+        rng = rng if rng is not None else rng_snapshot()
+        with self.probe.disarmed() if self.probe else contextlib.nullcontext():
+            return fp8_step(self.eager_model, lambda: self.loss_fn(self.eager_model, micro_batches[0]), rng,
+                            scale=None if scale is None and n == 1 else (scale or 1.0) / n,
+                            dtype=self.dtype, device=self.device)
 
     def _forward_unchecked(self, batch, model: torch.nn.Module | None = None):
         with autocast(self.device.type, self.dtype):

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from amp_tui.core.precision import canonical
+from amp_tui.training.fp8.whatif import fp8_whatif
 from amp_tui.training.trace.op_fix import try_fixes
 from amp_tui.training.trace.op_trace import RngSnapshot, trace_step
 from amp_tui.training.trace.op_xray import xray
@@ -52,6 +53,16 @@ def trace_failing_step(model: torch.nn.Module, forward_of: Callable[[Any], Any],
         return fields
     except Exception as exc:  # noqa: BLE001 - a diagnosis must never stop the run
         return {"op_trace_error": f"{type(exc).__name__}: {exc}"}
+
+
+def fp8_step(model: torch.nn.Module, forward: Callable[[], Any], rng: RngSnapshot, *, scale: float | None,
+             dtype: str, device: torch.device) -> dict:
+    """The fp8 what-if of a step about to run (training/fp8/whatif.py), from the RNG state it
+    starts from: its dict, or {"error": ...} when the replay failed (never raised)."""
+    try:
+        return fp8_whatif(model, forward, scale=scale, dtype=dtype, device=device, rng=rng)
+    except Exception as exc:  # noqa: BLE001 - a what-if must never stop the run
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def xray_step(model: torch.nn.Module, forward: Callable[[], Any], rng: RngSnapshot, *, scale: float | None,
