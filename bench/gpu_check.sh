@@ -233,5 +233,10 @@ else
     fi
 fi
 
+# ---- 7. fp8: the what-if's emulated casts against the native fp8 GEMMs, and torchao natively -----
+part fp8 120 "$PY" "$ROOT/bench/fp8_native.py" --device "$DEVICE"
+verdict fp8
+sed 's/^/      /' "$OUT/fp8.log" | grep -E "PASS|FAIL|skip" | tee -a "$SUMMARY"
+
 say "total $(( $(date +%s) - START ))s; results in $OUT"
 exit "$FAILED"
