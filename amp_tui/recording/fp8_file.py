@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from amp_tui.core.jsonsafe import loads_text
+from amp_tui.recording.run_files import read_run_json
 
-# A what-if holds a few hundred bytes per layer and cast; a larger file is not one.
-MAX_FP8_BYTES = 64 << 20
 SHOWN = 5   # the layers kept in bf16 that a report lists
 # torchao's float8 GEMMs need both dimensions of a weight in multiples of 16.
 SHAPE_MULTIPLE = 16
@@ -26,37 +24,28 @@ def fp8_filter_name(step: int) -> str:
 
 
 def read_fp8(run_dir: str | Path, relative: str) -> dict:
-    """The what-if an event's `path` names (relative to the run directory). Raises OSError for a
-    file that can't be read, ValueError for one that is not a what-if. Only a regular file inside
-    the run directory is read, and only up to MAX_FP8_BYTES."""
-    if not isinstance(relative, str) or not relative or Path(relative).is_absolute() \
-            or ".." in Path(relative).parts:
-        raise ValueError(f"{relative!r} is not a file name in the run directory")
-    path = Path(run_dir) / relative
-    if not path.is_file():
-        raise OSError(f"{relative}: no such fp8 what-if file")
-    with open(path, "rb") as fh:
-        raw = fh.read(MAX_FP8_BYTES + 1)
-    if len(raw) > MAX_FP8_BYTES:
-        raise ValueError(f"{relative} is over {MAX_FP8_BYTES >> 20} MiB: not an fp8 what-if")
-    try:
-        data = loads_text(raw.decode("utf-8", "replace"))
-    except RecursionError:
-        raise ValueError(f"{relative} is not an fp8 what-if (nested too deep)") from None
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) \
-            or not isinstance(data.get("verdict"), dict):
+    """The what-if an event's `path` names (relative to the run directory), read as
+    run_files.read_run_json reads: OSError for a file that can't be read, ValueError for one that
+    is not a what-if."""
+    data = read_run_json(run_dir, relative, "fp8 what-if")
+    if not isinstance(data.get("rows"), list) or not isinstance(data.get("verdict"), dict):
         raise ValueError(f"{relative} is not an fp8 what-if (no 'rows' list and 'verdict')")
     return data
 
 
+def verdicts(whatif: dict) -> dict[str, str]:
+    """The verdict per layer, as text (a file made by hand may hold anything there)."""
+    given = whatif.get("verdict")
+    return {str(m): v if isinstance(v, str) else "bf16: ?" for m, v in given.items()} if isinstance(given, dict) else {}
+
+
 def ready(whatif: dict) -> list[str]:
-    return [m for m, v in whatif.get("verdict", {}).items() if v == "fp8"]
+    return [m for m, v in verdicts(whatif).items() if v == "fp8"]
 
 
 def kept(whatif: dict) -> dict[str, str]:
     """The layers the verdict keeps in bf16, with why (the text after "bf16: ")."""
-    return {m: v.split(":", 1)[1].strip() if ":" in v else v
-            for m, v in whatif.get("verdict", {}).items() if v != "fp8"}
+    return {m: v.split(":", 1)[1].strip() if ":" in v else v for m, v in verdicts(whatif).items() if v != "fp8"}
 
 
 def fp8_message(step: int, whatif: dict) -> str:
@@ -79,6 +68,7 @@ def filter_source(whatif: dict, *, step: int, run: str) -> str:
     ones whose weight's dimensions are multiples of 16 (torchao's shape rule)."""
     fp8 = sorted(ready(whatif))
     held = kept(whatif)
+    run = run.replace("\\", "/").replace('"', "'")   # it goes in the docstring
     ready_lines = "".join(f"    {name!r},\n" for name in fp8)
     held_lines = "".join(f"    {name!r}: {why!r},\n" for name, why in sorted(held.items()))
     return f'''"""Which nn.Linear layers to train in fp8, from amp-tui's what-if of step {step} of {run}.
@@ -144,7 +134,7 @@ def layer_summaries(whatif: dict) -> list[dict]:
     """One line per layer: the verdict, and the figures it was judged on."""
     rows = [r for r in whatif.get("rows", []) if isinstance(r, dict)]
     out = []
-    for module, verdict in whatif.get("verdict", {}).items():
+    for module, verdict in verdicts(whatif).items():
         inp = _row(rows, module, "input", "e4m3", "tensorwise")
         grad = _row(rows, module, "grad_output", "e5m2", "tensorwise")
         out.append({"module": module, "verdict": "fp8" if verdict == "fp8" else "bf16",

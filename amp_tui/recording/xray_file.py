@@ -7,39 +7,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from amp_tui.core.jsonsafe import loads_text
+from amp_tui.recording.run_files import read_run_json
 
 CLOSEST_SHOWN = 5   # the closest ops a report lists
-# Far more than the X-ray of any model's step (a few kB per module); a larger file is not one, and
-# is not read into memory.
-MAX_XRAY_BYTES = 64 << 20
-
-
 def xray_file_name(step: int) -> str:
     return f"xray-step-{step:07d}.json"
 
 
 def read_xray(run_dir: str | Path, relative: str) -> dict:
-    """The X-ray an event's `path` names (relative to the run directory). Raises OSError for a
-    file that can't be read, ValueError for one that is not an X-ray. The path comes from the
-    session, which may be damaged or made by hand: only a regular file inside the run directory
-    is read (never a device or a pipe, which could be read forever), and only up to
-    MAX_XRAY_BYTES."""
-    if not isinstance(relative, str) or not relative or Path(relative).is_absolute() \
-            or ".." in Path(relative).parts:
-        raise ValueError(f"{relative!r} is not a file name in the run directory")
-    path = Path(run_dir) / relative
-    if not path.is_file():
-        raise OSError(f"{relative}: no such X-ray file")
-    with open(path, "rb") as fh:
-        raw = fh.read(MAX_XRAY_BYTES + 1)
-    if len(raw) > MAX_XRAY_BYTES:
-        raise ValueError(f"{relative} is over {MAX_XRAY_BYTES >> 20} MiB: not an X-ray")
-    try:
-        data = loads_text(raw.decode("utf-8", "replace"))
-    except RecursionError:   # arrays nested thousands deep
-        raise ValueError(f"{relative} is not an X-ray (nested too deep)") from None
-    if not isinstance(data, dict) or not isinstance(data.get("closest"), list):
+    """The X-ray an event's `path` names (relative to the run directory), read as
+    run_files.read_run_json reads: OSError for a file that can't be read, ValueError for one that
+    is not an X-ray."""
+    data = read_run_json(run_dir, relative, "X-ray")
+    if not isinstance(data.get("closest"), list):
         raise ValueError(f"{relative} is not an X-ray (no 'closest' list)")
     return data
 

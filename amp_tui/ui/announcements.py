@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from amp_tui.core.records import ENDED, STEERED_MODES
 from amp_tui.core.text import clip, visible
 from amp_tui.recording.fp8_file import read_fp8
@@ -48,9 +50,9 @@ class Announcements:
                 self.notify(visible(f"{event.get('fix')} made step {event.get('step')} finite: f applies it"),
                             title="fix verified", severity="warning", timeout=15, markup=False)
             elif event.get("kind") == "xray" and snap.mode in STEERED_MODES:
-                self._show_xray(event)
+                self._show_file(event, "X-ray", read_xray, XrayDialog)
             elif event.get("kind") == "fp8" and snap.mode in STEERED_MODES:
-                self._show_fp8(event)
+                self._show_file(event, "fp8 what-if", read_fp8, partial(Fp8Dialog, filter_path=event.get("filter")))
             elif event.get("kind") == "paused" and event.get("reason") == "io":
                 # A full disk (the previous checkpoint is intact): freeing space and resuming
                 # writes the records kept meanwhile.
@@ -96,31 +98,18 @@ class Announcements:
             lines.append(("last checkpoint", "none saved"))
         return lines
 
-    def _show_xray(self, event: dict) -> None:
-        """An X-ray's event came: its file in a dialog (over the dashboard only: a dialog the user
-        has open keeps the keys, and the event's message says where the file is)."""
+    def _show_file(self, event: dict, title: str, read, dialog) -> None:
+        """A file asked of a step came (an X-ray, an fp8 what-if: `read` reads it, `dialog(step,
+        path, data)` shows it): in a dialog over the dashboard only (a dialog the user has open
+        keeps the keys, and the event's message says where the file is)."""
         step, path = event.get("step"), str(event.get("path", ""))
         try:
-            xray = read_xray(self.source.run_dir, path)
+            data = read(self.source.run_dir, path)
         except (OSError, ValueError, TypeError) as exc:
-            self.notify(visible(f"X-ray of step {step}: can't read {path}: {exc}"), title="X-ray",
+            self.notify(visible(f"{title} of step {step}: can't read {path}: {exc}"), title=title,
                         severity="error", markup=False)
             return
         if self.screen is self.dashboard:
-            self.push_screen(XrayDialog(step, path, xray))
+            self.push_screen(dialog(step, path, data))
         else:
-            self.notify(brief(event.get("message", "")), title="X-ray", timeout=15, markup=False)
-
-    def _show_fp8(self, event: dict) -> None:
-        """An fp8 what-if's event came: its layers in a dialog, as `_show_xray` shows an X-ray."""
-        step, path = event.get("step"), str(event.get("path", ""))
-        try:
-            whatif = read_fp8(self.source.run_dir, path)
-        except (OSError, ValueError, TypeError) as exc:
-            self.notify(visible(f"fp8 what-if of step {step}: can't read {path}: {exc}"), title="fp8 what-if",
-                        severity="error", markup=False)
-            return
-        if self.screen is self.dashboard:
-            self.push_screen(Fp8Dialog(step, path, event.get("filter"), whatif))
-        else:
-            self.notify(brief(event.get("message", "")), title="fp8 what-if", timeout=15, markup=False)
+            self.notify(brief(event.get("message", "")), title=title, timeout=15, markup=False)

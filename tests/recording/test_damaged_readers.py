@@ -175,6 +175,28 @@ def test_report_reads_an_xray_only_from_a_file_of_the_run(tmp_path, capsys, name
     assert "last X-ray" in out and shows in out and "aten.elsewhere" not in out
 
 
+@pytest.mark.parametrize("name, make, shows", [
+    ("/dev/zero", None, "can't be read"),
+    ("../outside.json", lambda p: p.write_text('{"rows":[],"verdict":{"elsewhere":"fp8"}}'), "can't be read"),
+    ("fp8-step-0000029.json", lambda p: os.mkfifo(p), "can't be read"),
+    ("fp8-step-0000029.json", lambda p: p.write_text('{"rows":[1,"x"],"verdict":{"fc":3,"head":"fp8"}}'),
+     "1 of 2 Linear layers fp8-ready"),
+], ids=["a device", "outside the run", "a pipe", "verdicts not text"])
+def test_report_reads_an_fp8_whatif_only_from_a_file_of_the_run(tmp_path, capsys, name, make, shows):
+    """As the X-ray's: the what-if's path comes from the session, its verdict from a file."""
+    path = tmp_path / "session.jsonl"
+    write_run(path)
+    lines = path.read_bytes().split(b"\n")
+    lines.insert(len(lines) - 2, b'{"type":"event","step":29,"kind":"fp8","message":"x","path":"'
+                 + name.encode() + b'","filter":"fp8-filter-step-0000029.py"}')
+    path.write_bytes(b"\n".join(lines))
+    if make is not None:
+        make(tmp_path / name)
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "last fp8 what-if" in out and shows in out and "elsewhere" not in out
+
+
 def test_replay_headless_takes_an_end_scale_past_floats_range(tmp_path, capsys):
     """A storm of skips up to the last step is told with the end record's scale: a whole number
     of 400 digits there raised OverflowError."""

@@ -43,7 +43,7 @@ class Fp8Dialog(ModalScreen[None]):
     BINDINGS = [Binding("escape,8,q", "close", "close", id="fp8.close"),
                 Binding("s", "sort_next", "sort", id="fp8.sort")]
 
-    def __init__(self, step: int, path: str, filter_path: str | None, whatif: dict) -> None:
+    def __init__(self, step: int, path: str, whatif: dict, filter_path: str | None = None) -> None:
         super().__init__()
         self.step, self.path, self.filter_path, self.whatif = step, path, filter_path, whatif
         self.summaries = layer_summaries(whatif)
