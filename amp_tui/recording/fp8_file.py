@@ -157,3 +157,41 @@ def summary_cell(key: str, value) -> str:
     if isinstance(value, (int, float)):
         return f"{value:.1f}"
     return str(value)
+
+
+TREND_FILES = 50   # the most recent what-ifs a report reads to tell a trend
+
+
+def trend_lines(run_dir: str | Path, events: list[dict]) -> list[str]:
+    """How each layer fared over a run's what-ifs (the last TREND_FILES; none with fewer than
+    two): a layer whose verdict turned, with the step, and how far its input's crest moved. Files
+    that can't be read are left out."""
+    seen: list[tuple[int, dict]] = []
+    for event in events[-TREND_FILES:]:
+        try:
+            seen.append((int(event.get("step", 0)), read_fp8(run_dir, str(event.get("path", "")))))
+        except (OSError, ValueError, TypeError):
+            continue
+    if len(seen) < 2:
+        return []
+    lines = [f"{len(seen)} what-ifs, steps {seen[0][0]:,} to {seen[-1][0]:,}"]
+    first_step, first = seen[0]
+    for module, verdict in verdicts(first).items():
+        history = [(step, verdicts(w).get(module)) for step, w in seen]
+        turned = next((step for step, v in history if v is not None and (v == "fp8") != (verdict == "fp8")), None)
+        crest = [_input_crest(w, module) for _, w in seen]
+        crest = [c for c in crest if c is not None]
+        moved = f" (input crest {crest[0]:.1f} -> {crest[-1]:.1f} bits)" if len(crest) >= 2 else ""
+        if turned is not None:
+            now = "fp8" if verdict != "fp8" else "bf16"
+            lines.append(f"{module}: {'fp8' if verdict == 'fp8' else 'bf16'} at step {first_step:,}, "
+                         f"{now} from step {turned:,}{moved}")
+    if len(lines) == 1:
+        lines.append("no layer's verdict turned")
+    return lines
+
+
+def _input_crest(whatif: dict, module: str):
+    crest = _row([r for r in whatif.get("rows", []) if isinstance(r, dict)], module, "input", "e4m3",
+                 "tensorwise").get("crest_bits")
+    return crest if isinstance(crest, (int, float)) else None

@@ -20,7 +20,7 @@ from amp_tui.recording.forecast_outcomes import (
     outcome_text,
 )
 from amp_tui.recording.format import MAX_LINE_BYTES, SessionFormatError
-from amp_tui.recording.fp8_file import read_fp8, verdict_lines
+from amp_tui.recording.fp8_file import read_fp8, trend_lines, verdict_lines
 from amp_tui.recording.index import SessionIndex
 from amp_tui.recording.reader import (
     Session,
@@ -118,7 +118,7 @@ class RecordingDigest:
     notes: list[dict] = field(default_factory=list)   # {"step", "text"} of the note events, in file order
     op_traces: list[dict] = field(default_factory=list)   # `op_trace_of` each non-finite event naming an op
     last_xray: dict | None = None   # the last xray event
-    last_fp8: dict | None = None    # the last fp8 event
+    fp8_events: list[dict] = field(default_factory=list)   # the fp8 events, in file order
     forecasts: list[dict] = field(default_factory=list)   # forecast_outcomes of the events
     skipped_lines: int = 0
     unknown_records: int = 0
@@ -137,7 +137,7 @@ def digest_of(session: Session) -> RecordingDigest:
         notes=[_note(e) for e in events if e.get("kind") == "note"],
         op_traces=[op_trace_of(e) for e in events if e.get("kind") == "nonfinite" and e.get("op")],
         last_xray=next((e for e in reversed(events) if e.get("kind") == "xray"), None),
-        last_fp8=next((e for e in reversed(events) if e.get("kind") == "fp8"), None),
+        fp8_events=[e for e in events if e.get("kind") == "fp8"],
         forecasts=forecast_outcomes(events, steps[-1].get("step") if steps else None),
         skipped_lines=session.skipped_lines, unknown_records=session.unknown_records,
         long_lines=session.long_lines)
@@ -186,7 +186,10 @@ def read_digest(target: str | Path) -> RecordingDigest:
                     for k, code in enumerate(index.event_kinds) if code in wanted]
             op_traces = [op_trace_of(e) for e in read if e.get("kind") == "nonfinite" and e.get("op")]
             said = [e for e in read if e.get("kind") == "nonfinite" or is_forecast(e) or is_verdict(e)]
-            last_xray, last_fp8 = (_last_event(fh, index, kind) for kind in ("xray", "fp8"))
+            last_xray = _last_event(fh, index, "xray")
+            fp8 = index.kind_code("fp8")
+            fp8_events = [_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {}
+                          for k, code in enumerate(index.event_kinds) if code == fp8]
             unknown, long_lines = index.unknown_records, index.long_lines
             in_force = index.in_force(steps - 1)
             if end is not None:
@@ -194,7 +197,7 @@ def read_digest(target: str | Path) -> RecordingDigest:
     return RecordingDigest(
         header=header, path=path, steps=steps, skipped_steps=skipped_steps, last_step=last, end=end,
         event_kinds=kinds, errors=errors, in_force=in_force, refused=refusals, notes=notes, op_traces=op_traces,
-        last_xray=last_xray, last_fp8=last_fp8,
+        last_xray=last_xray, fp8_events=fp8_events,
         forecasts=forecast_outcomes(said, last.get("step") if last else None),
         skipped_lines=skipped_lines,
         unknown_records=unknown, long_lines=long_lines)
@@ -265,7 +268,7 @@ def summarize(recording: Session | RecordingDigest, outcome: RunOutcome | None =
         notes=list(d.notes),
         op_traces=list(d.op_traces),
         xray=_xray_of(d.last_xray, d.path.parent if d.path is not None else None),
-        fp8=_fp8_of(d.last_fp8, d.path.parent if d.path is not None else None),
+        fp8=_fp8_of(d.fp8_events, d.path.parent if d.path is not None else None),
         forecasts=list(d.forecasts),
         way=MONITOR if header.get("way") == MONITOR else TRAIN,
         skipped_lines=d.skipped_lines,
@@ -300,15 +303,19 @@ def _xray_of(event: dict | None, run_dir: Path | None) -> dict | None:
     return said
 
 
-def _fp8_of(event: dict | None, run_dir: Path | None) -> dict | None:
-    """The last fp8 what-if as a report says it: its step, its files, its verdict in lines."""
-    if event is None:
+def _fp8_of(events: list[dict], run_dir: Path | None) -> dict | None:
+    """The fp8 what-ifs as a report says them: the last one's step, files and verdict in lines,
+    and, where there were several, how each layer's verdict and crest went over them."""
+    if not events:
         return None
-    said = {"step": event.get("step"), "path": str(event.get("path", "")), "filter": event.get("filter")}
+    event = events[-1]
+    said = {"step": event.get("step"), "path": str(event.get("path", "")), "filter": event.get("filter"),
+            "count": len(events)}
     try:
         if run_dir is None:
             raise OSError("the recording's folder is not known")
         said["lines"] = verdict_lines(read_fp8(run_dir, said["path"]))
+        said["trend"] = trend_lines(run_dir, events)
     except (OSError, ValueError) as exc:
         said["error"] = str(exc)
     return said
@@ -421,7 +428,10 @@ def _fp8_rows(fp8: dict) -> list[tuple[str, str]]:
     if "error" in fp8:
         return [("last fp8 what-if", f"step {fp8['step']}: {fp8['path']} can't be read ({fp8['error']})")]
     files = fp8["path"] + (f", filter {fp8['filter']}" if isinstance(fp8.get("filter"), str) else "")
-    return [("last fp8 what-if", f"step {fp8['step']}: {files}")] + [("", line) for line in fp8["lines"]]
+    rows = [("last fp8 what-if", f"step {fp8['step']}: {files}")] + [("", line) for line in fp8["lines"]]
+    if fp8.get("trend"):
+        rows += [("fp8 over the run" if i == 0 else "", line) for i, line in enumerate(fp8["trend"])]
+    return rows
 
 
 def describe_records(counts: dict[str, int]) -> str:

@@ -51,6 +51,9 @@ class Announcements:
                             title="fix verified", severity="warning", timeout=15, markup=False)
             elif event.get("kind") == "xray" and snap.mode in STEERED_MODES:
                 self._show_file(event, "X-ray", read_xray, XrayDialog)
+            elif event.get("kind") == "fp8" and snap.mode in STEERED_MODES and event.get("source") == "schedule":
+                # --fp8-every: a toast, not a dialog every N steps (8 shows the next one whole).
+                self.notify(brief(event.get("message", "")), title="fp8 what-if", timeout=8, markup=False)
             elif event.get("kind") == "fp8" and snap.mode in STEERED_MODES:
                 self._show_file(event, "fp8 what-if", read_fp8, partial(Fp8Dialog, filter_path=event.get("filter")))
             elif event.get("kind") == "paused" and event.get("reason") == "io":

@@ -49,3 +49,18 @@ async def test_8_in_a_replay_says_why_it_cant(mlp_script, tmp_path):
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await pilot.press("8")
         await until(pilot, lambda: "a recording can't be cast to fp8" in toasts(app), "the refusal")
+
+
+@run_async
+async def test_a_what_if_of_fp8_every_is_a_toast_not_a_dialog(mlp_script, tmp_path):
+    run, source = build_live(mlp_script, tmp_path / "run", at=["3:pause"], dtype="bfloat16", fp8_every=2)
+    app = create_app(source)
+    try:
+        async with app.run_test(size=SIZE, notifications=True) as pilot:
+            await until(pilot, lambda: source.snapshot().state == "paused", "the pause")
+            await until(pilot, lambda: "fp8 what-if of step 2" in toasts(app), "the toast")
+            assert app.screen is app.dashboard
+            await pilot.press("q")
+            await until(pilot, lambda: not app.is_running, "the app to exit")
+    finally:
+        source.stop(5.0)
