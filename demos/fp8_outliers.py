@@ -14,8 +14,13 @@ Run it
     amp-tui fp8 demos/fp8_outliers.py --step 10     # the verdict and the torchao filter
     amp-tui train demos/fp8_outliers.py --dtype bf16 # then press 8 for the what-if of the next step
 
+    amp-tui train demos/fp8_outliers.py --dtype bf16 --headless --steps 1000 \
+        --fp8-every 100 -- --factor 30 --grow 1.005
+        # outliers that grow as it trains: the report says when the layer turned
+
 Script options (ctx.argv; pass them after ``--``): ``--factor`` (the planted
-channels' gain, default 1e4).
+channels' gain, default 1e4), ``--grow`` (their gain multiplied by this at every
+training forward, default 1: fixed).
 """
 
 import argparse
@@ -33,8 +38,12 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(hidden, width)
         self.out_norm = nn.LayerNorm(width)
         self.register_buffer("gain", torch.ones(hidden))
+        self.grow = 1.0
 
     def forward(self, x):
+        if self.training and self.grow != 1.0:
+            with torch.no_grad():
+                self.gain[self.gain != 1] *= self.grow
         return self.out_norm(self.fc2(F.gelu(self.fc1(self.norm(x))) * self.gain))
 
 
@@ -55,6 +64,7 @@ class Net(nn.Module):
 def setup(ctx=None):
     parser = argparse.ArgumentParser(prog="fp8_outliers.py")
     parser.add_argument("--factor", type=float, default=1e4)
+    parser.add_argument("--grow", type=float, default=1.0)
     args = parser.parse_args(list(getattr(ctx, "argv", None) or []))
     torch.manual_seed(0)
     model = Net()
@@ -63,6 +73,7 @@ def setup(ctx=None):
         planted.gain[[5, 40, 99]] = args.factor
         # The columns that read them weigh like the others in exact arithmetic.
         planted.fc2.weight[:, [5, 40, 99]] /= args.factor
+    planted.grow = args.grow
     teacher = torch.randn(32, 16) / 32 ** 0.5
     batches = []
     for _ in range(16):
