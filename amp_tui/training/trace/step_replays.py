@@ -9,12 +9,14 @@ import contextlib
 
 import torch
 
+from amp_tui.training.fp8.whatif import fp8_whatif
 from amp_tui.training.step.autocast import autocast
 from amp_tui.training.step.outcome import first_nonfinite_layer
 from amp_tui.training.trace.diagnose import Diagnosis, diagnose
 from amp_tui.training.trace.isolation import FailedStep
 from amp_tui.training.trace.op_trace import RngSnapshot, rng_snapshot
-from amp_tui.training.trace.step_trace import fp8_step, trace_failing_step, xray_step
+from amp_tui.training.trace.op_xray import xray
+from amp_tui.training.trace.step_trace import step_ahead, trace_failing_step
 
 SHARDED_NOT_TRACED = ("not traced to its op: a rank replays the step alone, and a model sharded with FSDP2 "
                       "can't run a forward without the other ranks (each block all-gathers its weights)")
@@ -69,26 +71,26 @@ class StepReplays:
                                   device=f.device, backward=backward)
 
     def _xray(self, micro_batches, rng: RngSnapshot | None) -> dict:
-        """The step about to run, X-rayed on its first micro-batch with the backward as the step
-        runs it (the loss over the micro-batches, times the scale); not counted in the step's
-        duration. The probes' hooks idle: a forward run ahead may hold their figures."""
+        """The step about to run, X-rayed on its first micro-batch (`_ahead`)."""
         self._xray_due = False
+        return self._ahead(xray, micro_batches, rng)
+
+    def _fp8(self, micro_batches, rng: RngSnapshot | None) -> dict:
+        """The fp8 what-if of the step about to run, on its first micro-batch (`_ahead`)."""
+        self._fp8_due = False
+        return self._ahead(fp8_whatif, micro_batches, rng)
+
+    def _ahead(self, replay, micro_batches, rng: RngSnapshot | None) -> dict:
+        """`replay` (op_xray.xray or fp8/whatif.fp8_whatif) of the step about to run, on its first
+        micro-batch with the backward as the step runs it (the loss over the micro-batches, times
+        the scale); not counted in the step's duration. The probes' hooks idle: a forward run ahead
+        may hold their figures."""
         scale, n = self.precision.scale, len(micro_batches)
         rng = rng if rng is not None else rng_snapshot()   # None: the step starts from the RNG now
         with self.probe.disarmed() if self.probe else contextlib.nullcontext():
-            return xray_step(self.eager_model, lambda: self.loss_fn(self.eager_model, micro_batches[0]), rng,
-                             scale=None if scale is None and n == 1 else (scale or 1.0) / n,
-                             dtype=self.dtype, device=self.device)
-
-    def _fp8(self, micro_batches, rng: RngSnapshot | None) -> dict:
-        """The fp8 what-if of the step about to run, on its first micro-batch (as `_xray`)."""
-        self._fp8_due = False
-        scale, n = self.precision.scale, len(micro_batches)
-        rng = rng if rng is not None else rng_snapshot()
-        with self.probe.disarmed() if self.probe else contextlib.nullcontext():
-            return fp8_step(self.eager_model, lambda: self.loss_fn(self.eager_model, micro_batches[0]), rng,
-                            scale=None if scale is None and n == 1 else (scale or 1.0) / n,
-                            dtype=self.dtype, device=self.device)
+            return step_ahead(replay, self.eager_model, lambda: self.loss_fn(self.eager_model, micro_batches[0]),
+                              rng, scale=None if scale is None and n == 1 else (scale or 1.0) / n,
+                              dtype=self.dtype, device=self.device)
 
     def _forward_unchecked(self, batch, model: torch.nn.Module | None = None):
         with autocast(self.device.type, self.dtype):

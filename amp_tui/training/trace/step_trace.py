@@ -1,6 +1,6 @@
 """A step GuardedTrainer found non-finite, replayed under the op tracer with the RNG state its
 micro-batches started from: the first aten op that made inf or NaN, and the remedy tried on it;
-and a step X-rayed on request (`xray_step`), before it runs, from the state it starts from.
+and a step X-rayed or cast to fp8 on request (`step_ahead`), before it runs, from the state it starts from.
 
 The replay runs only on a failing step (or on request). It leaves the weights, their `.grad`, the
 optimizer, the scaler and the RNG as they were (training/trace/op_trace.py), so the run goes on exactly as without it;
@@ -15,10 +15,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from amp_tui.core.precision import canonical
-from amp_tui.training.fp8.whatif import fp8_whatif
 from amp_tui.training.trace.op_fix import try_fixes
 from amp_tui.training.trace.op_trace import RngSnapshot, trace_step
-from amp_tui.training.trace.op_xray import xray
 
 # The fields a found op adds to the non-finite event (with the fix's), `op_message` always.
 OP_FIELDS = ("op", "op_module", "op_phase", "op_inputs", "op_output_dtype", "op_kind")
@@ -55,21 +53,12 @@ def trace_failing_step(model: torch.nn.Module, forward_of: Callable[[Any], Any],
         return {"op_trace_error": f"{type(exc).__name__}: {exc}"}
 
 
-def fp8_step(model: torch.nn.Module, forward: Callable[[], Any], rng: RngSnapshot, *, scale: float | None,
-             dtype: str, device: torch.device) -> dict:
-    """The fp8 what-if of a step about to run (training/fp8/whatif.py), from the RNG state it
-    starts from: its dict, or {"error": ...} when the replay failed (never raised)."""
+def step_ahead(replay: Callable[..., dict], model: torch.nn.Module, forward: Callable[[], Any], rng: RngSnapshot,
+               *, scale: float | None, dtype: str, device: torch.device) -> dict:
+    """A step about to run, replayed on request from the RNG state it starts from: `replay` is
+    op_xray.xray (the X-ray) or fp8/whatif.fp8_whatif (the fp8 what-if). Its dict, or
+    {"error": ...} when the replay failed (never raised: the step still runs)."""
     try:
-        return fp8_whatif(model, forward, scale=scale, dtype=dtype, device=device, rng=rng)
-    except Exception as exc:  # noqa: BLE001 - a what-if must never stop the run
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def xray_step(model: torch.nn.Module, forward: Callable[[], Any], rng: RngSnapshot, *, scale: float | None,
-              dtype: str, device: torch.device) -> dict:
-    """A step about to run, traced op by op (op_xray.py) from the RNG state it starts from: the
-    X-ray's dict, or {"error": ...} when the replay failed (never raised: the step still runs)."""
-    try:
-        return xray(model, forward, scale=scale, dtype=dtype, device=device, rng=rng)
-    except Exception as exc:  # noqa: BLE001 - an X-ray must never stop the run
+        return replay(model, forward, scale=scale, dtype=dtype, device=device, rng=rng)
+    except Exception as exc:  # noqa: BLE001 - a replay on request must never stop the run
         return {"error": f"{type(exc).__name__}: {exc}"}
