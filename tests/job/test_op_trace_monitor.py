@@ -185,26 +185,33 @@ def test_a_backward_overflow_in_a_monitored_loop_is_replayed_from_the_models_own
     assert (event["fix"], event["fix_verified"]) == ("--dtype bf16", True)
 
 
-def test_xray_in_the_users_own_loop_traces_the_next_forward_and_names_who_asked(tmp_path):
+def asked_in_own_loop(run_dir, action: str, x: torch.Tensor, steps: int = 2) -> tuple[list, list[float]]:
+    """A monitored bf16 loop of the Regressor, `action` asked over ctl before its first step: the
+    command's answers and the loop's own losses."""
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = amp_tui.monitor(model, opt, dtype="bf16", run_dir=tmp_path / "run", announce=False)
+    monitor = amp_tui.monitor(model, opt, dtype="bf16", run_dir=run_dir, announce=False)
     answers = []
-    command = Command("xray", None, "ctl pid=1 user=me", client={"pid": 1, "uid": 1000, "user": "me"})
+    command = Command(action, None, "ctl pid=1 user=me", client={"pid": 1, "uid": 1000, "user": "me"})
     command.on_done = answers.append
     monitor.controller.submit(command)
     losses = []
-    for _ in range(2):
+    for _ in range(steps):
         with monitor.step() as step:
             with monitor.autocast():
-                loss = model(torch.ones(4, 16), target=torch.zeros(4, 16))
+                loss = model(x, target=torch.zeros(4, 16))
             step.loss = loss
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
     monitor.close()
+    return answers, losses
+
+
+def test_xray_in_the_users_own_loop_traces_the_next_forward_and_names_who_asked(tmp_path):
+    answers, losses = asked_in_own_loop(tmp_path / "run", "xray", torch.ones(4, 16))
     assert answers and answers[0].ok, answers
     session = read_session(tmp_path / "run")
     [event] = [e for e in session.events if e["kind"] == "xray"]
@@ -255,25 +262,7 @@ def test_a_backward_overflow_is_replayed_from_the_gradient_that_reached_the_outp
 
 
 def test_fp8_in_the_users_own_loop_casts_the_next_forwards_layers(tmp_path):
-    torch.manual_seed(0)
-    model = Regressor()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = amp_tui.monitor(model, opt, dtype="bf16", run_dir=tmp_path / "run", announce=False)
-    answers = []
-    command = Command("fp8", None, "ctl pid=1 user=me", client={"pid": 1, "uid": 1000, "user": "me"})
-    command.on_done = answers.append
-    monitor.controller.submit(command)
-    losses = []
-    for _ in range(2):
-        with monitor.step() as step:
-            with monitor.autocast():
-                loss = model(torch.randn(4, 16), target=torch.zeros(4, 16))
-            step.loss = loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-    monitor.close()
+    answers, losses = asked_in_own_loop(tmp_path / "run", "fp8", torch.randn(4, 16))
     assert answers and answers[0].ok, answers
     session = read_session(tmp_path / "run")
     [event] = [e for e in session.events if e["kind"] == "fp8"]
