@@ -38,7 +38,7 @@ def cmd_fp8(args) -> int:
     from amp_tui.recording.fp8_file import read_fp8
 
     train = ["train", str(args.script), "--headless", "--steps", str(args.step + 1), "--at", f"{args.step}:fp8",
-             "--dtype", args.dtype, "--probe-every", "auto"]
+             "--dtype", args.dtype]
     train += ["--device", args.device] if args.device else []
     run_dir = args.run_dir or default_run_dir(args.script)
     train += ["--run-dir", str(run_dir)]
@@ -48,10 +48,14 @@ def cmd_fp8(args) -> int:
     train_args.script_argv, train_args.own_process = args.script_argv, args.own_process
     train_args.command_line = args.command_line
     code = train_args.func(train_args)
-    event = _fp8_event(run_dir)
+    event, failed = _fp8_event(run_dir)
     if event is None:
-        return code or error(f"no fp8 what-if was recorded in {run_dir}: the run ended before step {args.step}")
-    whatif = read_fp8(run_dir, event["path"])
+        why = failed or f"the run ended before step {args.step}"
+        return error(f"no fp8 what-if was recorded in {run_dir}: {why}", code or 1)
+    try:
+        whatif = read_fp8(run_dir, event["path"])
+    except (OSError, ValueError) as exc:
+        return error(f"the fp8 what-if of step {event.get('step')} can't be read: {exc}", 1)
     if args.json:
         print(json.dumps({"step": event["step"], "run_dir": str(run_dir), "path": event["path"],
                           "filter": event["filter"], "verdict": whatif["verdict"]}, indent=1))
@@ -60,13 +64,17 @@ def cmd_fp8(args) -> int:
     return code
 
 
-def _fp8_event(run_dir: Path) -> dict | None:
+def _fp8_event(run_dir: Path) -> tuple[dict | None, str | None]:
+    """The run's fp8 event, or None and why none came (its replay's error, where it failed)."""
     from amp_tui.recording.reader import read_session
     try:
         session = read_session(run_dir)
-    except (OSError, ValueError):
-        return None
-    return next((e for e in reversed(session.events) if e.get("kind") == "fp8"), None)
+    except (OSError, ValueError) as exc:
+        return None, str(exc)
+    event = next((e for e in reversed(session.events) if e.get("kind") == "fp8"), None)
+    failed = next((e.get("message") for e in session.events if e.get("kind") == "error" and e.get("during") == "fp8"),
+                  None)
+    return event, failed
 
 
 def render(whatif: dict, event: dict, run_dir: Path) -> str:

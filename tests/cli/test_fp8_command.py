@@ -31,3 +31,20 @@ def test_fp8_json_prints_the_verdict(tmp_path, capfd):
     said = json.loads(out[out.rindex("\n{\n") + 1:])
     assert said["step"] == 0 and said["filter"] == "fp8-filter-step-0000000.py"
     assert said["verdict"]["blocks.2.fc2"].startswith("bf16: ")
+
+
+def test_a_step_the_run_never_reaches_is_said(write_script, tmp_path, capsys):
+    script = write_script("""
+import torch
+def setup(ctx=None):
+    model = torch.nn.Linear(4, 4)
+    def loss_fn(model, batch):
+        if batch == 2:
+            raise RuntimeError("the data ran dry")
+        return model(torch.ones(2, 4)).sum()
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "loss_fn": loss_fn,
+            "batches": [0, 1, 2]}
+""")
+    assert main(["fp8", str(script), "--step", "5", "--device", "cpu", "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "no fp8 what-if was recorded" in err and "the run ended before step 5" in err
