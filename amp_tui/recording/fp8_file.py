@@ -70,6 +70,7 @@ def filter_source(whatif: dict, *, step: int, run: str) -> str:
     held = kept(whatif)
     run = run.replace("\\", "/").replace('"', "'")   # it goes in the docstring
     ready_lines = "".join(f"    {name!r},\n" for name in fp8)
+    ready_block = f"FP8_READY = {{\n{ready_lines}}}" if fp8 else "FP8_READY: set[str] = set()"
     held_lines = "".join(f"    {name!r}: {why!r},\n" for name, why in sorted(held.items()))
     return f'''"""Which nn.Linear layers to train in fp8, from amp-tui's what-if of step {step} of {run}.
 
@@ -85,8 +86,7 @@ and both dimensions of its weight are multiples of {SHAPE_MULTIPLE}. Layers the 
 
 import torch
 
-FP8_READY = {{
-{ready_lines}}}
+{ready_block}
 
 # Kept in high precision, and why.
 KEEP_BF16 = {{

@@ -116,3 +116,11 @@ def test_a_layer_whose_shape_torchao_cant_run_stays_out_of_the_filter():
     fn = namespace["module_filter_fn"]
     assert result["verdict"]["0"] == "fp8" and not fn(net[0], "0")   # 24 x 32: not multiples of 16
     assert not fn(net[1], "1")
+
+
+def test_a_filter_with_no_layer_ready_converts_none_and_says_why():
+    namespace: dict = {}
+    exec(filter_source({"rows": [], "verdict": {"fc": "bf16: input in e4m3 tensorwise: crest"}}, step=3,
+                       run='a "quoted" run'), namespace)
+    assert namespace["FP8_READY"] == set() and namespace["KEEP_BF16"] == {"fc": "input in e4m3 tensorwise: crest"}
+    assert not namespace["module_filter_fn"](nn.Linear(16, 16), "fc")
