@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import math
 import statistics
 import sys
@@ -53,7 +52,8 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from amp_tui.recording.fp8_file import SHAPE_MULTIPLE, filter_source, kept  # noqa: E402
+from amp_tui.recording.fp8_file import filter_source, kept  # noqa: E402
+from amp_tui.training.fp8.layers import load_filter, shape_fits  # noqa: E402
 from amp_tui.training.fp8.whatif import fp8_whatif  # noqa: E402
 from bench import common  # noqa: E402
 
@@ -149,21 +149,16 @@ def whatif(model, batch) -> dict:
     return fp8_whatif(model, lambda: loss_of(model, batch), dtype="bf16")
 
 
-def load_filter(source: str, folder: Path):
+def emitted_filter(source: str, folder: Path):
+    """The filter file's module_filter_fn, loaded as `--fp8-filter` loads it."""
     path = folder / "fp8_filter.py"
     path.write_text(source, encoding="utf-8")
-    spec = importlib.util.spec_from_file_location("amp_tui_fp8_filter", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.module_filter_fn
+    return load_filter(path)
 
 
 def shape_rule(module: nn.Module, fqn: str) -> bool:
     """torchao's own rule and nothing else: every Linear whose weight's dimensions are multiples of 16."""
-    if not isinstance(module, nn.Linear):
-        return False
-    out_features, in_features = module.weight.shape
-    return out_features % SHAPE_MULTIPLE == 0 and in_features % SHAPE_MULTIPLE == 0
+    return isinstance(module, nn.Linear) and shape_fits(module)
 
 
 def converted(model, module_filter_fn):
@@ -234,7 +229,7 @@ def run(setup: Setup, *, reference: bool = False) -> dict:
     found = whatif(model, batches[0])
     held_bf16 = kept(found)
     with tempfile.TemporaryDirectory() as tmp:
-        module_filter_fn = load_filter(filter_source(found, step=0, run="bench/fp8_filter.py"), Path(tmp))
+        module_filter_fn = emitted_filter(filter_source(found, step=0, run="bench/fp8_filter.py"), Path(tmp))
     copies = {"bf16": copy.deepcopy(model), "fp8 filtered": converted(model, module_filter_fn),
               "fp8 all": converted(model, shape_rule)}
     losses = {name: train(m, batches, held, setup) for name, m in copies.items()}

@@ -75,7 +75,8 @@ def parse_action(text: str, source: str = "api") -> Command:
         try:
             return Command("dtype", precision.canonical(value), source)
         except ValueError:
-            raise CommandError(f"unknown dtype in {raw!r}: use dtype=fp16, dtype=bf16 or dtype=fp32") from None
+            raise CommandError(f"unknown dtype in {raw!r}: use dtype=fp16, dtype=bf16, dtype=fp32 "
+                               "or dtype=fp8") from None
     if name == "scale":
         if value.lower() == "half":
             return Command("scale", "half", source)

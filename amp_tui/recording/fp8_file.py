@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from amp_tui.core.precision import FP8_SHAPE_MULTIPLE
 from amp_tui.recording.run_files import read_run_json
 
 SHOWN = 5   # the layers kept in bf16 that a report lists
-# torchao's float8 GEMMs need both dimensions of a weight in multiples of 16.
-SHAPE_MULTIPLE = 16
 
 
 def fp8_file_name(step: int) -> str:
@@ -80,7 +79,7 @@ def filter_source(whatif: dict, *, step: int, run: str) -> str:
 A layer converts when the what-if found its input, weight and output gradient fp8-ready, cast as
 torchao's default recipe casts them:
     {_recipe_words(whatif)}
-and both dimensions of its weight are multiples of {SHAPE_MULTIPLE}. Layers the what-if did not see
+and both dimensions of its weight are multiples of {FP8_SHAPE_MULTIPLE}. Layers the what-if did not see
 (no forward ran them in that step) stay in high precision.
 """
 
@@ -97,7 +96,7 @@ def module_filter_fn(module: torch.nn.Module, fqn: str) -> bool:
     if not isinstance(module, torch.nn.Linear) or fqn not in FP8_READY:
         return False
     out_features, in_features = module.weight.shape
-    return out_features % {SHAPE_MULTIPLE} == 0 and in_features % {SHAPE_MULTIPLE} == 0
+    return out_features % {FP8_SHAPE_MULTIPLE} == 0 and in_features % {FP8_SHAPE_MULTIPLE} == 0
 '''
 
 

@@ -46,6 +46,9 @@ class LayerFigures:
     # The largest |output| of the ops inside modules' forwards, by "aten.op in module" (op_probe.py;
     # None: not measured this step).
     ops: dict[str, float] | None = None
+    # In fp8 (training/fp8/layers.py): each fp8 layer's amax [input, weight, grad_output], what its
+    # casts scale by; None for a layer that is not in fp8 (the list None: not in fp8).
+    fp8: list[list[float | None] | None] | None = None
 
     def first_nonfinite(self, kind: str = "act") -> int | None:
         values = getattr(self, kind)

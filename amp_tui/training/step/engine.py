@@ -24,6 +24,8 @@ from amp_tui.training.probes.layer_probes import LayerFigures, LayerProbe
 from amp_tui.training.probes.probe_options import ProbeOptions
 from amp_tui.training.probes.probe_schedule import observe_step
 from amp_tui.training.sharding import full_value, is_sharded
+from amp_tui.training.step.fp8_training import Fp8Training
+from amp_tui.training.step.loss_check import LossError, check_loss
 from amp_tui.training.step.outcome import CountedSteps, StepOutcomes, first_nonfinite_layer
 from amp_tui.training.step.precision_state import OwnedScaling, PrecisionRefused
 from amp_tui.training.step.step_result import StepResult
@@ -44,10 +46,6 @@ ACT_UNMEASURED_UNDER_COMPILE = (
 EVERY_STEP = ProbeOptions(every=1)   # the engine alone probes every step; a run says otherwise
 
 
-class LossError(Exception):
-    """loss_fn returned something that is not a scalar loss."""
-
-
 @dataclass
 class _StartedStep:
     batch: Any             # the micro-batch the forward ran on (step() checks it is the same)
@@ -56,21 +54,7 @@ class _StartedStep:
     rng: RngSnapshot       # the generators before that forward, for a replay of it
 
 
-def check_loss(loss: Any) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor):
-        raise LossError(f"loss_fn returned a {type(loss).__name__}, not a tensor")
-    if loss.numel() != 1:
-        raise LossError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not a scalar "
-                        "(reduce it, e.g. with .mean())")
-    if not loss.is_floating_point():
-        raise LossError(f"loss_fn returned a {loss.dtype} tensor; a loss must be floating point")
-    if not loss.requires_grad:
-        raise LossError("loss_fn returned a tensor that does not require grad: "
-                        "it does not depend on the model's parameters")
-    return loss
-
-
-class GuardedTrainer(CountedSteps, StepReplays):
+class GuardedTrainer(CountedSteps, StepReplays, Fp8Training):
     """One guarded optimizer update per `step()`; dtype and scale can change between steps."""
 
     def __init__(
@@ -88,6 +72,7 @@ class GuardedTrainer(CountedSteps, StepReplays):
         probes: ProbeOptions = EVERY_STEP,
         diagnose: bool = True,
         trace_ops: bool = True,
+        fp8_filter: str | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -120,6 +105,7 @@ class GuardedTrainer(CountedSteps, StepReplays):
         # which the step asks for after the micro-batch's backward.
         self.agree_finite: Callable[[float], Callable[[], bool]] | None = None
         self.precision = OwnedScaling(self.device, dtype, init_scale)
+        self._init_fp8(fp8_filter)   # --dtype fp8: the layers torchao trains in fp8 (fp8_training.py)
         self.outcomes = StepOutcomes()   # the step counter and the counts (outcome.py)
         self._started: _StartedStep | None = None  # a forward run ahead by start_step()
         self._sort_parameters()
@@ -169,8 +155,10 @@ class GuardedTrainer(CountedSteps, StepReplays):
 
     def set_dtype(self, dtype: str) -> dict:
         """Switch autocast dtype at a step boundary; returns {"before", "after"} for the record."""
+        old = self._fp8_refuses(dtype)
         change = self.precision.set_dtype(dtype)
         if change["before"] != change["after"]:
+            self._fp8_switched(old)
             self.discard_started_step()  # it ran under the old dtype
         return change
 
@@ -204,6 +192,7 @@ class GuardedTrainer(CountedSteps, StepReplays):
         schedule = self.probe_schedule
         self.probe.begin(weights=schedule.weights_due(),
                          ops=not self.compiled_modules and schedule.ops_due(self.dtype))
+        self._fp8_measure()
 
     def start_step(self, batch: Any) -> torch.Tensor:
         """Run the next step's forward on `batch` now, and keep it: when step() is then given
@@ -212,6 +201,7 @@ class GuardedTrainer(CountedSteps, StepReplays):
         often, on the same state, as in a plain loop. Raises what the forward raises (LossError
         for a loss that is not a scalar), keeping nothing."""
         self.discard_started_step()
+        self._fp8_before_step(batch)
         started = time.perf_counter()
         rng = rng_snapshot()
         probe = self.probe if self.probing_next() else None
@@ -250,6 +240,8 @@ class GuardedTrainer(CountedSteps, StepReplays):
         ahead, self._started = self._started, None
         if ahead is not None and ahead.batch is not micro_batches[0]:
             ahead = None  # kept for another batch
+        if ahead is None:
+            self._fp8_before_step(micro_batches[0])
         rng = ahead.rng if ahead is not None else None
         xray = self._xray(micro_batches, rng) if self._xray_due else None
         fp8 = self._fp8(micro_batches, rng) if self._fp8_due else None
@@ -266,9 +258,11 @@ class GuardedTrainer(CountedSteps, StepReplays):
         except BaseException:
             if probe:
                 probe.end()
+            self.fp8.read_amax()
             raise
         result.duration = time.perf_counter() - started + (ahead.seconds if ahead is not None else 0.0)
         result.xray, result.fp8 = xray, fp8
+        self._fp8_close(result)
         if probe and self.compiled_modules and result.figures is not None and not result.figures.order:
             self.act_unmeasured = self.act_unmeasured or ACT_UNMEASURED_UNDER_COMPILE
         if self.probe_schedule is not None:

@@ -1,5 +1,5 @@
 """Guards on top of GradScaler: a minimum scale, alerts that name the likely cause and the fix,
-and the fallback ladder fp16 -> bf16 -> fp32.
+and the fallback ladder fp16 -> bf16 -> fp32 (fp8 -> bf16 -> fp32).
 
 The guard only decides; the run applies its decisions at the step boundary and records them, so
 every automatic move is an ordinary `intervention` event that says why.
@@ -62,6 +62,8 @@ class Decisions:
 def next_rung(dtype: str, bf16_ok: bool) -> str | None:
     if dtype == "float16":
         return "bfloat16" if bf16_ok else "float32"
+    if dtype == "float8":   # its layers back to bf16, the weights as fp8 trained them
+        return "bfloat16"
     if dtype == "bfloat16":
         return "float32"
     return None
@@ -310,6 +312,10 @@ class PrecisionGuard:
         if dtype == "float32":
             return (f"values become non-finite in fp32{where}: this is not a precision problem",
                     "look at the learning rate, the data and the loss; restore a checkpoint (r)")
+        if dtype == "float8":
+            return (f"values become non-finite in fp8{where}: its casts scale each tensor by its amax, "
+                    "so an inf/NaN already in a tensor spreads through the whole cast",
+                    "back to bf16 (d): if it fails there too, look at the learning rate, the data and the loss")
         return (f"values become non-finite in {precision.SHORT[dtype]}{where}, which has fp32's range: "
                 "rarely a precision problem",
                 "try fp32 (d): if it fails there too, look at the learning rate, the data and the loss")

@@ -158,6 +158,11 @@ class OwnedScaling(PrecisionState):
             self.fp16_scale = float(state["scale"])   # carried until fp16 is entered again
 
 
+# The loop's model is the loop's: amp-tui converts no layer of it.
+FP8_IN_OWN_LOOP = ("fp8 is switched live only under amp-tui train; in your own loop, convert the model "
+                   "with torchao's convert_to_float8_training (module_filter_fn from the fp8 what-if's "
+                   "filter file) and run it in bf16")
+
 DEFAULT_INIT_SCALE = 2.0 ** 16   # GradScaler's own default, where a scaler amp-tui enables starts
 
 
@@ -209,6 +214,8 @@ class BorrowedScaling(PrecisionState):
             self._load({**self._live_state(), "scale": 1.0, "_growth_tracker": 0})
 
     def _refuses(self, new: str) -> str | None:
+        if new == "float8":
+            return FP8_IN_OWN_LOOP
         if new == "float16" and self.scaler is None and self.owned is None:
             return (f"fp16 needs a GradScaler and this loop has none (its gradients would underflow); "
                     f"{self.fp16_fix}")

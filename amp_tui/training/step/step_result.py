@@ -39,6 +39,7 @@ class StepResult:
     op_trace: dict | None = None  # a non-finite step replayed op by op: the op and its fix (step_trace.py)
     xray: dict | None = None      # the step traced op by op on request (request_xray; op_xray.py)
     fp8: dict | None = None       # the step's fp8 what-if on request (request_fp8; fp8/whatif.py)
+    fp8_layers: dict | None = None   # the step that entered fp8: its layers and their filter (fp8_training.py)
     eta: list | None = None       # each layer's steps left before the dtype's max (job/records/forecasts.py)
     held_back: bool = False       # amp-tui kept an update with inf/NaN gradients from applying (update_guard.py)
     calibration: bool = False     # a skip of GradScaler finding its scale at the start (calibration.py)

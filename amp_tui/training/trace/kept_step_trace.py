@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_leaves
 
-from amp_tui.core.precision import canonical
+from amp_tui.core.precision import autocast_name
 from amp_tui.training.compiled import original_module
 from amp_tui.training.fp8.whatif import fp8_whatif
 from amp_tui.training.trace.forward_keeper import KeptForward, own_loss
@@ -69,7 +69,7 @@ class _Replayable:
         # The forward's autocast: the one in force as it started, else the one its own wrapper
         # applies (the step's dtype); neither: fp32.
         dtype = kept.autocast if kept.autocast is not None else (
-            getattr(torch, canonical(step_dtype)) if _wrapped_in_autocast(model) else None)
+            getattr(torch, autocast_name(step_dtype)) if _wrapped_in_autocast(model) else None)
         self.dtype = None if dtype in (None, torch.float32) else dtype
         if kept.own_loss and kept.loss_grad is not None:
             self.source, grads, self._pick = "loss", [kept.loss_grad], _pick_loss

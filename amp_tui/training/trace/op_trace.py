@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.module_tracker import ModuleTracker
 
-from amp_tui.core.precision import canonical
+from amp_tui.core.precision import autocast_name
 from amp_tui.training.compiled import eagerly, original_module
 from amp_tui.training.local_fp32 import named_modules
 
@@ -90,8 +90,11 @@ class OpRecord:
 
 
 def _floating(value: Any) -> list[torch.Tensor]:
+    # A wrapper subclass (torchao's fp8 tensors) is measured through the plain tensors it holds,
+    # whose ops the tracer sees too.
     return [t for t in tree_leaves(value)
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0]
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
+            and not is_traceable_wrapper_subclass(t)]
 
 
 def _has_nonfinite_constant(args, kwargs) -> bool:
@@ -198,7 +201,10 @@ class OpTracer(TorchDispatchMode):
 
 
 def _max_abs(t: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(t.detach(), math.inf)   # NaN when t holds one, inf for inf
+    t = t.detach()
+    if t.element_size() == 1:   # fp8 (torchao's casts): no reduction kernels, float32 holds it exactly
+        t = t.float()
+    return torch.linalg.vector_norm(t, math.inf)   # NaN when t holds one, inf for inf
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -261,7 +267,7 @@ class Replay:
 def autocast_dtype_for(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return None if dtype == torch.float32 else dtype
-    name = canonical(dtype)
+    name = autocast_name(dtype)   # fp8's layers run inside bf16 autocast
     return None if name == "float32" else getattr(torch, name)
 
 
