@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
                                      "socket and print its answer.")
     ctl.add_argument("run", type=Path, metavar="RUN_DIR")
     ctl.add_argument("action", metavar="COMMAND",
-                     help="dtype=fp16|bf16|fp32, scale=N|half, save, restore=latest|PATH, pause, "
+                     help="dtype=fp16|bf16|fp32|fp8, scale=N|half, save, restore=latest|PATH, pause, "
                           "resume, step, stop, fp32=MODULE, note=TEXT (a line recorded in the session: "
                           "quote it), probe=every|auto (probe every step, or the schedule), xray (the next step "
                           "traced op by op, into a file in RUN_DIR), fp8 (the next step's Linear layers cast to fp8: a "

@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
 def _run_options(train) -> None:
     """What is run, where it is recorded, and how it is watched."""
     train.add_argument("--dtype", type=argtypes.dtype, default=None,
-                       help="fp16 (default), bf16 or fp32 (resuming: the checkpoint's dtype)")
+                       help="fp16 (default), bf16, fp32, or fp8 (torchao's fp8 layers: amp-tui[fp8]; "
+                            "resuming: the checkpoint's dtype)")
     train.add_argument("--init-scale", type=argtypes.positive, default=65536.0, metavar="X",
                        help="GradScaler's initial loss scale in fp16 (default 65536)")
     train.add_argument("--steps", type=argtypes.positive_int, default=None, metavar="N",
@@ -67,6 +68,10 @@ def _probe_options(train) -> None:
     train.add_argument("--forecast-horizon", type=argtypes.positive_int, default=500, metavar="STEPS",
                        help="alert when a layer's headroom forecast says it reaches the dtype's max within "
                             "this many steps (default 500)")
+    train.add_argument("--fp8-filter", type=Path, default=None, metavar="FILE",
+                       help="with fp8 (--dtype fp8, ctl RUN dtype=fp8): a Python file defining "
+                            "module_filter_fn(module, fqn), such as an fp8 what-if's fp8-filter-step-N.py; "
+                            "default: the what-if of the first fp8 step chooses")
     train.add_argument("--fp8-every", type=argtypes.fp8_every, default=None, metavar="auto|N",
                        help="the fp8 what-if (8, ctl RUN fp8) recurring: every N steps, or auto (spaced to "
                             "at most a quarter of --probe-budget); default: only when asked")
@@ -83,7 +88,7 @@ def _steering_options(train) -> None:
     train.add_argument("--repeat-interventions", type=Path, default=None, metavar="RUN",
                        help="apply a recording's interventions again at the same steps")
     train.add_argument("--at", type=argtypes.at, action="append", default=[], metavar="STEP:ACTION",
-                       help="schedule an intervention before STEP: dtype=bf16|fp16|fp32, scale=4096, "
+                       help="schedule an intervention before STEP: dtype=bf16|fp16|fp32|fp8, scale=4096, "
                             "scale=half, save, restore=latest|PATH, pause (repeatable)")
     train.add_argument("--refresh-rate", type=argtypes.positive, default=20.0, metavar="HZ",
                        help="dashboard refreshes per second at most (default 20)")

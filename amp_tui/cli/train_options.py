@@ -26,7 +26,7 @@ def run_config(args, *, on_nonfinite_default: str = "skip"):
         script=args.script, script_argv=list(args.script_argv), dtype=args.dtype, init_scale=args.init_scale,
         steps=args.steps, run_dir=args.run_dir, checkpoint_every=args.checkpoint_every,
         probe_every=args.probe_every, probe_budget=args.probe_budget, probe_alert_bits=args.probe_alert_bits,
-        underflow_every=args.underflow_every, fp8_every=args.fp8_every,
+        underflow_every=args.underflow_every, fp8_every=args.fp8_every, fp8_filter=args.fp8_filter,
         on_nonfinite=args.on_nonfinite or on_nonfinite_default, at=[parse_at(text) for text in args.at],
         command_line=list(args.command_line), guard=guard, fp32_modules=list(args.fp32_modules),
         control=True, device=args.device, fsdp=args.fsdp, fsdp_checkpoint=args.fsdp_checkpoint, resume=args.resume,

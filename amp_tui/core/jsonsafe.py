@@ -53,6 +53,15 @@ def read_floats(values: Any, n: int) -> list[float | None]:
     return out + [None] * (n - len(out))
 
 
+def read_float_rows(values: Any, n: int, width: int) -> list[list[float | None] | None]:
+    """A recorded per-layer array of rows (each `width` numbers, or null) as `n` rows of floats:
+    None for a layer without one, or whose row is bad."""
+    if not isinstance(values, list):
+        return [None] * n
+    out = [read_floats(v, width) if isinstance(v, list) and len(v) == width else None for v in values[:n]]
+    return out + [None] * (n - len(out))
+
+
 def _reject_constant(token: str):
     raise ValueError(f"non-standard JSON token {token}")
 

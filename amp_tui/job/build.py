@@ -25,6 +25,7 @@ from amp_tui.recording.format import SessionFormatError
 from amp_tui.recording.timeline import interventions_as_commands
 from amp_tui.training.checkpoint import list_checkpoints
 from amp_tui.training.devices import resolve_device
+from amp_tui.training.fp8.layers import Fp8FilterError, load_filter
 from amp_tui.training.local_fp32 import match_modules, named_modules
 from amp_tui.training.script import ScriptError, TrainSetup, load_script
 from amp_tui.training.sharding import ShardingError, is_sharded, shard_model
@@ -107,6 +108,11 @@ def _settle(config: RunConfig, ranks: Ranks | None):
         resume_from, resume_skipped = newest_valid_checkpoint(candidates, setup, run_dir)
         setup.warnings.extend(f"--resume: skipped {path.relative_to(run_dir)}: {reason}"
                               for path, reason in resume_skipped)
+    if config.fp8_filter is not None:
+        try:
+            load_filter(config.fp8_filter)
+        except Fp8FilterError as exc:
+            raise ScriptError(str(exc)) from None
     for pattern in config.fp32_modules:
         if not match_modules(setup.model, pattern):
             raise ScriptError(f"--fp32-modules {pattern!r} matches no module of the model "

@@ -37,6 +37,7 @@ class RunConfig:
     command_line: list[str] = field(default_factory=list)
     guard: GuardConfig = field(default_factory=GuardConfig)
     fp32_modules: list[str] = field(default_factory=list)
+    fp8_filter: Path | None = None      # in fp8, which layers convert (module_filter_fn); None: the what-if's
     fsdp: bool = False                   # shard the model with FSDP2's fully_shard (several ranks)
     fsdp_checkpoint: FsdpCheckpoint = "auto"   # how a sharded model is checkpointed
     flush_interval: float = 1.0          # seconds between flushes of step records (events: at once)

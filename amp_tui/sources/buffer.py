@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import threading
 
-from amp_tui.core.jsonsafe import read_float, read_floats
+from amp_tui.core.jsonsafe import read_float, read_float_rows, read_floats
 from amp_tui.core.records import MARKER_EVENTS, InForce, Mode, RunState, next_in_force, next_state
 from amp_tui.sources.protocol import (
     EVENT_LIMIT,
@@ -98,7 +98,8 @@ class RunBuffer:
             self._layers = LayerView(
                 self._layers.names,
                 read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n),
-                weight, step, r.get("dtype"), weight_step, read_floats(layers.get("eta"), n))
+                weight, step, r.get("dtype"), weight_step, read_floats(layers.get("eta"), n),
+                fp8_rows(layers, n))
         ranks = rank_view(r)
         if ranks is not None:
             self._ranks = ranks
@@ -137,6 +138,11 @@ class RunBuffer:
             return 0.0
         (s0, t0), (s1, t1) = w[0], w[-1]
         return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def fp8_rows(layers: dict, n: int) -> list[list[float | None] | None]:
+    """A step record's fp8 amax rows (`layers.fp8`), or none when the step ran nothing in fp8."""
+    return read_float_rows(layers["fp8"], n, 3) if "fp8" in layers else []
 
 
 def rank_view(record: dict) -> RankView | None:

@@ -58,6 +58,9 @@ class LayerView:
     # The headroom forecast of `step`: each layer's steps left before the dtype's max (None: no
     # trend; empty: the step forecast none).
     eta: list[float | None] = field(default_factory=list)
+    # In fp8: each layer's amax [input, weight, grad_output] as its fp8 casts took them (None: the
+    # layer is not in fp8); empty when the step ran no layer in fp8.
+    fp8: list[list[float | None] | None] = field(default_factory=list)
 
 
 @dataclass

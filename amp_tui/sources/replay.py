@@ -27,7 +27,7 @@ from amp_tui.core.jsonsafe import read_floats
 from amp_tui.core.records import RunState, next_state, state_after, world_size_of
 from amp_tui.recording.index import RATE_WINDOW, SessionIndex
 from amp_tui.recording.step_lines import F_LOSS_NONE, F_SKIPPED
-from amp_tui.sources.buffer import rank_view
+from amp_tui.sources.buffer import fp8_rows, rank_view
 from amp_tui.sources.protocol import (
     EVENT_LIMIT,
     HISTORY_POINTS,
@@ -437,7 +437,8 @@ class ReplaySource:
         if "weight" not in layers:
             weight, weight_step = self._last_weights(j, n)
         return LayerView(list(names), read_floats(layers.get("act"), n), read_floats(layers.get("grad"), n),
-                         weight, r.get("step"), r.get("dtype"), weight_step, read_floats(layers.get("eta"), n))
+                         weight, r.get("step"), r.get("dtype"), weight_step, read_floats(layers.get("eta"), n),
+                         fp8_rows(layers, n))
 
     def _last_weights(self, j: int, n: int) -> tuple[list[float | None], int | None]:
         """The weights of the newest probed step before frame `j` that read them (the adaptive

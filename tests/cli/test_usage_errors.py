@@ -40,7 +40,7 @@ def test_no_command_names_the_top_level_help(capsys):
 @pytest.mark.parametrize("flags, expected", [
     (["--steps", "-1"], "argument --steps: must be a positive integer, got -1"),
     (["--steps", "ten"], "argument --steps: must be a positive integer, got 'ten'"),
-    (["--dtype", "fp8"], "argument --dtype: unknown dtype 'fp8'"),
+    (["--dtype", "fp4"], "argument --dtype: unknown dtype 'fp4'"),
     (["--init-scale", "-4"], "argument --init-scale: must be a positive finite number, got -4"),
     (["--at", "-3:save"], "argument --at: the step must be 0 or more, got -3 in '-3:save'"),
     (["--at=-3:save"], "argument --at: the step must be 0 or more, got -3 in '-3:save'"),

@@ -27,7 +27,7 @@ from amp_tui.job.steering.control import send  # noqa: E402
 from amp_tui.training.step.guards import GuardConfig  # noqa: E402
 from bench import forecast_cases  # noqa: E402
 
-from support import REPO, strict_lines, train_run  # noqa: E402
+from support import DEMOS, REPO, strict_lines, train_run  # noqa: E402
 
 DOC = REPO / "docs" / "session-format.md"
 
@@ -161,6 +161,10 @@ def records(tmp_path_factory) -> list[dict]:
     train("fallback", "--steps", "6", "--on-nonfinite", "fallback", "--fallback-after", "1",
           "--rollback", status=0)
     train("stop", "--steps", "10", "--on-nonfinite", "stop", status=3)
+    # fp8: the what-if that chooses the layers, the fp8_layers event, the fp8 layers' amax.
+    assert main(["train", str(DEMOS / "fp8_outliers.py"), "--headless", "--run-dir", str(folder / "fp8"),
+                 "--dtype", "fp8", "--steps", "3", "--probe-every", "1"]) == 0
+    out.extend(strict_lines(folder / "fp8" / "session.jsonl"))
     # The autopilot: the attention isolated in fp32 on a replay of its failing step, then undone.
     attention = folder / "attention.py"
     attention.write_text(ATTENTION, encoding="utf-8")

@@ -56,12 +56,14 @@ class EngineDriver:
             ranks.replicate(setup.model) if ranks else setup.model, setup.optimizer, setup.loss_fn,
             device=device, dtype=config.dtype,
             init_scale=config.init_scale, scheduler=setup.scheduler,
-            max_grad_norm=setup.max_grad_norm, probes=config.probes)
+            max_grad_norm=setup.max_grad_norm, probes=config.probes,
+            fp8_filter=str(config.fp8_filter) if config.fp8_filter else None)
         self.training = self.trainer
         self.probe_options = config.probes
         self.local_fp32 = LocalFp32(setup.model, device.type)
         for pattern in config.fp32_modules:
             self.local_fp32.add(pattern)  # ModuleMatchError names a pattern that matches nothing
+        self.trainer.fp8.kept_out = lambda: self.local_fp32.names   # in fp8, an fp32 module isn't
         self.run: RunController | None = None
         self.xray_by: dict = {}   # who asked for the X-ray of the next step (its event says)
         self.fp8_by: dict = {}    # ... for its fp8 what-if
@@ -90,7 +92,8 @@ class EngineDriver:
         return {"script": str(cfg.script), "argv": cfg.script_argv, "command": cfg.command_line,
                 "steps": cfg.steps, "accumulate": setup.accumulate, "max_grad_norm": setup.max_grad_norm,
                 **self.trainer.probe_schedule.header_fields(), **cfg.probes.header_fields(),
-                "layers": self.trainer.layer_names, "compile": self.trainer.compile_info()}
+                "layers": self.trainer.layer_names, "compile": self.trainer.compile_info(),
+                "fp8_filter": str(cfg.fp8_filter) if cfg.fp8_filter else None}
 
     def request_xray(self, by: dict | None = None) -> None:
         self.xray_by = by or {}

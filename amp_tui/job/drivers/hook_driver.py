@@ -48,7 +48,7 @@ from amp_tui.training.step.engine import StepResult, to_host
 from amp_tui.training.step.forward_autocast import fixed_autocast_dtype, wrapped_in_autocast
 from amp_tui.training.step.guards import Alert
 from amp_tui.training.step.outcome import CountedSteps, StepOutcomes, first_nonfinite_layer
-from amp_tui.training.step.precision_state import BorrowedScaling, PrecisionRefused
+from amp_tui.training.step.precision_state import FP8_IN_OWN_LOOP, BorrowedScaling, PrecisionRefused
 from amp_tui.training.trace.forward_keeper import ForwardKeeper, KeptForward
 from amp_tui.training.trace.kept_step_trace import fp8_kept, trace_kept_step, xray_kept
 
@@ -161,6 +161,8 @@ class HookDriver(CountedSteps, UpdateHooks):
         GradScaler, the dtype of the autocast Accelerate fixed around the forward, else fp32 (a
         loop with no autocast of its own stays in fp32 until `d`)."""
         if dtype is not None:
+            if dtypes.canonical(dtype) == "float8":
+                raise MonitorError(f"dtype={dtype!r}: {FP8_IN_OWN_LOOP}")
             return dtypes.canonical(dtype)
         if scaler is not None and scaler.is_enabled():
             return "float16"

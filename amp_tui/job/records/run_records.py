@@ -48,6 +48,7 @@ def session_header(controller: RunContext, described: dict) -> dict:
         "probe_budget": described.get("probe_budget"),
         "underflow_every": described["underflow_every"],
         "fp8_every": controller.fp8_schedule.every,
+        "fp8_filter": described.get("fp8_filter"),   # --fp8-filter (None: a what-if chooses)
         "on_nonfinite": controller.on_nonfinite,
         "checkpoint_every": controller.checkpoint_every,
         "optimizer": type(driver.optimizer).__name__,
@@ -159,7 +160,19 @@ def record_replays(run: RunContext, result: StepResult) -> None:
     if result.xray is not None:
         record_xray(run, result.step, result.xray, run.driver.xray_by)
     if result.fp8 is not None:
-        record_fp8(run, result.step, result.fp8, run.driver.fp8_by)
+        record_fp8(run, result.step, result.fp8, run.driver.fp8_by if result.fp8_layers is None else
+                   {"source": "fp8 entry"})
+    if result.fp8_layers is not None:
+        record_fp8_layers(run, result.step, result.fp8_layers)
+
+
+def record_fp8_layers(run: RunContext, step: int, entered: dict) -> None:
+    """The step that entered fp8: which layers it converted, and the filter that chose them."""
+    layers, source = entered["layers"], entered["source"]
+    if source is None or source.startswith("the fp8 what-if"):
+        source = fp8_filter_name(step)   # the what-if run just before it emitted this file
+    run.event("fp8_layers", f"fp8: {len(layers)} of {entered['linear']} Linear layers train in fp8 "
+              f"(filter: {source})", step=step, layers=layers, filter=source)
 
 
 def record_xray(run: RunContext, step: int, xray: dict, by: dict | None = None) -> None:
