@@ -63,6 +63,16 @@ class LayerRow:
     eta: float | None = None    # the forecast's steps left before the dtype's max (None: no trend)
     fp32: bool = False          # the module runs in fp32 (an fp32 module, or inside one): its
                                 # headroom is to fp32's max, whatever the run's dtype
+    fp8: list[float | None] | None = None   # in fp8: the amax of its [input, weight, grad_output]
+
+    @property
+    def fp8_scale_bits(self) -> list[float | None] | None:
+        """log2 of each fp8 cast's tensorwise scale (the format's max over the amax), as torchao's
+        default recipe casts: what the layer's tensors are multiplied by to fill the format."""
+        if self.fp8 is None:
+            return None
+        return [math.log2(precision.FP8_MAX[fmt] / v) if v is not None and 0 < v < math.inf else None
+                for v, fmt in zip(self.fp8, precision.FP8_FORMATS)]
 
     @property
     def nonfinite(self) -> bool:
@@ -101,7 +111,7 @@ def layer_rows(layers: LayerView, prec: Precision, in_force: InForce | None = No
                       (headroom(weight, max_finite), "weight")]
         known = [(bits, which) for bits, which in candidates if bits is not None]
         bits, limit = min(known, key=lambda c: c[0]) if known else (None, None)
-        rows.append(LayerRow(i, name, act, grad, weight, bits, limit, _at(layers.eta, i), fp32))
+        rows.append(LayerRow(i, name, act, grad, weight, bits, limit, _at(layers.eta, i), fp32, _at(layers.fp8, i)))
     return rows
 
 
@@ -114,6 +124,7 @@ SORTS = {
     "act": ("largest activation first", True),
     "grad": ("largest gradient first", True),
     "weight": ("largest weight first", True),
+    "fp8": ("smallest fp8 scale first", False),
 }
 
 
@@ -130,6 +141,9 @@ def sort_rows(rows: list[LayerRow], column: str, reverse: bool = False) -> list[
 
 
 def _sort_value(row: LayerRow, column: str) -> float | None:
+    if column == "fp8":
+        bits = [b for b in row.fp8_scale_bits or () if b is not None]
+        return min(bits) if bits else None
     if column in ("headroom", "eta"):
         return getattr(row, column)
     value = getattr(row, column)

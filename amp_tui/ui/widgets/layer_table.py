@@ -29,8 +29,9 @@ from amp_tui.ui.view import DANGER_BITS, SORTS, WARN_BITS, LayerRow, sort_rows, 
 
 # Long names are cut in the middle: the tail (".q_proj", ".fc2") is what tells layers apart.
 NAME_WIDTH = 40
-# After the name of a module that runs in fp32 (an fp32 module, or inside one).
+# After the name of a module that runs in fp32 (an fp32 module, or inside one), or in fp8.
 FP32_MARK = " fp32"
+FP8_MARK = " fp8"
 GAP = 2
 
 
@@ -61,6 +62,12 @@ COLUMNS = (
            "it times the loss scale)"),
     Column("weight", "max|weight|", 11, "the largest |weight| of its parameters (the title says when they "
            "were read at an earlier step)"),
+)
+# In fp8 (shown while a row has them): what each fp8 layer's casts took at the last probed step.
+FP8_COLUMNS = (
+    Column("fp8", "fp8 amax in/w/go · log2 scale", 0, "an fp8 layer's amax of its input, weight and output "
+           "gradient, then log2 of each cast's scale (e4m3's 448, e5m2's 57344 for the gradient, over the "
+           "amax): a scale that climbs means the tensor shrinks towards fp8's underflow", right=False),
 )
 
 
@@ -106,6 +113,7 @@ class LayerTable(ScrollView, can_focus=True):
         self._rows: list[LayerRow] = []
         self._ordered: list[LayerRow] = []
         self._names: list[str] = []          # display names (escaped, shortened), by layer index
+        self._columns = COLUMNS                # and FP8_COLUMNS while a row is in fp8
         self._widths: list[int] = [c.width for c in COLUMNS]
         # The layer under the cursor once the user picked one; until then the cursor stays on the
         # top row, which is the worst layer.
@@ -124,12 +132,14 @@ class LayerTable(ScrollView, can_focus=True):
     def show(self, rows: list[LayerRow], step: int | None, dtype_label: str,
              origin: str | None = None, note: str | None = None) -> None:
         self._origin = origin
-        if [(r.name, r.fp32) for r in rows] != [(r.name, r.fp32) for r in self._rows]:
+        columns = COLUMNS + FP8_COLUMNS if any(r.fp8 is not None for r in rows) else COLUMNS
+        if [(r.name, r.fp32) for r in rows] != [(r.name, r.fp32) for r in self._rows] or columns != self._columns:
+            self._columns = columns
             self._names = [middle_ellipsis(visible(r.name), NAME_WIDTH) for r in rows]
             self._widths = [max(len(str(max(len(rows) - 1, 0))), 1),
-                            max([len(n) + (len(FP32_MARK) if r.fp32 else 0) for n, r in zip(self._names, rows)]
-                                + [len("layer")]),
-                            *[c.width for c in COLUMNS[2:]]]
+                            max([len(n) + len(_mark(r)) for n, r in zip(self._names, rows)] + [len("layer")]),
+                            *[c.width for c in COLUMNS[2:]],
+                            *[max(len(c.label), FP8_WIDTH) for c in columns[len(COLUMNS):]]]
             if self._picked is not None and self._picked >= len(rows):
                 self._picked = None
         self._rows = rows
@@ -179,7 +189,7 @@ class LayerTable(ScrollView, can_focus=True):
     def _pieces(self, cells: list[list[tuple[str, str]]]) -> list[tuple[str, str]]:
         """Cells laid out in their columns: padded, cut with an ellipsis, GAP apart."""
         out: list[tuple[str, str]] = []
-        for i, (cell, column, width) in enumerate(zip(cells, COLUMNS, self._widths)):
+        for i, (cell, column, width) in enumerate(zip(cells, self._columns, self._widths)):
             if i:
                 out.append((" " * GAP, ""))
             cell = _fit(cell, width)
@@ -189,7 +199,7 @@ class LayerTable(ScrollView, can_focus=True):
 
     def _reorder(self) -> None:
         self._ordered = sort_rows(self._rows, self.sort_column, self.sort_reverse)
-        self.virtual_size = Size(sum(self._widths) + GAP * (len(COLUMNS) - 1), len(self._ordered) + 1)
+        self.virtual_size = Size(sum(self._widths) + GAP * (len(self._columns) - 1), len(self._ordered) + 1)
         self._redraw()
 
     def _redraw(self) -> None:
@@ -227,7 +237,7 @@ class LayerTable(ScrollView, can_focus=True):
     def _render_row(self, position: int) -> Strip:
         # Segments built directly, not through Rich's layout: a row costs microseconds.
         if position == -1:
-            cells = [[(c.label, "")] for c in COLUMNS]
+            cells = [[(c.label, "")] for c in self._columns]
             style = self._styles_for("layer-table--header")
         elif position >= len(self._ordered):
             return Strip.blank(0, self._styles_for())
@@ -278,7 +288,7 @@ class LayerTable(ScrollView, can_focus=True):
 
     def _column_at(self, x: int) -> Column | None:
         left = 0
-        for column, width in zip(COLUMNS, self._widths):
+        for column, width in zip(self._columns, self._widths):
             if left <= x < left + width + GAP:
                 return column
             left += width + GAP
@@ -296,14 +306,30 @@ def _cells(row: LayerRow, names: list[str], origin: str | None = None) -> list[l
     """The row's cells, each a list of (text, style) pieces."""
     style = _row_style(row)
     name = names[row.index] if row.index < len(names) else visible(row.name)
-    mark = [(FP32_MARK, "bold cyan")] if row.fp32 else []
+    mark = [(_mark(row), "bold cyan" if row.fp32 else "bold magenta")] if _mark(row) else []
     if is_origin_row(row.name, origin):
         return [[(str(row.index), "dim")], [(name, "bold reverse red"), *mark], *_cells(row, names)[2:]]
     # A non-finite figure has no headroom: show the value itself ("inf act", "NaN grad").
     bits = magnitude(getattr(row, row.limit)) if row.nonfinite and row.limit else bits_text(row.headroom)
     head = [(f"{bits:>5} ", style), (f"{row.limit or '':<6}", style or "dim")]
     figures = [[(magnitude(v), _figure_style(v, style))] for v in (row.act, row.grad, row.weight)]
-    return [[(str(row.index), "dim")], [(name, style), *mark], head, [(eta_text(row.eta), style)], *figures]
+    return [[(str(row.index), "dim")], [(name, style), *mark], head, [(eta_text(row.eta), style)], *figures,
+            [(fp8_text(row), style)]]
+
+
+def _mark(row: LayerRow) -> str:
+    return FP32_MARK if row.fp32 else FP8_MARK if row.fp8 is not None else ""
+
+
+FP8_WIDTH = 40   # "1.23e+03 4.56e-02 7.89e-05 · -1.5 13.3 29.8"
+
+
+def fp8_text(row: LayerRow) -> str:
+    """An fp8 layer's three amax, then log2 of their scales; blank for a layer not in fp8."""
+    if row.fp8 is None:
+        return ""
+    bits = " ".join("-" if b is None else f"{b:.1f}" for b in row.fp8_scale_bits)
+    return f"{' '.join(magnitude(v) for v in row.fp8)} · {bits}"
 
 
 def eta_text(steps: float | None) -> str:
