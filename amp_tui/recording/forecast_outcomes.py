@@ -8,7 +8,9 @@ came true, worked out from the records alone (docs/session-format.md, "Forecasts
   forecast the run has not judged (its growth step not reached, or the run ended first) is open;
 - a layer forecast came true when a later step went non-finite in that layer (the module a
   `nonfinite` event names is the layer, or inside it, or holds it), and is open while the
-  recording has not reached the step it named.
+  recording has not reached the step it named;
+- an fp8 forecast (a layer's crest climbing, `forecast_fp8`) came true when a later fp8 what-if
+  kept that layer in bf16 (its `fp8` event's `kept`), and is open until the step it named.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from amp_tui.core.records import nonfinite_layer
 
-REASONS = ("forecast_scale", "forecast_layer")
+REASONS = ("forecast_scale", "forecast_layer", "forecast_fp8")
 COLUMNS = ("step", "reason", "layer", "figure", "eta", "at_step", "headroom", "came_true", "true_at", "lead")
 
 
@@ -34,7 +36,7 @@ def same_module(a: str, b: str) -> bool:
 def forecast_outcomes(events: Iterable[Mapping[str, Any]], last_step: int | None) -> list[dict]:
     """Each forecast alert of `events` (in file order, with the `nonfinite` and `forecast_checked`
     events among them), as a row of COLUMNS; `last_step`: the recording's last step (what is not past it is open)."""
-    forecasts, nonfinite, checked = [], [], {}
+    forecasts, nonfinite, checked, turned = [], [], {}, []
     for e in events:
         step = e.get("step")
         if not isinstance(step, int):
@@ -45,7 +47,10 @@ def forecast_outcomes(events: Iterable[Mapping[str, Any]], last_step: int | None
             nonfinite.append((step, nonfinite_layer(e), e.get("where")))
         elif is_verdict(e):
             checked[e["forecast_step"]] = (e.get("came_true") is True, step)   # the run's own verdict
-    return [_outcome(e, nonfinite, last_step, checked.get(e["step"])) for e in forecasts]
+        elif e.get("kind") == "fp8" and isinstance(e.get("kept"), list):
+            turned.append((step, e["kept"]))
+    return [_outcome(e, turned if e.get("reason") == "forecast_fp8" else nonfinite, last_step,
+                     checked.get(e["step"])) for e in forecasts]
 
 
 def is_verdict(event: Mapping[str, Any]) -> bool:
@@ -55,6 +60,8 @@ def is_verdict(event: Mapping[str, Any]) -> bool:
 
 def _outcome(event: Mapping[str, Any], nonfinite: list, last_step: int | None,
              checked: tuple[bool, int] | None = None) -> dict:
+    """`nonfinite`: the steps that went non-finite, with their layer; for an fp8 forecast, the
+    what-ifs' steps with the layers they kept in bf16."""
     said = event.get("forecast") if isinstance(event.get("forecast"), Mapping) else {}
     step, reason = event["step"], event.get("reason")
     row = dict.fromkeys(COLUMNS)
@@ -69,8 +76,11 @@ def _outcome(event: Mapping[str, Any], nonfinite: list, last_step: int | None,
     else:
         layer = said.get("layer")
         row.update(layer=layer, figure=said.get("figure"), eta=said.get("eta"), at_step=said.get("at_step"))
-        hit = next((s for s, named, _where in nonfinite
-                    if s >= step and isinstance(layer, str) and named and same_module(named, layer)), None)
+        if reason == "forecast_fp8":
+            hit = next((s for s, kept in nonfinite if s > step and layer in kept), None)
+        else:
+            hit = next((s for s, named, _where in nonfinite
+                        if s >= step and isinstance(layer, str) and named and same_module(named, layer)), None)
         row["true_at"] = hit
         at = row["at_step"]
         due = last_step is not None and (not isinstance(at, int) or last_step >= at)
@@ -84,6 +94,8 @@ def outcome_text(row: Mapping[str, Any]) -> str:
     """One forecast in words, for `amp-tui report`."""
     if row["reason"] == "forecast_scale":
         what = f"scale growth at step {row['at_step']} overflows"
+    elif row["reason"] == "forecast_fp8":
+        what = f"{row['layer']} leaves fp8 range (its crest) in ~{row['eta']} steps"
     else:
         what = f"{row['layer']} ({row['figure']}) reaches the max in ~{row['eta']} steps"
     if row["came_true"] is None:

@@ -181,15 +181,14 @@ def read_digest(target: str | Path) -> RecordingDigest:
             note = index.kind_code("note")
             notes = [_note(_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {})
                      for k, code in enumerate(index.event_kinds) if code == note]
-            wanted = {index.kind_code(kind) for kind in ("nonfinite", "alert", "forecast", "forecast_checked")}
+            wanted = {index.kind_code(kind) for kind in ("nonfinite", "alert", "forecast", "forecast_checked", "fp8")}
             read = [_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {}
                     for k, code in enumerate(index.event_kinds) if code in wanted]
             op_traces = [op_trace_of(e) for e in read if e.get("kind") == "nonfinite" and e.get("op")]
-            said = [e for e in read if e.get("kind") == "nonfinite" or is_forecast(e) or is_verdict(e)]
+            fp8_events = [e for e in read if e.get("kind") == "fp8"]
+            # In file order, the what-ifs among them: an fp8 forecast comes true in a later one.
+            said = [e for e in read if e.get("kind") in ("nonfinite", "fp8") or is_forecast(e) or is_verdict(e)]
             last_xray = _last_event(fh, index, "xray")
-            fp8 = index.kind_code("fp8")
-            fp8_events = [_record_at(fh, index.event_offsets[k], index.event_lengths[k], "event") or {}
-                          for k, code in enumerate(index.event_kinds) if code == fp8]
             unknown, long_lines = index.unknown_records, index.long_lines
             in_force = index.in_force(steps - 1)
             if end is not None:

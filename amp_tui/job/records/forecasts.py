@@ -28,6 +28,7 @@ import math
 from amp_tui.core.forecast_words import SKIP_WITHIN, scale_forecast_text
 from amp_tui.core.numfmt import scale_text
 from amp_tui.core.precision import SHORT
+from amp_tui.job.records.fp8_forecast import Fp8Forecast, fp8_forecast_words
 from amp_tui.job.run_context import RunContext
 from amp_tui.recording.forecast_outcomes import same_module
 from amp_tui.training.probes.headroom_trend import HeadroomForecast, LayerEta
@@ -53,6 +54,7 @@ class RunForecasts:
         self.run = run
         self.horizon = horizon
         self.layers = HeadroomForecast()
+        self.fp8 = Fp8Forecast(horizon)   # the recurring fp8 what-if's crests (fp8_forecast.py)
         self._names: list[str] | None = None
         self._dtype: str | None = None
         self._warned: set[str] = set()                     # modules alerted in this dtype
@@ -70,6 +72,9 @@ class RunForecasts:
             self._dtype = result.dtype
             self._warned.clear()
             self._told.clear()
+            self.fp8.reset()
+        if result.fp8 is not None and "error" not in result.fp8:
+            self._forecast_fp8(result)
         self._check_growths(result)
         self._count_clean_steps(result)
         self._probe_before_growth(result)
@@ -173,6 +178,16 @@ class RunForecasts:
         if op:
             forecast["op"] = op
         self._alert(result.step, "forecast_layer", message, cause, fix, forecast)
+
+    def _forecast_fp8(self, result: StepResult) -> None:
+        in_fp8 = result.dtype == "float8"
+        for said in self.fp8.observe(result.step, result.fp8):
+            message, cause, fix = fp8_forecast_words(said, in_fp8=in_fp8)
+            forecast = {"layer": said["module"], "figure": "crest", **said}
+            if in_fp8:
+                self._alert(result.step, "forecast_fp8", message, cause, fix, forecast)
+            else:
+                self._forecast(result.step, "forecast_fp8", message, cause=cause, fix=fix, forecast=forecast)
 
     # ---- the loss scale -------------------------------------------------------------------------
     def _forecast_scale(self, result: StepResult) -> None:
