@@ -21,6 +21,10 @@ def brief(value: object) -> str:
     return clip(visible(value), NOTIFY_LIMIT)
 
 
+# The what-ifs that come without a key pressed: --fp8-every's, and the one that chooses fp8's layers.
+UNASKED_FP8 = ("schedule", "fp8 entry")
+
+
 class Announcements:
     """One notification per notable change that the user didn't cause with a key. Mixed into
     `AmpTuiApp`, whose `refresh_view` calls `_announce` with each new snapshot."""
@@ -51,9 +55,11 @@ class Announcements:
                             title="fix verified", severity="warning", timeout=15, markup=False)
             elif event.get("kind") == "xray" and snap.mode in STEERED_MODES:
                 self._show_file(event, "X-ray", read_xray, XrayDialog)
-            elif event.get("kind") == "fp8" and snap.mode in STEERED_MODES and event.get("source") == "schedule":
-                # --fp8-every: a toast, not a dialog every N steps (8 shows the next one whole).
+            elif event.get("kind") == "fp8" and snap.mode in STEERED_MODES and event.get("source") in UNASKED_FP8:
+                # --fp8-every, or entering fp8: a toast, not a dialog nobody asked for (8 shows the next one).
                 self.notify(brief(event.get("message", "")), title="fp8 what-if", timeout=8, markup=False)
+            elif event.get("kind") == "fp8_layers" and snap.mode in STEERED_MODES:
+                self.notify(visible(event.get("message", "")), title="fp8", timeout=10, markup=False)
             elif event.get("kind") == "fp8" and snap.mode in STEERED_MODES:
                 self._show_file(event, "fp8 what-if", read_fp8, partial(Fp8Dialog, filter_path=event.get("filter")))
             elif event.get("kind") == "paused" and event.get("reason") == "io":

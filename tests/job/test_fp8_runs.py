@@ -44,7 +44,8 @@ def test_fp8_from_the_first_step_back_to_bf16_and_in_again(tmp_path):
     first, again = events_of(session, "fp8_layers")
     assert first["step"] == 0 and set(first["layers"]) == LINEAR - {"blocks.2.fc2"}
     assert first["filter"] == "fp8-filter-step-0000000.py"
-    assert again["step"] == 10 and again["layers"] == first["layers"]   # no second what-if
+    assert again["step"] == 10 and again["layers"] == first["layers"]   # no second what-if ...
+    assert again["filter"] == "fp8-filter-step-0000000.py"            # ... step 0's chose
     by_step = {s["step"]: s for s in session.steps}
     assert [by_step[i]["dtype"] for i in (0, 5, 6, 9, 10, 13)] == ["float8"] * 2 + ["bfloat16"] * 2 + ["float8"] * 2
     # Probed fp8 steps: the amax of each fp8 layer's input, weight and output gradient.

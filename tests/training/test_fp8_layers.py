@@ -125,7 +125,7 @@ def test_the_first_fp8_step_is_chosen_by_its_what_if_and_d_takes_it_back_to_bf16
     first = t.step([data[0]])
     # The what-if of that step chose: the layer behind the massive channels stays in bf16.
     assert first.fp8 is not None and first.fp8["verdict"]["5"].startswith("bf16")
-    assert first.fp8_layers == {"layers": ["0", "2", "8"], "source": "the fp8 what-if of step 0", "linear": 4}
+    assert first.fp8_layers == {"layers": ["0", "2", "8"], "source": None, "whatif_step": 0, "linear": 4}
     assert type(model[5]) is nn.Linear and type(model[8]) is Float8Linear
     assert first.dtype == "float8" and first.scale is None and not first.skipped
     # Probed: each fp8 layer's amax with the figures, layer by layer; None for the others.
@@ -145,6 +145,7 @@ def test_the_first_fp8_step_is_chosen_by_its_what_if_and_d_takes_it_back_to_bf16
     t.set_dtype("fp8")
     again = t.step([data[3]])
     assert again.fp8 is None and again.fp8_layers["layers"] == ["0", "2", "8"]
+    assert again.fp8_layers["whatif_step"] == 0   # chosen by step 0's, and said so
 
 
 def test_a_filter_file_chooses_without_a_what_if(tmp_path):
@@ -164,7 +165,7 @@ def test_fp8_trains_as_torchaos_conversion_does():
                                         module_filter_fn=lambda m, fqn: fqn in ("0", "2", "8"))
     t, _ = trainer(ours_model, probe=False)
     t.set_dtype("fp8")
-    t.fp8.choose({"0": "fp8", "2": "fp8", "8": "fp8"}, source="test")
+    t.fp8.choose({"0": "fp8", "2": "fp8", "8": "fp8"}, 0)
     opt = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
     for batch in data:
         ours = t.step([batch]).loss

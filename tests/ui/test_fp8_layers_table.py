@@ -14,7 +14,7 @@ from amp_tui.recording.reader import read_session  # noqa: E402
 from amp_tui.sources.replay import ReplaySource  # noqa: E402
 from amp_tui.ui.app import create_app  # noqa: E402
 
-from support import DEMOS, SIZE, run_async, until  # noqa: E402
+from support import DEMOS, SIZE, build_live, run_async, toasts, until  # noqa: E402
 
 
 def recorded(run_dir, dtype):
@@ -42,6 +42,8 @@ async def test_the_fp8_layers_their_amax_and_scales(tmp_path):
                     "the fp8 rows")
         header = table.render_line(0).text
         assert "fp8 amax in/w/go · log2 scale" in header
+        # The headroom is to bf16's max: the rest of the model runs in it.
+        assert "bits to bf16 max (fp8 rows: outputs in bf16, inputs scaled to fit)" in str(table.border_title)
         rows = rows_by_name(table)
         fc1 = rows["blocks.0.fc1"]
         assert " fp8 " in fc1
@@ -62,3 +64,19 @@ async def test_a_bf16_run_has_no_fp8_column(tmp_path):
         await until(pilot, lambda: bool(table._ordered) and table._ordered[0].act is not None, "the figures")
         assert "fp8" not in table.render_line(0).text
         await pilot.press("q")
+
+
+@run_async
+async def test_entering_fp8_says_so_in_a_toast_not_a_dialog_nobody_asked_for(tmp_path):
+    run, source = build_live(DEMOS / "fp8_outliers.py", tmp_path / "live", at=["2:pause"], dtype="float8")
+    app = create_app(source)
+    try:
+        async with app.run_test(size=SIZE, notifications=True) as pilot:
+            await until(pilot, lambda: source.snapshot().state == "paused", "the pause")
+            await until(pilot, lambda: "9 of 10 Linear layers train in fp8" in toasts(app), "the fp8 toast")
+            assert "fp8 what-if of step 0" in toasts(app)
+            assert app.screen is app.dashboard
+            await pilot.press("q")
+            await until(pilot, lambda: not app.is_running, "the app to exit")
+    finally:
+        source.stop(5.0)

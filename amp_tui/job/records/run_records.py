@@ -168,9 +168,9 @@ def record_replays(run: RunContext, result: StepResult) -> None:
 
 def record_fp8_layers(run: RunContext, step: int, entered: dict) -> None:
     """The step that entered fp8: which layers it converted, and the filter that chose them."""
-    layers, source = entered["layers"], entered["source"]
-    if source is None or source.startswith("the fp8 what-if"):
-        source = fp8_filter_name(step)   # the what-if run just before it emitted this file
+    layers = entered["layers"]
+    # The --fp8-filter file, or the one the what-if that chose emitted.
+    source = entered["source"] or fp8_filter_name(entered["whatif_step"])
     run.event("fp8_layers", f"fp8: {len(layers)} of {entered['linear']} Linear layers train in fp8 "
               f"(filter: {source})", step=step, layers=layers, filter=source)
 

@@ -69,7 +69,8 @@ class Fp8Layers:
         self.model = original_module(model)
         self.device = torch.device(device)
         self.filter_fn = filter_fn
-        self.source = source                    # where the filter came from, for the record
+        self.source = source                    # the filter file, for the record
+        self.whatif_step: int | None = None     # ... or the step whose what-if chose (choose())
         self.kept_out: Callable[[], Iterable[str]] = tuple   # the modules that run in fp32
         self.active = False
         # Each converted layer: the module, the class it had, and Float8Linear's attributes set on it.
@@ -87,8 +88,9 @@ class Fp8Layers:
         """The layers that run in fp8 now."""
         return sorted(self._held)
 
-    def choose(self, verdict: dict[str, str], source: str) -> None:
-        self.filter_fn, self.source = verdict_filter(verdict), source
+    def choose(self, verdict: dict[str, str], step: int) -> None:
+        """The layers `verdict` finds fp8-ready: the what-if of `step`'s."""
+        self.filter_fn, self.source, self.whatif_step = verdict_filter(verdict), None, step
 
     def candidates(self) -> dict[str, torch.nn.Linear]:
         """Every plain nn.Linear by name (a subclass keeps its own forward, which fp8 would lose)."""

@@ -52,10 +52,11 @@ class Fp8Training:
                 whatif = self._ahead(fp8_whatif, [batch], None)
                 if "error" in whatif:
                     raise PrecisionRefused(f"the fp8 what-if that chooses the layers failed: {whatif['error']}")
-                self.fp8.choose(whatif["verdict"], source=f"the fp8 what-if of step {self.step_index}")
+                self.fp8.choose(whatif["verdict"], self.step_index)
             linear = len(self.fp8.candidates())
             layers = self.fp8.enter()
-            self._fp8_entry = {"layers": layers, "source": self.fp8.source, "whatif": whatif, "linear": linear}
+            self._fp8_entry = {"layers": layers, "source": self.fp8.source, "whatif_step": self.fp8.whatif_step,
+                               "whatif": whatif, "linear": linear}
             self._fp8_fp32 = tuple(self.fp8.kept_out())
             return
         fp32 = tuple(self.fp8.kept_out())

@@ -28,7 +28,7 @@ from textual.screen import Screen
 from textual.widgets import Footer
 from textual.widgets._toast import Toast, ToastRack
 
-from amp_tui.core.precision import short_name
+from amp_tui.core.precision import AUTOCAST_OF, short_name
 from amp_tui.core.records import STEERED_MODES
 from amp_tui.sources.protocol import Snapshot
 from amp_tui.ui.view import (
@@ -266,7 +266,7 @@ class DashboardScreen(Screen):
             if urgent != self._table_urgent or tick - self._table_at >= pace.table_s:
                 self._layers_key, self._table_at, self._table_urgent = layers_key, tick, urgent
                 self.layer_table.show(layer_rows(snap.layers, prec, snap.in_force), snap.layers.step,
-                                      short_name(prec.dtype), origin, note)
+                                      short_name(AUTOCAST_OF.get(prec.dtype, prec.dtype)), origin, note)
                 self.rank_table.show(rank_summary(snap))   # paced with the layers: both tick with probes
             else:
                 done = False

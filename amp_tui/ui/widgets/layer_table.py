@@ -149,6 +149,9 @@ class LayerTable(ScrollView, can_focus=True):
             title.append(f" step {step} · bits to {dtype_label} max", style="")
             if any(r.fp32 for r in rows) and dtype_label != "fp32":
                 title.append(f" ({FP32_MARK.strip()} rows: to fp32's)", style="")
+            if any(r.fp8 is not None for r in rows):
+                # Their GEMMs' inputs are scaled into fp8 per tensor: the risk is underflow, not the max.
+                title.append(f" ({FP8_MARK.strip()} rows: outputs in {dtype_label}, inputs scaled to fit)", style="")
         if summary.nonfinite:
             title.append(f" · {summary.nonfinite} non-finite", style="bold red")
         if summary.near:
