@@ -23,6 +23,8 @@
 #      GPU: python bench/ddp_overhead.py --backend nccl --quick             (ddp-nccl.log, *-ddp-nccl.json)
 #      and the same over a bare FSDP2 (fully_shard) loop:
 #      python bench/fsdp_overhead.py --backend nccl --quick                (fsdp-nccl.log, *-fsdp-nccl.json)
+#   7. fp8: the what-if's emulated casts against torch._scaled_mm (bench/fp8_native.py), and
+#      `amp-tui train demos/fp8_outliers.py --dtype fp8` there and back to bf16  (fp8.log, fp8-train.log)
 #
 # Results go to $OUT if set, else bench/results/gpu-<date>/; summary.txt lists each part's exit
 # status and time. Every part has its own time limit and a failing part doesn't stop the others;
@@ -237,6 +239,11 @@ fi
 part fp8 120 "$PY" "$ROOT/bench/fp8_native.py" --device "$DEVICE"
 verdict fp8
 sed 's/^/      /' "$OUT/fp8.log" | grep -E "PASS|FAIL|skip" | tee -a "$SUMMARY"
+# --dtype fp8 under amp-tui train: native fp8 GEMMs from compute capability 8.9 (emulated below it,
+# and on the CPU), back to bf16 and into fp8 again.
+part fp8-train 120 "$PY" -m amp_tui train "$ROOT/demos/fp8_outliers.py" --headless --device "$DEVICE" \
+    --dtype fp8 --steps 60 --at 30:dtype=bf16 --at 45:dtype=fp8 --run-dir "$OUT/runs/fp8-train"
+verdict fp8-train
 
 say "total $(( $(date +%s) - START ))s; results in $OUT"
 exit "$FAILED"

@@ -32,9 +32,10 @@ def read_fp8(run_dir: str | Path, relative: str) -> dict:
     return data
 
 
-def verdicts(whatif: dict) -> dict[str, str]:
-    """The verdict per layer, as text (a file made by hand may hold anything there)."""
-    given = whatif.get("verdict")
+def verdicts(whatif: dict, key: str = "verdict") -> dict[str, str]:
+    """The verdict per layer (or, `key="op_verdict"`, per matmul outside nn.Linear), as text (a
+    file made by hand may hold anything there)."""
+    given = whatif.get(key)
     return {str(m): v if isinstance(v, str) else "bf16: ?" for m, v in given.items()} if isinstance(given, dict) else {}
 
 
@@ -58,6 +59,10 @@ def fp8_message(step: int, whatif: dict) -> str:
         module, why = next(iter(held.items()))
         more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
         words += f"; keep {module} in bf16{more}: {why}"
+    ops = verdicts(whatif, "op_verdict")
+    if ops:
+        words += (f"; matmuls outside nn.Linear: {sum(v == 'fp8' for v in ops.values())} of {len(ops)} "
+                  "fp8-ready")
     return words
 
 
@@ -124,26 +129,37 @@ SUMMARY_COLUMNS = (("module", "layer"), ("verdict", "verdict"), ("input_db", "in
                    ("input_mx_db", "in MX dB"), ("why", "why"))
 
 
-def _row(rows: list[dict], module: str, tensor: str, fmt: str, scaling: str) -> dict:
-    return next((r for r in rows if r.get("module") == module and r.get("tensor") == tensor
+def _row(rows: list[dict], module: str, tensor: str, fmt: str, scaling: str, op: str | None = None) -> dict:
+    return next((r for r in rows if r.get("module") == module and r.get("op") == op and r.get("tensor") == tensor
                  and r.get("format") == fmt and r.get("scaling") == scaling), {})
 
 
 def layer_summaries(whatif: dict) -> list[dict]:
-    """One line per layer: the verdict, and the figures it was judged on."""
+    """One line per layer, then per matmul outside nn.Linear (`blocks.0.attn:matmul#0`): the
+    verdict, and the figures it was judged on."""
     rows = [r for r in whatif.get("rows", []) if isinstance(r, dict)]
+    ops = whatif.get("ops") if isinstance(whatif.get("ops"), dict) else {}
     out = []
-    for module, verdict in verdicts(whatif).items():
-        inp = _row(rows, module, "input", "e4m3", "tensorwise")
-        grad = _row(rows, module, "grad_output", "e5m2", "tensorwise")
-        out.append({"module": module, "verdict": "fp8" if verdict == "fp8" else "bf16",
-                    "input_db": inp.get("sqnr_db"), "input_channel_db": inp.get("channel_sqnr_db"),
-                    "weight_db": _row(rows, module, "weight", "e4m3", "tensorwise").get("sqnr_db"),
-                    "grad_db": grad.get("sqnr_db"), "output_db": inp.get("output_sqnr_db"),
-                    "input_underflow": inp.get("underflow"), "input_crest": inp.get("crest_bits"),
-                    "input_mx_db": _row(rows, module, "input", "mxfp8", "block32").get("sqnr_db"),
-                    "why": verdict.split(":", 1)[1].strip() if verdict != "fp8" and ":" in verdict else ""})
+    for kind in ("verdict", "op_verdict"):
+        for name, verdict in verdicts(whatif, kind).items():
+            where = ops.get(name) if kind == "op_verdict" and isinstance(ops.get(name), dict) else {}
+            module, op = (where.get("module"), where.get("op")) if where else (name, None)
+            out.append(_summary(rows, name, verdict, module, op))
     return out
+
+
+def _summary(rows: list[dict], name: str, verdict: str, module: str, op: str | None) -> dict:
+    def tensorwise(tensor, fmt="e4m3", scaling="tensorwise"):
+        return _row(rows, module, tensor, fmt, scaling, op)
+
+    inp, grad = tensorwise("input"), tensorwise("grad_output", "e5m2")
+    return {"module": name, "verdict": "fp8" if verdict == "fp8" else "bf16",
+            "input_db": inp.get("sqnr_db"), "input_channel_db": inp.get("channel_sqnr_db"),
+            "weight_db": tensorwise("weight").get("sqnr_db"),
+            "grad_db": grad.get("sqnr_db"), "output_db": inp.get("output_sqnr_db"),
+            "input_underflow": inp.get("underflow"), "input_crest": inp.get("crest_bits"),
+            "input_mx_db": tensorwise("input", "mxfp8", "block32").get("sqnr_db"),
+            "why": verdict.split(":", 1)[1].strip() if verdict != "fp8" and ":" in verdict else ""}
 
 
 def summary_cell(key: str, value) -> str:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from amp_tui.training.fp8.casts import CASTS, cast, channel_sqnr_db, fp8_bits, round_to_e2m1, sqnr_db
-from amp_tui.training.fp8.whatif import spread_bits
+from amp_tui.training.fp8.tensor_rows import spread_bits
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 

@@ -124,3 +124,98 @@ def test_a_filter_with_no_layer_ready_converts_none_and_says_why():
                        run='a "quoted" run'), namespace)
     assert namespace["FP8_READY"] == set() and namespace["KEEP_BF16"] == {"fc": "input in e4m3 tensorwise: crest"}
     assert not namespace["module_filter_fn"](nn.Linear(16, 16), "fc")
+
+
+class Attention(nn.Module):
+    """Attention written out, as most model code has it: its two matmuls are no nn.Linear's."""
+
+    def __init__(self, width: int, heads: int, fused: bool = False, outlier: float = 1.0):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.heads, self.fused = heads, fused
+        self.register_buffer("gain", torch.ones(width // heads))
+        self.gain[[1, 5]] = outlier   # a few channels of q, as grow in attention without qk-norm
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        q = q * self.gain
+        if self.fused:
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            y = scores.softmax(-1) @ v
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TinyLM(nn.Module):
+    """An embedding, one attention block, and a head tied to the embedding through F.linear."""
+
+    def __init__(self, fused=False, outlier=1.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 64)
+        self.attn = Attention(64, 4, fused, outlier)
+
+    def forward(self, ids):
+        return nn.functional.linear(self.attn(self.embed(ids)), self.embed.weight)
+
+
+def lm_whatif(net):
+    torch.manual_seed(2)
+    ids = torch.randint(0, 64, (4, 32))
+    return fp8_whatif(net, lambda: nn.functional.cross_entropy(net(ids).flatten(0, 1), ids.flatten()), dtype="bf16")
+
+
+def test_matmuls_outside_linear_are_measured_with_their_gradients():
+    result = lm_whatif(TinyLM())
+    assert set(result["verdict"]) == {"attn.qkv", "attn.out"}   # the Linear layers, as before
+    assert set(result["op_verdict"]) == {"attn:matmul#0", "attn:matmul#1", "linear#0"}
+    assert result["ops"]["attn:matmul#0"]["shapes"] == [[4, 4, 32, 16], [4, 4, 16, 32]]
+    ops = {(r["module"], r["op"], r["tensor"]) for r in result["rows"] if "op" in r}
+    for module, op in (("attn", "matmul#0"), ("attn", "matmul#1"), ("", "linear#0")):
+        assert {(module, op, t) for t in ("input", "weight", "grad_output")} <= ops
+    assert all(v == "fp8" for v in result["op_verdict"].values()), result["op_verdict"]
+
+
+def test_the_scores_matmul_behind_outlier_query_channels_is_kept_in_bf16():
+    result = lm_whatif(TinyLM(outlier=3e3))
+    assert result["op_verdict"]["attn:matmul#0"].startswith("bf16: input in e4m3 tensorwise")
+    # The scores they blow up make the softmax one-hot: most weights flush to zero in the next matmul.
+    assert "flushes to zero" in result["op_verdict"]["attn:matmul#1"]
+
+
+def test_scaled_dot_product_attention_is_measured_from_its_q_k_and_v():
+    fused, written = lm_whatif(TinyLM(fused=True)), lm_whatif(TinyLM())
+    assert {"attn:sdpa.scores#0", "attn:sdpa.values#0"} <= set(fused["op_verdict"])
+
+    def tensorwise(result, op, tensor):
+        return next(r for r in result["rows"] if r.get("op") == op and r["tensor"] == tensor
+                    and r["format"] == "e4m3" and r["scaling"] == "tensorwise")
+
+    # The same GEMMs as the attention written out: q (after its gain) and k, then the weights and v.
+    for fused_op, op in (("sdpa.scores#0", "matmul#0"), ("sdpa.values#0", "matmul#1")):
+        for tensor in ("input", "weight"):
+            a, b = tensorwise(fused, fused_op, tensor), tensorwise(written, op, tensor)
+            assert a["sqnr_db"] == pytest.approx(b["sqnr_db"], abs=0.3), (fused_op, tensor)
+            assert a["output_sqnr_db"] == pytest.approx(b["output_sqnr_db"], abs=0.3), (fused_op, tensor)
+    assert not any(r["tensor"] == "grad_output" for r in fused["rows"] if r.get("op", "").startswith("sdpa"))
+
+
+def test_gpt2_from_a_small_config_its_conv1d_and_its_attention():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    net = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=4, n_embd=64, vocab_size=128,
+                                                               n_positions=64))
+    ids = torch.randint(0, 128, (2, 32))
+    result = fp8_whatif(net, lambda: net(input_ids=ids, labels=ids).loss, dtype="bf16")
+    ops = set(result["op_verdict"])
+    # GPT-2's projections are Conv1D (an addmm), none an nn.Linear but the head.
+    assert set(result["verdict"]) == {"lm_head"}
+    assert {f"transformer.h.0.{m}:addmm#0" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")} <= ops
+    attention = {k for k in ops if k.startswith("transformer.h.0.attn:")}
+    assert attention in ({"transformer.h.0.attn:sdpa.scores#0", "transformer.h.0.attn:sdpa.values#0"},
+                         {"transformer.h.0.attn:matmul#0", "transformer.h.0.attn:matmul#1"}), attention
+    grads = {r["op"] for r in result["rows"] if r.get("op") and r["tensor"] == "grad_output"}
+    assert "addmm#0" in grads

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from amp_tui.training.fp8.casts import CASTS, Cast, cast, fits, median_channel_db, sqnr_db
-from amp_tui.training.local_fp32 import named_modules
+from amp_tui.training.fp8.capture import LinearCapture, MatmulCapture
 from amp_tui.training.trace.op_trace import (
     Backward,
     RngSnapshot,
@@ -57,162 +55,6 @@ BULK_SPREAD_BITS = 6.0
 
 def crest_limit(fmt: str) -> float:
     return NORMAL_RANGE_BITS[fmt] - BULK_SPREAD_BITS
-
-
-@dataclass
-class _Seen:
-    """One Linear's tensors of the step (its first call in it)."""
-    module: torch.nn.Module | None = None   # until its output's gradient came
-    low: torch.dtype | None = None          # the autocast dtype its forward ran in
-    calls: int = 0
-    rows: list[dict] = field(default_factory=list)
-
-
-class LinearCapture:
-    """Hooks on every nn.Linear of the model: the first call's input and weight as its GEMM sees
-    them, and the gradient that reaches its output, measured as they come (and let go)."""
-
-    def __init__(self, model: torch.nn.Module, device_type: str, scale: float | None):
-        self.device_type = device_type
-        self.unscale = 1.0 / scale if scale else 1.0
-        self.seen: dict[str, _Seen] = {}
-        self.shapes: dict[str, list[int]] = {}
-        self._handles = []
-        for name, module in named_modules(model).items():
-            if isinstance(module, torch.nn.Linear):
-                self.shapes[name] = list(module.weight.shape)
-                self._handles.append(module.register_forward_hook(self._forward_hook(name)))
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def _forward_hook(self, name: str):
-        def hook(module, args, output):
-            seen = self.seen.setdefault(name, _Seen())
-            seen.calls += 1
-            if seen.calls > 1 or not args or not isinstance(args[0], torch.Tensor):
-                return
-            low = torch.get_autocast_dtype(self.device_type) if torch.is_autocast_enabled(self.device_type) else None
-            seen.low = low
-            with torch.no_grad(), torch.autocast(self.device_type, enabled=False):
-                seen.rows += forward_rows(_as_run(args[0], low), _as_run(module.weight, low))
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                seen.module = module
-                output.register_hook(self._grad_hook(name))
-        return hook
-
-    def _grad_hook(self, name: str):
-        def hook(grad):
-            seen = self.seen[name]
-            if seen.module is not None:
-                with torch.no_grad(), torch.autocast(self.device_type, enabled=False):
-                    seen.rows += gradient_rows(_unscaled(grad, self.unscale), _as_run(seen.module.weight, seen.low))
-                seen.module = None
-        return hook
-
-
-def _unscaled(grad: torch.Tensor, unscale: float) -> torch.Tensor:
-    return grad.detach() * unscale if unscale != 1 else grad.detach()
-
-
-def _as_run(tensor: torch.Tensor, low: torch.dtype | None) -> torch.Tensor:
-    """A tensor as the layer's GEMM took it: cast to the autocast dtype where one was in force."""
-    tensor = tensor.detach()
-    return tensor.to(low) if low is not None and tensor.is_floating_point() else tensor
-
-
-class Reference:
-    """A tensor as its casts are measured against it, what does not depend on the cast computed
-    once: in float32, as (rows, channels), each channel's energy, its nonzero values, its range
-    and crest."""
-
-    def __init__(self, x: torch.Tensor):
-        self.x = x
-        self.flat = x.detach().to(torch.float32).reshape(-1, x.shape[-1])
-        self.channel_signal = self.flat.square().sum(0)
-        self.signal = math.sqrt(float(self.channel_signal.sum()))
-        self.nonzero = int(torch.count_nonzero(self.flat))
-        self.spread = spread_bits(self.flat)
-
-    def row(self, tensor: str, done: Cast, fmt: str, scaling: str, output_sqnr: float | None) -> dict:
-        values = done.values.reshape(self.flat.shape)
-        channel_noise = (values - self.flat).square().sum(0)
-        noise = math.sqrt(float(channel_noise.sum()))
-        # A cast keeps zeros zero: the zeros it adds are the values it flushed.
-        underflowed = self.nonzero - int(torch.count_nonzero(values))
-        return {"tensor": tensor, "format": fmt, "scaling": scaling,
-                "sqnr_db": _rounded(_db(self.signal, noise)),
-                "channel_sqnr_db": _rounded(median_channel_db(self.channel_signal, channel_noise)),
-                "underflow": underflowed / self.nonzero if self.nonzero else 0.0,
-                "saturation": done.saturated / self.flat.numel() if self.flat.numel() else 0.0,
-                **self.spread, "output_sqnr_db": output_sqnr}
-
-
-def _db(signal: float, noise: float) -> float | None:
-    if noise == 0:
-        return None
-    return 20 * math.log10(signal / noise) if signal > 0 and math.isfinite(noise) else -math.inf
-
-
-def forward_rows(x: torch.Tensor, weight: torch.Tensor) -> list[dict]:
-    """The rows of a layer's input and weight: output = input @ weight.T, both cast along the
-    input features."""
-    x_ref, w_ref = Reference(x), Reference(weight)
-    x, weight = x_ref.flat, w_ref.flat
-    reference = x @ weight.t()
-    rows = []
-    for fmt, scaling in CASTS:
-        if fits(fmt, scaling, x.shape[-1]):
-            qx, qw = cast(x, fmt, scaling), cast(weight, fmt, scaling)
-            output = _rounded(sqnr_db(reference, qx.values @ qw.values.t()))
-            rows += [x_ref.row("input", qx, fmt, scaling, output), w_ref.row("weight", qw, fmt, scaling, output)]
-    return rows
-
-
-def gradient_rows(grad_output: torch.Tensor, weight: torch.Tensor) -> list[dict]:
-    """The rows of a layer's output gradient: grad_input = grad_output @ weight, both cast along
-    the output features (the weight in e4m3 beside an e5m2 gradient, as torchao's recipe has it)."""
-    go_ref = Reference(grad_output)
-    go, weight = go_ref.flat, weight.detach().to(torch.float32)
-    reference = go @ weight
-    weights: dict[tuple[str, str], torch.Tensor] = {}   # e4m3 serves both fp8 formats' rows
-    rows = []
-    for fmt, scaling in CASTS:
-        if fits(fmt, scaling, go.shape[-1]):
-            qgo = cast(go, fmt, scaling)
-            key = ("e4m3" if fmt == "e5m2" else fmt, scaling)
-            if key not in weights:
-                weights[key] = cast(weight, *key, dim=0).values
-            output = _rounded(sqnr_db(reference, qgo.values @ weights[key]))
-            rows.append(go_ref.row("grad_output", qgo, fmt, scaling, output))
-    return rows
-
-
-CREST_SAMPLE = 4096   # the values whose median stands for a tensor's typical one
-
-
-def spread_bits(x: torch.Tensor) -> dict:
-    """How a tensor's magnitudes spread, over its finite nonzero values: `range_bits`,
-    log2(max |x| / min |x|), and `crest_bits`, log2(max |x| / median |x|): how far below its largest
-    value its typical one sits. The median is of an evenly strided sample of at most CREST_SAMPLE
-    values (a full median costs 40x more on the CPU)."""
-    magnitude = x.detach().abs().to(torch.float32).flatten()
-    live = torch.isfinite(magnitude) & (magnitude > 0)
-    top = float(torch.where(live, magnitude, 0.0).max()) if magnitude.numel() else 0.0
-    if top == 0:
-        return {"range_bits": None, "crest_bits": None}
-    bottom = float(torch.where(live, magnitude, math.inf).min())
-    sample = magnitude[::max(1, magnitude.numel() // CREST_SAMPLE)]
-    sample = sample[torch.isfinite(sample) & (sample > 0)]
-    crest = math.log2(top / float(sample.median())) if sample.numel() else None
-    return {"range_bits": _rounded(math.log2(top / bottom)), "crest_bits": _rounded(crest)}
-
-
-def _rounded(value: float | None) -> float | None:
-    if value is None:
-        return None
-    return round(value, 2) if math.isfinite(value) else (-999.0 if value < 0 else 999.0)
 
 
 def judge(rows: list[dict]) -> str:
@@ -254,23 +96,31 @@ def fp8_whatif(model: torch.nn.Module, forward, *, backward: Backward = True, sc
     low = autocast_dtype_for(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     capture = LinearCapture(model, device_type, scale)
+    matmuls = MatmulCapture(model, device_type, scale)
     try:
         with replaying(model, device_type, rng):
-            with torch.autocast(device_type, dtype=low, enabled=low is not None):
+            with torch.autocast(device_type, dtype=low, enabled=low is not None), matmuls:
                 output = forward()
             roots, grad_outputs = backward_roots(output, backward, scale)
             if backward is not False and roots and params:
                 torch.autograd.grad(roots, params, grad_outputs=grad_outputs, allow_unused=True)
     finally:
         capture.close()
-    rows, verdict = [], {}
+        matmuls.close()
+    rows, verdict, op_verdict = [], {}, {}
     for name, seen in capture.seen.items():
         rows += [{"module": name, **row} for row in seen.rows]
         if seen.rows:
             verdict[name] = judge(seen.rows)
+    for key, seen in matmuls.seen.items():
+        module, op = matmuls.where[key]
+        rows += [{"module": module, "op": op, **row} for row in seen.rows]
+        op_verdict[key] = judge(seen.rows)
     return {"dtype": str(low).replace("torch.", "") if low is not None else "float32", "scale": scale,
             "recipe": {tensor: f"{fmt} {scaling}" for tensor, (fmt, scaling) in RECIPE.items()},
-            "rows": rows, "verdict": verdict,
+            "rows": rows, "verdict": verdict, "op_verdict": op_verdict,
             "modules": {name: {"shape": capture.shapes[name], "calls": seen.calls}
                         for name, seen in capture.seen.items()},
+            "ops": {key: {"module": matmuls.where[key][0], "op": matmuls.where[key][1],
+                          "shapes": matmuls.shapes[key]} for key in matmuls.seen},
             "seconds": round(time.perf_counter() - started, 4)}
