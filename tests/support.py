@@ -714,3 +714,25 @@ def install_made_up_clock(monkeypatch, step: float, probe_cost: float):
         return collect(self, *args, **kwargs)
     monkeypatch.setattr(LayerProbe, "collect", costly_collect)
     return clock
+
+
+class MassiveChannels(nn.Module):
+    """A few channels of its input made `factor` times larger, as LLMs' massive activations are."""
+
+    def __init__(self, width: int, channels, factor: float):
+        super().__init__()
+        self.register_buffer("gain", torch.ones(width))
+        self.gain[list(channels)] = factor
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def outlier_model(factor: float = 1e4) -> nn.Module:
+    """Four Linear layers; the input of the third (`"5"`) carries three channels `factor` times the
+    rest: the fp8 what-if keeps it, and only it, in bf16."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64),
+        MassiveChannels(64, (3, 17, 50), factor),
+        nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 16))

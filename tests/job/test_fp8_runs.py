@@ -1,7 +1,8 @@
 """`amp-tui train --dtype fp8`: the what-if of the first step chooses the layers (or `--fp8-filter`
 does), each probed step records the fp8 layers' amax, `dtype=bf16` takes the run back and
-`dtype=fp8` in again, an fp32 module stays out of fp8, a checkpoint restores in fp8; in the user's
-own loop fp8 is refused with what to do instead."""
+`dtype=fp8` in again, an fp32 module stays out of fp8, a checkpoint restores in fp8, a non-finite
+step is traced to its op and the ladder goes to bf16; in the user's own loop fp8 is refused with
+what to do instead."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from amp_tui import monitor  # noqa: E402
 from amp_tui.job.drivers.hook_driver import MonitorError  # noqa: E402
 from amp_tui.recording.reader import read_session  # noqa: E402
 from amp_tui.training.script import ScriptError  # noqa: E402
+from amp_tui.training.step.guards import GuardConfig  # noqa: E402
 
 from support import DEMOS, train_run  # noqa: E402
 
@@ -99,3 +101,36 @@ def test_the_users_own_loop_is_told_how_to_train_in_fp8(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(MonitorError, match="convert_to_float8_training"):
         monitor(model, opt, dtype="fp8", run_dir=tmp_path / "own", announce=False, control=False)
+
+
+OVERFLOW = '''
+import torch
+from torch import nn
+
+def setup(ctx=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = torch.randn(8, 16, 32)
+    xs[3] *= 1e37          # batch 3: its loss overflows float32, whatever the layers run in
+    ys = torch.randn(8, 16, 16)
+    def loss_fn(model, batch):
+        x, y = batch
+        return nn.functional.mse_loss(model(x).float(), y)
+    return {"model": model, "optimizer": opt, "loss_fn": loss_fn, "batches": list(zip(xs, ys))}
+'''
+
+
+def test_a_non_finite_step_in_fp8_is_traced_to_its_op_and_the_ladder_goes_to_bf16(write_script, tmp_path):
+    script = write_script(OVERFLOW)
+    run_dir = tmp_path / "overflow"
+    run = train_run(script, run_dir, steps=6, device="cpu", dtype="float8", on_nonfinite="fallback",
+                    guard=GuardConfig(fallback_after=1))
+    assert run.run() == 0
+    session = read_session(run_dir)
+    [bad] = events_of(session, "nonfinite")
+    # The replay runs through the fp8 layers (torchao's tensors) to the op that overflowed.
+    assert bad["step"] == 3 and bad["dtype"] == "float8" and bad["op"] == "aten.mse_loss"
+    moved = [e for e in session.events if e["kind"] == "intervention" and e["action"] == "dtype"]
+    assert [(e["before"]["dtype"], e["after"]["dtype"]) for e in moved] == [("float8", "bfloat16")]
+    assert [s["dtype"] for s in session.steps if s["step"] > 3] == ["bfloat16"] * 2

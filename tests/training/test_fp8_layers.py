@@ -18,24 +18,7 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 from amp_tui.training.fp8.layers import Fp8FilterError, Fp8Layers, load_filter, verdict_filter  # noqa: E402
 from amp_tui.training.step.engine import GuardedTrainer, PrecisionRefused  # noqa: E402
 
-
-class MassiveChannels(nn.Module):
-    def __init__(self, width: int, channels, factor: float):
-        super().__init__()
-        self.register_buffer("gain", torch.ones(width))
-        self.gain[list(channels)] = factor
-
-    def forward(self, x):
-        return x * self.gain
-
-
-def outlier_model() -> nn.Module:
-    """Layer 5's input carries three channels 10^4 times the rest: the what-if keeps it in bf16."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64),
-        MassiveChannels(64, (3, 17, 50), 1e4),
-        nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 16))
+from support import outlier_model  # noqa: E402
 
 
 def batches(n=6):

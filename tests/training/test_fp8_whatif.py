@@ -11,25 +11,11 @@ from torch import nn
 from amp_tui.recording.fp8_file import filter_source
 from amp_tui.training.fp8.whatif import fp8_whatif
 
-
-class MassiveChannels(nn.Module):
-    """A few channels of its input made `factor` times larger, as LLMs' massive activations are."""
-
-    def __init__(self, width: int, channels, factor: float):
-        super().__init__()
-        self.register_buffer("gain", torch.ones(width))
-        self.gain[list(channels)] = factor
-
-    def forward(self, x):
-        return x * self.gain
+from support import outlier_model
 
 
 def model(factor: float = 1e4) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64),
-        MassiveChannels(64, (3, 17, 50), factor),
-        nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 16))
+    return outlier_model(factor)
 
 
 def batch():
