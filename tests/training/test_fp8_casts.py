@@ -4,10 +4,12 @@ underflow counts on tensors with planted values."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from amp_tui.training.fp8.casts import CASTS, cast, channel_sqnr_db, fp8_bits, round_to_e2m1, sqnr_db
+from amp_tui.training.fp8.casts import CASTS, cast, cast_both_ways, channel_sqnr_db, fp8_bits, round_to_e2m1, sqnr_db
 from amp_tui.training.fp8.tensor_rows import spread_bits
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -100,3 +102,16 @@ def test_every_cast_keeps_the_shape_and_a_well_scaled_tensors_signal():
     spread = spread_bits(torch.tensor([0.0, 0.5, 8.0, 2.0, -1.0]))
     # |x|: 0.5, 1, 2, 8 (the zero is no value): median 2 (of 1 and 2, torch takes the lower: 1).
     assert spread["range_bits"] == 4.0 and spread["crest_bits"] == 3.0
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_both_scalings_at_once_are_the_two_casts(fmt):
+    x = torch.randn(48, 64) * torch.logspace(-3, 3, 64)
+    with_inf = x.clone()
+    with_inf[5, 7] = math.inf
+    for tensor in (x, with_inf, torch.zeros(4, 16)):
+        tensorwise, rowwise = cast_both_ways(tensor, fmt)
+        for done, scaling in ((tensorwise, "tensorwise"), (rowwise, "rowwise")):
+            alone = cast(tensor, fmt, scaling)
+            assert torch.equal(done.values.nan_to_num(), alone.values.nan_to_num()), scaling
+            assert done.saturated == alone.saturated, scaling

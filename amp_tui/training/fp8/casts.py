@@ -60,23 +60,42 @@ def fits(fmt: str, scaling: str, reduction_size: int) -> bool:
     return scaling not in BLOCK or reduction_size % BLOCK[scaling] == 0
 
 
-def cast(x: torch.Tensor, fmt: str, scaling: str, dim: int = -1) -> Cast:
-    """`x` cast to `fmt` with `scaling` along `dim` (the GEMM's reduction dimension) and back."""
+def cast(x: torch.Tensor, fmt: str, scaling: str, dim: int = -1, *,
+         tensor_amax: torch.Tensor | None = None) -> Cast:
+    """`x` cast to `fmt` with `scaling` along `dim` (the GEMM's reduction dimension) and back.
+    `tensor_amax`: the largest |value| of the tensor `x` is a sample of, which sets a tensorwise
+    scale (and NVFP4's tensor scale); by default `x`'s own."""
     hp = x.detach()
     hp = hp if hp.dtype == torch.float32 else hp.to(torch.float32)
     if scaling in BLOCK:
         moved = hp.movedim(dim, -1)
-        out = _block_cast(moved, fmt, BLOCK[scaling])
+        out = _block_cast(moved, fmt, BLOCK[scaling], tensor_amax)
         return Cast(out.values.movedim(-1, dim), out.saturated, hp)
     dtype = FP8_DTYPES[fmt]
     if scaling == "tensorwise":
-        amax = hp.abs().max()
+        amax = hp.abs().max() if tensor_amax is None else tensor_amax
     elif scaling == "rowwise":
         amax = hp.abs().amax(dim=dim, keepdim=True)
     else:
         raise ValueError(f"unknown scaling {scaling!r}")
     scale = scale_for(amax, dtype, power_of_2=scaling == "rowwise")
     return _scaled_cast(hp, scale, dtype, finite=bool(torch.isfinite(amax).all()))
+
+
+def cast_both_ways(x: torch.Tensor, fmt: str, *, tensor_amax: torch.Tensor | None = None) -> tuple[Cast, Cast]:
+    """`x` (rows, reduction) cast to `fmt` tensorwise and rowwise in one go: the two scales side by
+    side, one chain of ops for both. The same values as two `cast` calls."""
+    hp = x.detach()
+    hp = hp if hp.dtype == torch.float32 else hp.to(torch.float32)
+    dtype = FP8_DTYPES[fmt]
+    row_amax = hp.abs().amax(dim=-1, keepdim=True)
+    amax = row_amax.max() if tensor_amax is None else tensor_amax
+    scales = torch.stack([scale_for(amax, dtype, power_of_2=False).expand_as(row_amax),
+                          scale_for(row_amax, dtype, power_of_2=True)])
+    both = _scaled_cast(hp.unsqueeze(0), scales, dtype, finite=bool(torch.isfinite(amax)))
+    if both.saturated:   # an inf: counted for each scaling on its own
+        return tuple(_scaled_cast(hp, s, dtype, finite=False) for s in scales)
+    return Cast(both.values[0], 0, hp), Cast(both.values[1], 0, hp)
 
 
 def scale_for(amax: torch.Tensor, dtype: torch.dtype, *, power_of_2: bool) -> torch.Tensor:
@@ -125,7 +144,7 @@ def _blocks(hp: torch.Tensor, size: int) -> torch.Tensor:
     return hp.reshape(*hp.shape[:-1], hp.shape[-1] // size, size)
 
 
-def _block_cast(hp: torch.Tensor, fmt: str, size: int) -> Cast:
+def _block_cast(hp: torch.Tensor, fmt: str, size: int, tensor_amax: torch.Tensor | None = None) -> Cast:
     blocks = _blocks(hp, size)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     if fmt == "mxfp8":
@@ -137,7 +156,8 @@ def _block_cast(hp: torch.Tensor, fmt: str, size: int) -> Cast:
         values = widened(scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)) * scale
     elif fmt == "nvfp4":
         # One float32 scale for the tensor puts the largest block scale at e4m3's max.
-        tensor_scale = float(amax.max()) / (E4M3_MAX * E2M1_MAX) or 1.0
+        top = amax.max() if tensor_amax is None else tensor_amax
+        tensor_scale = float(top) / (E4M3_MAX * E2M1_MAX) or 1.0
         block_scale = (amax / E2M1_MAX / tensor_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
         scale = block_scale * tensor_scale
         # A block whose scale rounded to 0 in e4m3 is flushed whole: none of it saturates.
