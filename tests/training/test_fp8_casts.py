@@ -9,8 +9,17 @@ import math
 import pytest
 import torch
 
-from amp_tui.training.fp8.casts import CASTS, cast, cast_both_ways, channel_sqnr_db, fp8_bits, round_to_e2m1, sqnr_db
-from amp_tui.training.fp8.tensor_rows import spread_bits
+from amp_tui.training.fp8.casts import (
+    CASTS,
+    cast,
+    cast_both_ways,
+    cast_groups,
+    channel_sqnr_db,
+    fp8_bits,
+    round_to_e2m1,
+    sqnr_db,
+)
+from amp_tui.training.fp8.tensor_rows import forward_groups, forward_rows, gradient_groups, gradient_rows, spread_bits
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -104,14 +113,47 @@ def test_every_cast_keeps_the_shape_and_a_well_scaled_tensors_signal():
     assert spread["range_bits"] == 4.0 and spread["crest_bits"] == 3.0
 
 
+def stacked_tensors():
+    """Three tensors of one shape, unlike each other: wide-ranged channels, one with an inf, zeros."""
+    torch.manual_seed(3)
+    x = torch.randn(48, 64) * torch.logspace(-3, 3, 64)
+    with_inf = torch.randn(48, 64)
+    with_inf[5, 7] = math.inf
+    return [x, with_inf, torch.zeros(48, 64)]
+
+
+@pytest.mark.parametrize("fmt, scaling", CASTS)
+def test_tensors_cast_together_are_each_cast_alone(fmt, scaling):
+    tensors = stacked_tensors()
+    values, saturated = cast_groups(torch.stack(tensors), fmt, scaling)
+    for i, tensor in enumerate(tensors):
+        alone = cast(tensor, fmt, scaling)
+        assert torch.equal(values[i].nan_to_num(), alone.values.nan_to_num()), i
+        assert int(saturated[i]) == alone.saturated, i
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_both_scalings_at_once_are_the_two_casts(fmt):
-    x = torch.randn(48, 64) * torch.logspace(-3, 3, 64)
-    with_inf = x.clone()
-    with_inf[5, 7] = math.inf
-    for tensor in (x, with_inf, torch.zeros(4, 16)):
-        tensorwise, rowwise = cast_both_ways(tensor, fmt)
-        for done, scaling in ((tensorwise, "tensorwise"), (rowwise, "rowwise")):
+    tensors = stacked_tensors()
+    both = cast_both_ways(torch.stack(tensors), fmt)
+    for (values, saturated), scaling in zip(both, ("tensorwise", "rowwise")):
+        for i, tensor in enumerate(tensors):
             alone = cast(tensor, fmt, scaling)
-            assert torch.equal(done.values.nan_to_num(), alone.values.nan_to_num()), scaling
-            assert done.saturated == alone.saturated, scaling
+            assert torch.equal(values[i].nan_to_num(), alone.values.nan_to_num()), (scaling, i)
+            assert int(saturated[i]) == alone.saturated, (scaling, i)
+
+
+def test_gemms_measured_together_are_each_measured_alone():
+    torch.manual_seed(4)
+    pairs = [(torch.randn(40, 64) * (1 + 100 * (i == 1)), torch.randn(64, 32) * 0.1) for i in range(3)]
+    for a, b in pairs:
+        assert forward_groups([(a, b)])[0] == forward_rows(a, b)
+    for (a, b), rows in zip(pairs, forward_groups(pairs)):
+        assert rows == forward_rows(a, b)
+    # Over SAMPLE_VALUES: each measured on its own sample of rows, together or alone.
+    large = [(torch.randn(300, 64) * (1 + 50 * i), torch.randn(64, 32)) for i in range(2)]
+    for (a, b), rows in zip(large, forward_groups(large)):
+        assert rows == forward_rows(a, b)
+    grads = [(torch.randn(40, 32), b) for _, b in pairs[:3]]
+    for (go, b), rows in zip(grads, gradient_groups(grads)):
+        assert rows == gradient_rows(go, b)

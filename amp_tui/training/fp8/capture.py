@@ -1,8 +1,9 @@
 """What the fp8 what-if captures of one step (whatif.py): the tensors of its GEMMs, as they reach
-them, measured as they come and let go.
+them.
 
 - `LinearCapture`: every nn.Linear, the layer torchao converts: its first call's input and weight,
-  and the gradient that reaches its output.
+  and the gradient that reaches its output, kept and measured together by shape after the
+  backward (tensor_rows.py).
 - `MatmulCapture`: the matmuls a module computes in its own forward, outside any nn.Linear
   (attention's `q @ k.transpose(-2, -1)` and `attn @ v`, a head tied to the embedding through
   `F.linear`, GPT-2's `Conv1D`, an `addmm`), and `F.scaled_dot_product_attention`'s two, computed
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from amp_tui.training.fp8.tensor_rows import forward_rows, gradient_rows
+from amp_tui.training.fp8.tensor_rows import forward_groups, forward_rows, gradient_groups, gradient_rows
 from amp_tui.training.local_fp32 import named_modules
 
 
@@ -40,9 +41,14 @@ class _Seen:
     rows: list[dict] = field(default_factory=list)
 
 
+# The captured tensors kept for measuring together, at most: past it they are measured at once.
+PENDING_BYTES = 256 << 20
+
+
 class LinearCapture:
     """Hooks on every nn.Linear of the model: the first call's input and weight as its GEMM sees
-    them, and the gradient that reaches its output, measured as they come (and let go)."""
+    them, and the gradient that reaches its output. They are kept, and measured together by
+    shape (`flush`, after the backward; sooner when PENDING_BYTES are held)."""
 
     def __init__(self, model: torch.nn.Module, device_type: str, scale: float | None):
         self.device_type = device_type
@@ -50,6 +56,8 @@ class LinearCapture:
         self.seen: dict[str, _Seen] = {}
         self.shapes: dict[str, list[int]] = {}
         self._handles = []
+        self._pending: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {"forward": [], "gradient": []}
+        self._pending_bytes = 0
         for name, module in named_modules(model).items():
             if isinstance(module, torch.nn.Linear):
                 self.shapes[name] = list(module.weight.shape)
@@ -59,6 +67,25 @@ class LinearCapture:
         for handle in self._handles:
             handle.remove()
 
+    def flush(self) -> None:
+        """Measure what is kept: GEMMs of one shape together (tensor_rows.py)."""
+        for kind, measure in (("forward", forward_groups), ("gradient", gradient_groups)):
+            groups: dict[tuple, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+            for name, a, b in self._pending[kind]:
+                groups.setdefault((a.shape, b.shape, a.dtype, b.dtype, a.device), []).append((name, a, b))
+            with measuring(self.device_type):
+                for group in groups.values():
+                    for (name, _, _), rows in zip(group, measure([(a, b) for _, a, b in group])):
+                        self.seen[name].rows += rows
+            self._pending[kind] = []
+        self._pending_bytes = 0
+
+    def _keep(self, kind: str, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        self._pending[kind].append((name, a, b))
+        self._pending_bytes += a.numel() * a.element_size()
+        if self._pending_bytes > PENDING_BYTES:
+            self.flush()
+
     def _forward_hook(self, name: str):
         def hook(module, args, output):
             seen = self.seen.setdefault(name, _Seen())
@@ -67,8 +94,7 @@ class LinearCapture:
                 return
             low = torch.get_autocast_dtype(self.device_type) if torch.is_autocast_enabled(self.device_type) else None
             seen.low = low
-            with measuring(self.device_type):
-                seen.rows += forward_rows(_as_run(args[0], low), _as_run(module.weight, low).t())
+            self._keep("forward", name, _as_run(args[0], low), _as_run(module.weight, low).t())
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 seen.module = module
                 output.register_hook(self._grad_hook(name))
@@ -78,9 +104,9 @@ class LinearCapture:
         def hook(grad):
             seen = self.seen[name]
             if seen.module is not None:
-                with measuring(self.device_type):
-                    seen.rows += gradient_rows(_unscaled(grad, self.unscale),
-                                            _as_run(seen.module.weight, seen.low).t())
+                # A copy: autograd may reuse the gradient it hands a hook once the hook returns.
+                kept = _unscaled(grad, self.unscale) if self.unscale != 1 else grad.detach().clone()
+                self._keep("gradient", name, kept, _as_run(seen.module.weight, seen.low).t())
                 seen.module = None
         return hook
 

@@ -67,35 +67,44 @@ def cast(x: torch.Tensor, fmt: str, scaling: str, dim: int = -1, *,
     scale (and NVFP4's tensor scale); by default `x`'s own."""
     hp = x.detach()
     hp = hp if hp.dtype == torch.float32 else hp.to(torch.float32)
+    moved = hp.movedim(dim, -1)
+    grouped = moved.reshape(1, -1, moved.shape[-1]) if moved.dim() else moved.reshape(1, 1, 1)
+    amax = None if tensor_amax is None else tensor_amax.reshape(1)
+    values, saturated = cast_groups(grouped, fmt, scaling, amax)
+    return Cast(values.reshape(moved.shape).movedim(-1, dim), int(saturated[0]), hp)
+
+
+def cast_groups(x: torch.Tensor, fmt: str, scaling: str, amax: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several tensors of one shape cast at once: `x` is (tensors, rows, reduction), float32, and
+    each tensor `x[i]` is cast as `cast` casts it alone (its own scales; `amax[i]`, its largest
+    |value|, for a sample of a larger tensor). Returns the values and, per tensor, how many
+    saturated."""
+    tensor_amax = (x.abs().amax((1, 2)) if amax is None else amax).reshape(-1, 1, 1)
     if scaling in BLOCK:
-        moved = hp.movedim(dim, -1)
-        out = _block_cast(moved, fmt, BLOCK[scaling], tensor_amax)
-        return Cast(out.values.movedim(-1, dim), out.saturated, hp)
+        return _block_cast(x, fmt, BLOCK[scaling], tensor_amax)
     dtype = FP8_DTYPES[fmt]
     if scaling == "tensorwise":
-        amax = hp.abs().max() if tensor_amax is None else tensor_amax
+        scale = scale_for(tensor_amax, dtype, power_of_2=False)
     elif scaling == "rowwise":
-        amax = hp.abs().amax(dim=dim, keepdim=True)
+        scale = scale_for(x.abs().amax(-1, keepdim=True), dtype, power_of_2=True)
     else:
         raise ValueError(f"unknown scaling {scaling!r}")
-    scale = scale_for(amax, dtype, power_of_2=scaling == "rowwise")
-    return _scaled_cast(hp, scale, dtype, finite=bool(torch.isfinite(amax).all()))
+    return _scaled_cast(x, scale, dtype, finite=bool(torch.isfinite(tensor_amax).all()))
 
 
-def cast_both_ways(x: torch.Tensor, fmt: str, *, tensor_amax: torch.Tensor | None = None) -> tuple[Cast, Cast]:
-    """`x` (rows, reduction) cast to `fmt` tensorwise and rowwise in one go: the two scales side by
-    side, one chain of ops for both. The same values as two `cast` calls."""
-    hp = x.detach()
-    hp = hp if hp.dtype == torch.float32 else hp.to(torch.float32)
+def cast_both_ways(x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None
+                   ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """`cast_groups` tensorwise and rowwise in one go, the two scales side by side: one chain of
+    ops for both, the same values. Returns (values, saturated) for each."""
     dtype = FP8_DTYPES[fmt]
-    row_amax = hp.abs().amax(dim=-1, keepdim=True)
-    amax = row_amax.max() if tensor_amax is None else tensor_amax
-    scales = torch.stack([scale_for(amax, dtype, power_of_2=False).expand_as(row_amax),
+    tensor_amax = (x.abs().amax((1, 2)) if amax is None else amax).reshape(-1, 1, 1)
+    row_amax = x.abs().amax(-1, keepdim=True)
+    scales = torch.stack([scale_for(tensor_amax, dtype, power_of_2=False).expand_as(row_amax),
                           scale_for(row_amax, dtype, power_of_2=True)])
-    both = _scaled_cast(hp.unsqueeze(0), scales, dtype, finite=bool(torch.isfinite(amax)))
-    if both.saturated:   # an inf: counted for each scaling on its own
-        return tuple(_scaled_cast(hp, s, dtype, finite=False) for s in scales)
-    return Cast(both.values[0], 0, hp), Cast(both.values[1], 0, hp)
+    values, saturated = _scaled_cast(x.unsqueeze(0), scales, dtype, finite=bool(torch.isfinite(tensor_amax).all()),
+                                     dims=(2, 3))
+    return (values[0], saturated[0]), (values[1], saturated[1])
 
 
 def scale_for(amax: torch.Tensor, dtype: torch.dtype, *, power_of_2: bool) -> torch.Tensor:
@@ -104,14 +113,15 @@ def scale_for(amax: torch.Tensor, dtype: torch.dtype, *, power_of_2: bool) -> to
     return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
 
 
-def _scaled_cast(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, finite: bool) -> Cast:
+def _scaled_cast(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, finite: bool,
+                 dims: tuple[int, ...] = (1, 2)) -> tuple[torch.Tensor, torch.Tensor]:
     top = torch.finfo(dtype).max
     scaled = hp * scale
     # A scale made from the amax puts the largest value at the format's max (or, rounded down to
     # a power of two, under it): only an inf can pass it.
-    saturated = 0 if finite else int(torch.count_nonzero(scaled.abs() > SATURATES_PAST[dtype]))
-    values = widened(scaled.clamp(-top, top).to(dtype)) / scale
-    return Cast(values, saturated, hp)
+    saturated = (torch.count_nonzero(scaled.abs() > SATURATES_PAST[dtype], dim=dims) if not finite
+                 else torch.zeros(scaled.shape[:dims[0]], dtype=torch.int64))
+    return widened(scaled.clamp(-top, top).to(dtype)) / scale, saturated
 
 
 # Each fp8 format's 256 values in float32: looking the bits up is 3x faster on the CPU than
@@ -144,7 +154,10 @@ def _blocks(hp: torch.Tensor, size: int) -> torch.Tensor:
     return hp.reshape(*hp.shape[:-1], hp.shape[-1] // size, size)
 
 
-def _block_cast(hp: torch.Tensor, fmt: str, size: int, tensor_amax: torch.Tensor | None = None) -> Cast:
+def _block_cast(hp: torch.Tensor, fmt: str, size: int, tensor_amax: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensors (tensors, rows, reduction) cast in blocks of `size` along the reduction dimension;
+    `tensor_amax` (tensors, 1, 1), each tensor's largest |value|."""
     blocks = _blocks(hp, size)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     if fmt == "mxfp8":
@@ -152,21 +165,22 @@ def _block_cast(hp: torch.Tensor, fmt: str, size: int, tensor_amax: torch.Tensor
         exponent = torch.floor(torch.log2(amax.clamp(min=2.0 ** -127))) - E4M3_MAX_EXPONENT
         scale = torch.exp2(exponent.clamp(-127, 127))
         scaled = blocks / scale
-        saturated = int(torch.count_nonzero(scaled.abs() > SATURATES_PAST[torch.float8_e4m3fn]))
+        saturated = torch.count_nonzero(scaled.abs() > SATURATES_PAST[torch.float8_e4m3fn], dim=(1, 2, 3))
         values = widened(scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)) * scale
     elif fmt == "nvfp4":
-        # One float32 scale for the tensor puts the largest block scale at e4m3's max.
-        top = amax.max() if tensor_amax is None else tensor_amax
-        tensor_scale = float(top) / (E4M3_MAX * E2M1_MAX) or 1.0
+        # One float32 scale for each tensor puts its largest block scale at e4m3's max (worked
+        # out in float64, as a Python float would be).
+        top = tensor_amax.reshape(-1, 1, 1, 1).to(torch.float64) / (E4M3_MAX * E2M1_MAX)
+        tensor_scale = torch.where(top > 0, top, 1.0).to(torch.float32)
         block_scale = (amax / E2M1_MAX / tensor_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
         scale = block_scale * tensor_scale
         # A block whose scale rounded to 0 in e4m3 is flushed whole: none of it saturates.
-        scaled = blocks / torch.where(scale > 0, scale, torch.full_like(scale, math.inf))
-        saturated = int(torch.count_nonzero(scaled.abs() > SATURATES_PAST["e2m1"]))
+        scaled = blocks / scale.masked_fill(scale == 0, math.inf)
+        saturated = torch.count_nonzero(scaled.abs() > SATURATES_PAST["e2m1"], dim=(1, 2, 3))
         values = round_to_e2m1(scaled) * scale
     else:
         raise ValueError(f"{fmt!r} is not a block format")
-    return Cast(values.reshape(hp.shape), saturated, hp)
+    return values.reshape(hp.shape), saturated
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,7 @@ def fp8_whatif(model: torch.nn.Module, forward, *, backward: Backward = True, sc
             roots, grad_outputs = backward_roots(output, backward, scale)
             if backward is not False and roots and params:
                 torch.autograd.grad(roots, params, grad_outputs=grad_outputs, allow_unused=True)
+        capture.flush()
     finally:
         capture.close()
         matmuls.close()
