@@ -31,6 +31,7 @@ from amp_tui.training.script import ScriptError, TrainSetup, load_script
 from amp_tui.training.sharding import ShardingError, is_sharded, shard_model
 from amp_tui.training.step.autocast import unsupported_reason
 from amp_tui.training.step.engine import PrecisionRefused
+from amp_tui.training.step.fp8_training import FP8_RANKS_UNCHOSEN
 
 
 class BuiltRun(NamedTuple):
@@ -108,6 +109,8 @@ def _settle(config: RunConfig, ranks: Ranks | None):
         resume_from, resume_skipped = newest_valid_checkpoint(candidates, setup, run_dir)
         setup.warnings.extend(f"--resume: skipped {path.relative_to(run_dir)}: {reason}"
                               for path, reason in resume_skipped)
+    if dtype == "float8" and ranks and ranks.world_size > 1 and config.fp8_filter is None:
+        raise PrecisionRefused(FP8_RANKS_UNCHOSEN)
     if config.fp8_filter is not None:
         try:
             load_filter(config.fp8_filter)

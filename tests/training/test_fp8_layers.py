@@ -166,3 +166,15 @@ def test_fp8_is_refused_with_a_reason_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(autocast.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(PrecisionRefused, match=r"amp-tui\[fp8\]"):
         trainer(outlier_model())
+
+
+def test_several_ranks_need_a_filter_file_to_enter_fp8(tmp_path):
+    model = outlier_model()
+    t = GuardedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, dtype="bf16")
+    t.agree_finite = lambda loss: (lambda: True)   # as several ranks have it
+    with pytest.raises(PrecisionRefused, match="--fp8-filter"):
+        t.set_dtype("fp8")
+    chosen = tmp_path / "filter.py"
+    chosen.write_text("def module_filter_fn(module, fqn):\n    return True\n")
+    t.fp8.filter_fn = load_filter(chosen)
+    assert t.set_dtype("fp8")["after"]["dtype"] == "float8"

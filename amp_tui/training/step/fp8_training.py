@@ -15,6 +15,9 @@ from amp_tui.training.step.precision_state import PrecisionRefused
 
 FP8_SHARDED = ("fp8 under FSDP2 is not switched live: convert the model with torchao's "
                "convert_to_float8_training before fully_shard, and run it in bf16")
+# Each rank would run its own what-if, and could choose other layers than the others.
+FP8_RANKS_UNCHOSEN = ("fp8 with several ranks needs --fp8-filter FILE, the same layers on every rank "
+                      "(amp-tui fp8 SCRIPT writes one from a what-if)")
 
 
 class Fp8Training:
@@ -31,8 +34,11 @@ class Fp8Training:
 
     def _fp8_refuses(self, dtype: str) -> str:
         """Before a dtype change: fp8 refused where it can't be switched; the dtype it leaves."""
-        if canonical(dtype) == "float8" and self.sharded:
-            raise PrecisionRefused(FP8_SHARDED)
+        if canonical(dtype) == "float8":
+            if self.sharded:
+                raise PrecisionRefused(FP8_SHARDED)
+            if self.agree_finite is not None and not self.fp8.chosen:
+                raise PrecisionRefused(FP8_RANKS_UNCHOSEN)
         return self.precision.dtype
 
     def _fp8_switched(self, old: str) -> None:
@@ -65,7 +71,8 @@ class Fp8Training:
             self.fp8.sync()
 
     def _fp8_measure(self) -> None:
-        if self.fp8.active:
+        # Under torch.compile, hooks put on and taken off each probed step would recompile it.
+        if self.fp8.active and not self.compiled_modules:
             self.fp8.measure()
 
     def _fp8_close(self, result) -> None:
