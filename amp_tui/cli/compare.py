@@ -41,6 +41,9 @@ def parse_dtypes(text: str) -> list[str]:
             raise argparse.ArgumentTypeError(str(exc)) from None
         if name == "float32":
             raise argparse.ArgumentTypeError("fp32 is the reference: list fp16 and/or bf16")
+        if name == "float8":
+            raise argparse.ArgumentTypeError("fp8 is judged layer by layer: amp-tui fp8 SCRIPT says which "
+                                             "layers can train in it")
         if name not in out:
             out.append(name)
     if not out:

@@ -58,7 +58,7 @@ _QUIT_LAUNCHED = ("quit", "Quit", "Stop the job at a step boundary, wait for it 
 
 KEY_ACTIONS: tuple[KeyAction, ...] = (
     KeyAction("amp.cycle_dtype", "d", "cycle_dtype", "dtype", "Cycle the dtype",
-              "Switch autocast dtype fp16 → bf16 → fp32 → fp16 at the next step boundary"),
+              "Switch autocast dtype fp16 → bf16 → fp32 → fp16 (fp8 → bf16) at the next step boundary"),
     KeyAction("amp.halve_scale", "s", "halve_scale", "½ scale", "Halve the loss scale",
               "Halve GradScaler's loss scale (in bf16/fp32: the init_scale for the next fp16)"),
     KeyAction("amp.set_scale", "S", "set_scale", "set scale", "Set the loss scale…",

@@ -237,6 +237,10 @@ def test_script_errors_exit_2_with_one_line(write_script, tmp_path, capsys):
         main(["compare", str(script), "--dtypes", "fp32"])
     assert exc.value.code == 2
     assert "fp32 is the reference" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", str(script), "--dtypes", "fp16,fp8"])
+    assert exc.value.code == 2
+    assert "amp-tui fp8 SCRIPT" in capsys.readouterr().err
 
 
 def test_nonfinite_reference_fails(write_script, capsys):
