@@ -157,7 +157,7 @@ def step_record(result) -> EncodedStep:
         arrays["underflow"] = figures_json(f.underflow, SHARE_DIGITS)
     if f.underflow_scaled is not None:
         arrays["underflow_scaled"] = figures_json(f.underflow_scaled, SHARE_DIGITS)
-    if getattr(f, "fp8", None) is not None:   # in fp8: each fp8 layer's amax, [input, weight, grad_output]
+    if f.fp8 is not None:   # in fp8: each fp8 layer's amax, [input, weight, grad_output]
         arrays["fp8"] = json.dumps([[compact_figure(v) for v in row] if row is not None else None
                                     for row in f.fp8], separators=(",", ":"))
     eta = getattr(result, "eta", None)

@@ -198,13 +198,15 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float | None:
     """Signal-to-quantization-noise ratio in dB, as torchao's `compute_error` (None: no error)."""
     reference, approx = reference.to(torch.float32), approx.to(torch.float32)
-    noise = float(torch.linalg.vector_norm(reference - approx))
-    signal = float(torch.linalg.vector_norm(reference))
-    if noise == 0 or not math.isfinite(noise):
-        return None if noise == 0 else -math.inf
-    if signal == 0:
-        return -math.inf
-    return 20 * math.log10(signal / noise)
+    return db(float(torch.linalg.vector_norm(reference)), float(torch.linalg.vector_norm(reference - approx)))
+
+
+def db(signal: float, noise: float) -> float | None:
+    """An SQNR in dB from the norms of a signal and of its error: None when the cast is exact,
+    -inf when the error is not finite or there is no signal."""
+    if noise == 0:
+        return None
+    return 20 * math.log10(signal / noise) if signal > 0 and math.isfinite(noise) else -math.inf
 
 
 def channel_sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float | None:
@@ -219,7 +221,11 @@ def channel_sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float | No
 def median_channel_db(signal_energy: torch.Tensor, noise_energy: torch.Tensor) -> float | None:
     """`channel_sqnr_db` from each channel's summed squares of signal and of noise. A channel of
     zeros (0/0) is no channel; an exact one (x/0) counts as infinitely good."""
-    median = float((signal_energy / noise_energy).nanmedian())
+    return median_db(float((signal_energy / noise_energy).nanmedian()))
+
+
+def median_db(median: float) -> float | None:
+    """A median of per-channel signal/noise energy ratios in dB (None: most channels exact)."""
     if math.isnan(median) or math.isinf(median):
         return None
     return 10 * math.log10(median) if median > 0 else -math.inf

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from amp_tui.training.fp8.casts import CASTS, cast_both_ways, cast_groups, fits
+from amp_tui.training.fp8.casts import CASTS, cast_both_ways, cast_groups, db, fits, median_db
 
 # The values of a tensor its casts are measured on, at most: a larger one is measured on a sample
 # of its rows (evenly spread, and the row that holds its largest value), each cast with the scale
@@ -62,7 +62,7 @@ class Reference:
             for c, (fmt, scaling) in enumerate(casts):
                 # A cast keeps zeros zero: the zeros it adds are the values it flushed.
                 rows.append({"tensor": tensor, "format": fmt, "scaling": scaling,
-                             "sqnr_db": _rounded(_db(self.signal[t], noise[c][t])),
+                             "sqnr_db": _rounded(db(self.signal[t], noise[c][t])),
                              "channel_sqnr_db": _rounded(median_db(median[c][t])),
                              "underflow": (nonzero - int(kept[c][t])) / nonzero if nonzero else 0.0,
                              "saturation": saturated[c][t] / numel if numel else 0.0,
@@ -161,7 +161,7 @@ def output_dbs(a: torch.Tensor, a_shape, bt: torch.Tensor, bt_shape, qa: torch.T
     noise = (approx - reference).square().flatten(2).sum(2).sqrt()                # (casts, tensors)
     signal = reference.square().flatten(1).sum(1).sqrt()                          # (tensors,)
     figures = torch.cat([signal.unsqueeze(0), noise]).tolist()
-    return [[_rounded(_db(figures[0][t], figures[1 + c][t])) for c in range(qa.shape[0])]
+    return [[_rounded(db(figures[0][t], figures[1 + c][t])) for c in range(qa.shape[0])]
             for t in range(len(figures[0]))]
 
 
@@ -173,19 +173,6 @@ def _matmul(a: torch.Tensor, a_shape, bt: torch.Tensor, bt_shape) -> torch.Tenso
     lead = a.shape[:-2]
     product = a.reshape(*lead, *a_shape) @ bt.reshape(*bt.shape[:-2], *bt_shape).transpose(-1, -2)
     return product.reshape(*lead, -1, product.shape[-1])
-
-
-def median_db(median: float) -> float | None:
-    """A median of per-channel signal/noise energy ratios in dB (None: most channels exact)."""
-    if math.isnan(median) or math.isinf(median):
-        return None
-    return 10 * math.log10(median) if median > 0 else -math.inf
-
-
-def _db(signal: float, noise: float) -> float | None:
-    if noise == 0:
-        return None
-    return 20 * math.log10(signal / noise) if signal > 0 and math.isfinite(noise) else -math.inf
 
 
 def spread_bits(x: torch.Tensor) -> dict:
