@@ -108,7 +108,8 @@ def test_the_first_fp8_step_is_chosen_by_its_what_if_and_d_takes_it_back_to_bf16
     first = t.step([data[0]])
     # The what-if of that step chose: the layer behind the massive channels stays in bf16.
     assert first.fp8 is not None and first.fp8["verdict"]["5"].startswith("bf16")
-    assert first.fp8_layers == {"layers": ["0", "2", "8"], "source": None, "whatif_step": 0, "linear": 4}
+    assert first.fp8_layers == {"layers": ["0", "2", "8"], "source": None, "whatif_step": 0, "asked": False,
+                                "linear": 4}
     assert type(model[5]) is nn.Linear and type(model[8]) is Float8Linear
     assert first.dtype == "float8" and first.scale is None and not first.skipped
     # Probed: each fp8 layer's amax with the figures, layer by layer; None for the others.
@@ -178,3 +179,14 @@ def test_several_ranks_need_a_filter_file_to_enter_fp8(tmp_path):
     chosen.write_text("def module_filter_fn(module, fqn):\n    return True\n")
     t.fp8.filter_fn = load_filter(chosen)
     assert t.set_dtype("fp8")["after"]["dtype"] == "float8"
+
+
+def test_a_what_if_asked_of_the_step_that_enters_fp8_is_the_one_that_chooses():
+    model = outlier_model()
+    t, _ = trainer(model)
+    t.request_fp8()
+    first = t.step([batches(1)[0]])
+    # One what-if, before the step, in the precision it came from: the one that chose the layers.
+    assert first.fp8["dtype"] == "bfloat16" and first.fp8["verdict"]["5"].startswith("bf16")
+    assert first.fp8_layers["asked"] is True and first.fp8_layers["whatif_step"] == 0
+    assert t.step([batches(2)[1]]).fp8 is None   # and none left owed

@@ -160,8 +160,10 @@ def record_replays(run: RunContext, result: StepResult) -> None:
     if result.xray is not None:
         record_xray(run, result.step, result.xray, run.driver.xray_by)
     if result.fp8 is not None:
-        record_fp8(run, result.step, result.fp8, run.driver.fp8_by if result.fp8_layers is None else
-                   {"source": "fp8 entry"})
+        # The what-if that chose fp8's layers names who asked for one that step, else itself.
+        entry = result.fp8_layers is not None and result.fp8_layers["whatif_step"] == result.step
+        unasked = entry and not result.fp8_layers["asked"]
+        record_fp8(run, result.step, result.fp8, {"source": "fp8 entry"} if unasked else run.driver.fp8_by)
     if result.fp8_layers is not None:
         record_fp8_layers(run, result.step, result.fp8_layers)
 

@@ -53,8 +53,10 @@ class Fp8Training:
         if self.precision.dtype != "float8":
             return
         if not self.fp8.active:
-            whatif = None
+            whatif, asked = None, False
             if not self.fp8.chosen:
+                # This what-if is the step's own: one asked of it too (request_fp8) is this one.
+                asked, self._fp8_due = self._fp8_due, False
                 whatif = self._ahead(fp8_whatif, [batch], None)
                 if "error" in whatif:
                     raise PrecisionRefused(f"the fp8 what-if that chooses the layers failed: {whatif['error']}")
@@ -62,7 +64,7 @@ class Fp8Training:
             linear = len(self.fp8.candidates())
             layers = self.fp8.enter()
             self._fp8_entry = {"layers": layers, "source": self.fp8.source, "whatif_step": self.fp8.whatif_step,
-                               "whatif": whatif, "linear": linear}
+                               "whatif": whatif, "asked": asked, "linear": linear}
             self._fp8_fp32 = tuple(self.fp8.kept_out())
             return
         fp32 = tuple(self.fp8.kept_out())
@@ -84,6 +86,6 @@ class Fp8Training:
         entry, self._fp8_entry = self._fp8_entry, None
         if entry is not None:
             whatif = entry.pop("whatif")
-            if whatif is not None and result.fp8 is None:
+            if whatif is not None:
                 result.fp8 = whatif
             result.fp8_layers = entry
