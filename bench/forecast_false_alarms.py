@@ -107,16 +107,20 @@ def tally(name: str, dtype: str, records: list[dict], seconds: float) -> dict:
             "seconds": round(seconds, 1)}
 
 
+def false_alarm_run(name: str, dtype: str, steps: int, folder: Path, spec=None) -> dict:
+    """One healthy run's tally: the healthy demo (`spec` None) or a bench model."""
+    run_dir = folder / f"{name.replace('/', '_')}-{dtype}"
+    started = time.perf_counter()
+    records = (healthy_demo_run(dtype, steps, run_dir) if spec is None
+               else bench_model_run(spec, dtype, steps, run_dir))
+    return tally(name, dtype, records, time.perf_counter() - started)
+
+
 def false_alarms(steps: int, specs, folder: Path) -> list[dict]:
     out = []
     for dtype in DTYPES:
-        runs = [("demos/healthy.py", lambda d, dtype=dtype: healthy_demo_run(dtype, steps, d))]
-        runs += [(spec.name, lambda d, spec=spec, dtype=dtype: bench_model_run(spec, dtype, steps, d))
-                 for spec in specs]
-        for name, run in runs:
-            started = time.perf_counter()
-            records = run(folder / f"{name.replace('/', '_')}-{dtype}")
-            out.append(tally(name, dtype, records, time.perf_counter() - started))
+        for name, spec in [("demos/healthy.py", None), *((spec.name, spec) for spec in specs)]:
+            out.append(false_alarm_run(name, dtype, steps, folder, spec))
             print(f"  {name:<22} {dtype:<9} {out[-1]}", flush=True)
     return out
 

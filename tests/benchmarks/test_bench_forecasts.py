@@ -7,27 +7,31 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import forecast_false_alarms as bench  # noqa: E402
 
+# One test per run, so that side by side (-n) the runs share the workers.
+HEALTHY_RUNS = [(name, spec, dtype) for dtype in bench.DTYPES
+                for name, spec in [("demos/healthy.py", None), *((s.name, s) for s in bench.QUICK_SPECS[:2])]]
 
-def test_healthy_runs_raise_no_false_alarm(tmp_path):
+
+@pytest.mark.parametrize(("name", "spec", "dtype"), HEALTHY_RUNS, ids=[f"{n}-{d}" for n, _, d in HEALTHY_RUNS])
+def test_healthy_runs_raise_no_false_alarm(tmp_path, name, spec, dtype):
     """The bench models' scaler starts at bench.HEALTHY_INIT_SCALE: at GradScaler's default the small
     GPT's backward overflowed once within 150 steps, at a step that depends on the CPU's fp16 kernels,
     so the healthy case was not one. Each run is checked to be healthy (no skip, no non-finite
     step), so that an alert can only be a false one."""
-    runs = bench.false_alarms(150, bench.QUICK_SPECS[:2], tmp_path)
-    assert {(r["run"], r["dtype"]) for r in runs} == {
-        (name, dtype) for name in ("demos/healthy.py", *(s.name for s in bench.QUICK_SPECS[:2]))
-        for dtype in bench.DTYPES}
-    assert all(r["steps"] == 150 for r in runs)
-    assert all(r["skipped"] == 0 and r["nonfinite_events"] == 0 for r in runs), runs
-    assert sum(r["false_alarms"] for r in runs) == 0, runs
-    assert sum(r["layer_alerts"] for r in runs) == 0, runs
-    assert sum(r["wrong_forecasts"] for r in runs) == 0, runs   # not even a harmless skip said wrongly
+    run = bench.false_alarm_run(name, dtype, 150, tmp_path, spec)
+    assert (run["run"], run["dtype"], run["steps"]) == (name, dtype, 150), run
+    assert run["skipped"] == 0 and run["nonfinite_events"] == 0, run
+    assert run["false_alarms"] == 0, run
+    assert run["layer_alerts"] == 0, run
+    assert run["wrong_forecasts"] == 0, run   # not even a harmless skip said wrongly
 
 
 def test_the_lead_times_are_measured(tmp_path):
