@@ -1,14 +1,20 @@
 """Fixtures every test may ask for: a deterministic seed, a script written to a temporary file, the
 small MLP script, and a headless run going on a background thread with its control socket."""
 
+import os
 import textwrap
 import threading
 from pathlib import Path
 
-import pytest
-import torch
+# One intra-op thread a process, read by torch as it is imported, and inherited by every run
+# and rank a test starts: the tests run side by side on every core already (-n), and more
+# threads than cores spin for each other (a third of the suite's time on two cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from amp_tui.job.steering.control import socket_path
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from amp_tui.job.steering.control import socket_path  # noqa: E402
 
 from support import MLP_SCRIPT, SLOW_SCRIPT, train_run, wait_for
 
