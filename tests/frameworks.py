@@ -45,7 +45,8 @@ def hf_trainer(tmp_path, *, steps: int = 6, precision: str = "bf16", accumulate:
         precision = "fp16"
     flags = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[precision]
     args = TrainingArguments(output_dir=str(tmp_path / "hf-out"), max_steps=steps, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=accumulate, use_cpu=device == "cpu", report_to=[],
+                             gradient_accumulation_steps=accumulate, use_cpu=device == "cpu",
+                             report_to=arguments.pop("report_to", []),
                              save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
                              **flags, **arguments)
     trainer = Trainer(model=model if model is not None else tiny_gpt2(), args=args,

@@ -125,7 +125,7 @@ def train_rank(args) -> int:
 
 def _train(args, ranks) -> int:
     from amp_tui.cli.headless import run_headless
-    from amp_tui.cli.train_options import attach_tensorboard, run_config
+    from amp_tui.cli.train_options import attach_tensorboard, attach_trackers, run_config
     from amp_tui.cli.training_process import keep_imports_out_of_collections
     from amp_tui.core.commands import CommandError
     from amp_tui.job.build import build_run
@@ -145,7 +145,7 @@ def _train(args, ranks) -> int:
     except RanksLost as exc:
         return error(str(exc), status=1)
     if ranks.is_main:
-        problem = attach_tensorboard(run, args.tensorboard)
+        problem = attach_tensorboard(run, args.tensorboard) or attach_trackers(run, args)
         if problem:
             return error(problem)
         print(f"amp-tui: rank 0 of {ranks.world_size} records {run.run_dir}; the other ranks' output "

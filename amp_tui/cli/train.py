@@ -95,6 +95,12 @@ def _steering_options(train) -> None:
     train.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
                        help="also write TensorBoard event files into DIR as the run goes "
                             "(pip install 'amp-tui[tensorboard]')")
+    train.add_argument("--wandb", nargs="?", const=True, default=None, metavar="PROJECT",
+                       help="also log the run to W&B as it goes, in PROJECT (default $WANDB_PROJECT or "
+                            "amp-tui; WANDB_MODE=offline works; pip install 'amp-tui[wandb]')")
+    train.add_argument("--mlflow", default=None, metavar="URI",
+                       help="also log the run to MLflow as it goes, at tracking URI, e.g. "
+                            "sqlite:///mlflow.db (pip install 'amp-tui[mlflow]')")
     train.add_argument("--fp32-modules", action="append", default=[], metavar="PATTERN",
                        help="run modules whose name matches PATTERN (fnmatch, e.g. 'blocks.*.attn') "
                             "with autocast off and float32 inputs (repeatable)")
@@ -152,7 +158,7 @@ def _guard_options(train) -> None:
 
 def cmd_train(args) -> int:
     from amp_tui.cli import distributed
-    from amp_tui.cli.train_options import attach_tensorboard, run_config, tensorboard_problem
+    from amp_tui.cli.train_options import attach_tensorboard, attach_trackers, run_config, tensorboard_problem
     from amp_tui.cli.training_process import keep_imports_out_of_collections
     from amp_tui.core.commands import CommandError
     from amp_tui.job.build import build_run
@@ -162,6 +168,11 @@ def cmd_train(args) -> int:
 
     if args.tensorboard is not None:
         problem = tensorboard_problem(args.tensorboard)
+        if problem:
+            return error(problem)
+    if args.wandb is not None or args.mlflow is not None:
+        from amp_tui.recording.trackers import check_trackers
+        problem = check_trackers(wandb=args.wandb, mlflow=args.mlflow)
         if problem:
             return error(problem)
     if args.dist_timeout is not None and args.dist_timeout <= MIN_DIST_TIMEOUT_S:
@@ -182,7 +193,7 @@ def cmd_train(args) -> int:
         run, warnings = build_run(run_config(args, on_nonfinite_default="pause" if dashboard else "skip"))
     except (ScriptError, DeviceError, CommandError, PrecisionRefused) as exc:
         return error(str(exc))
-    problem = attach_tensorboard(run, args.tensorboard)
+    problem = attach_tensorboard(run, args.tensorboard) or attach_trackers(run, args)
     if problem:
         return error(problem)
     if dashboard:

@@ -1,5 +1,5 @@
 """`amp-tui train`'s parsed options, for one process or for each rank of several: the `RunConfig`
-they ask for, and `--tensorboard`'s checks.
+they ask for, and `--tensorboard`'s, `--wandb`'s and `--mlflow`'s observers.
 
 Nothing heavy is imported until a function runs (building the parser imports this module's
 neighbours, not torch).
@@ -42,6 +42,19 @@ def attach_tensorboard(run, logdir: Path | None) -> str | None:
         run.observers.append(TensorBoardObserver(logdir))
     except OSError as exc:
         return f"--tensorboard {logdir}: {exc.strerror or exc}"
+    return None
+
+
+def attach_trackers(run, args) -> str | None:
+    """Log the run live to `--wandb [PROJECT]` and `--mlflow URI` too; what went wrong, if anything."""
+    if args.wandb is None and args.mlflow is None:
+        return None
+    from amp_tui.recording.extras import MissingExtra
+    from amp_tui.recording.trackers import TrackerError, open_observers
+    try:
+        run.observers.extend(open_observers(wandb=args.wandb, mlflow=args.mlflow, run_dir=run.run_dir))
+    except (MissingExtra, TrackerError) as exc:
+        return str(exc)
     return None
 
 

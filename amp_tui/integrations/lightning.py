@@ -28,6 +28,7 @@ others at the boundaries as amp_tui.monitor does in a loop of one's own; rank 0 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from amp_tui.integrations.common import loss_tensor, options, refuse_engine_keys, require, warn, with_dtype
@@ -58,13 +59,14 @@ class AmpTuiCallback(_pl.Callback):
     Options as amp_tui.monitor's: `run_dir` (default $AMP_TUI_RUN_DIR, set by `amp-tui run`, or
     runs/<time>-<script>), `probe_every`, `probe_budget`, `probe_alert_bits`, `underflow_every`,
     `checkpoint_every`, `control`, `announce`, `tensorboard_dir`, `forecast_horizon`, `min_scale`,
-    `fp32_modules`, `fp8_every`.
+    `fp32_modules`, `fp8_every`, `wandb`, `mlflow` (into the framework's own W&B or MLflow run
+    where it has one).
     The dtype is the Trainer's (`precision=`)."""
 
     def __init__(self, *unexpected, run_dir=None, probe_every="auto", probe_budget=1.0, probe_alert_bits=3.0,
                  underflow_every=10, checkpoint_every=None, control=True, announce=True, tensorboard_dir=None,
                  dtype=None, on_nonfinite="skip", forecast_horizon=500, min_scale=None,
-                 fp32_modules=(), fp8_every=None):
+                 fp32_modules=(), fp8_every=None, wandb=None, mlflow=None):
         if unexpected:
             raise TypeError(f"AmpTuiCallback() takes no {type(unexpected[0]).__name__}: Lightning hands the "
                             "callback its Trainer, so give it to the Trainer: L.Trainer(callbacks=[AmpTuiCallback()])")
@@ -74,7 +76,7 @@ class AmpTuiCallback(_pl.Callback):
             "checkpoint_every": checkpoint_every, "control": control, "announce": announce,
             "tensorboard_dir": tensorboard_dir, "on_nonfinite": on_nonfinite,
             "forecast_horizon": forecast_horizon, "min_scale": min_scale,
-            "fp32_modules": fp32_modules, "fp8_every": fp8_every})
+            "fp32_modules": fp32_modules, "fp8_every": fp8_every, "wandb": wandb, "mlflow": mlflow})
         self.monitor: Monitor | None = None
         self._plugin = None      # the precision plugin whose forward_context is ours while watching
         self._in_step = False
@@ -92,7 +94,8 @@ class AmpTuiCallback(_pl.Callback):
         scaler = getattr(plugin, "scaler", None)
         scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
         configs = trainer.lr_scheduler_configs
-        self.monitor = Monitor(pl_module, trainer.optimizers[0], with_dtype(self.options, dtype), scaler=scaler,
+        self.monitor = Monitor(pl_module, trainer.optimizers[0],
+                               _with_loggers_runs(with_dtype(self.options, dtype), trainer), scaler=scaler,
                                scheduler=configs[0].scheduler if len(configs) == 1 else None, framework=FRAMEWORK)
         kinds = {c.__name__ for c in type(plugin).__mro__}
         engine = "DeepSpeed" if "DeepSpeedPrecision" in kinds or "DeepSpeedStrategy" in {
@@ -181,3 +184,17 @@ def _not_watched(trainer, pl_module, dtype: str | None) -> str | None:
     if len(trainer.optimizers) != 1:
         return f"it has {len(trainer.optimizers)} optimizers, and AmpTuiCallback watches one"
     return None
+
+
+def _with_loggers_runs(options, trainer):
+    """The options, logging into the Trainer's own W&B or MLflow run where a logger of it has one:
+    MLFlowLogger's run is not MLflow's active run, so its id is handed on; WandbLogger starts
+    `wandb.run` when its experiment is first asked for."""
+    for logger in getattr(trainer, "loggers", ()):
+        kind = type(logger).__name__
+        if kind == "MLFlowLogger" and options.mlflow and options.mlflow_run_id is None:
+            uri = getattr(logger, "_tracking_uri", None)
+            options = dataclasses.replace(options, mlflow=uri or options.mlflow, mlflow_run_id=logger.run_id)
+        elif kind == "WandbLogger" and options.wandb:
+            logger.experiment   # noqa: B018 - starts the logger's run, which amp-tui then logs into
+    return options

@@ -50,14 +50,15 @@ class AmpTuiCallback(TrainerCallback):
     Options as amp_tui.monitor's: `run_dir` (default $AMP_TUI_RUN_DIR, set by `amp-tui run`, or
     runs/<time>-<script>), `probe_every`, `probe_budget`, `probe_alert_bits`, `underflow_every`,
     `checkpoint_every`, `control`, `announce`, `tensorboard_dir`, `forecast_horizon`, `min_scale`,
-    `fp32_modules`, `fp8_every`.
+    `fp32_modules`, `fp8_every`, `wandb`, `mlflow` (into the framework's own W&B or MLflow run
+    where it has one).
     The dtype is the Trainer's (fp16=/bf16= in
     TrainingArguments)."""
 
     def __init__(self, trainer: Trainer | None = None, *, run_dir=None, probe_every="auto", probe_budget=1.0,
                  probe_alert_bits=3.0, underflow_every=10, checkpoint_every=None, control=True, announce=True,
                  tensorboard_dir=None, dtype=None, on_nonfinite="skip", forecast_horizon=500, min_scale=None,
-                 fp32_modules=(), fp8_every=None):
+                 fp32_modules=(), fp8_every=None, wandb=None, mlflow=None):
         if trainer is None:
             raise TypeError("AmpTuiCallback(trainer): pass the Trainer it watches, "
                             "trainer.add_callback(AmpTuiCallback(trainer)); a TrainerCallback is not handed "
@@ -72,7 +73,7 @@ class AmpTuiCallback(TrainerCallback):
             "checkpoint_every": checkpoint_every, "control": control, "announce": announce,
             "tensorboard_dir": tensorboard_dir, "on_nonfinite": on_nonfinite,
             "forecast_horizon": forecast_horizon, "min_scale": min_scale,
-            "fp32_modules": fp32_modules, "fp8_every": fp8_every})
+            "fp32_modules": fp32_modules, "fp8_every": fp8_every, "wandb": wandb, "mlflow": mlflow})
         self.monitor: Monitor | None = None
         self._loss = None
         self._in_step = False

@@ -128,6 +128,8 @@ class Monitor:
         self._previous_signals: dict = {}
         if o.tensorboard_dir is not None and main:   # before anything is made: a missing package
             self.controller.recorder.observers.append(_tensorboard_observer(Path(o.tensorboard_dir)))
+        if (o.wandb or o.mlflow) and main:
+            self.controller.recorder.observers.extend(_tracking_observers(o, run_dir))
         self._start(main, o.announce)
 
     def _start(self, main: bool, announce: bool) -> None:
@@ -383,6 +385,17 @@ class Monitor:
         """The script ended without monitor.close(): end the recording anyway, before the
         interpreter finalises (no thread of ours may outlive it)."""
         self.close()
+
+
+def _tracking_observers(o, run_dir: Path) -> list:
+    from amp_tui.recording.extras import MissingExtra
+    from amp_tui.recording.trackers import TrackerError, open_observers
+    asked = ", ".join(f"{name}={getattr(o, name)!r}" for name in ("wandb", "mlflow") if getattr(o, name))
+    try:
+        return open_observers(wandb=o.wandb or None, mlflow=o.mlflow or None, run_dir=run_dir,
+                              mlflow_run_id=o.mlflow_run_id)
+    except (MissingExtra, TrackerError) as exc:
+        raise MonitorError(f"{asked}: {exc}") from None
 
 
 def _tensorboard_observer(logdir: Path):

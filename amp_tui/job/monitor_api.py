@@ -21,7 +21,8 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
             checkpoint_every: int | None = None, control: bool = True, announce: bool = True,
             tensorboard_dir: str | Path | None = None, on_nonfinite: str = "skip",
             forecast_horizon: int = 500, min_scale: float | None = None,
-            fp32_modules: str | list[str] = (), fp8_every: int | str | None = None) -> Monitor:
+            fp32_modules: str | list[str] = (), fp8_every: int | str | None = None,
+            wandb: str | bool | None = None, mlflow: str | bool | None = None) -> Monitor:
     """Watch the user's own loop; see the module docstring (and docs/user-guide.md, "Your own loop").
 
     `dtype`: what `monitor.autocast()` applies to start with (fp16, bf16, fp32); by default what
@@ -41,10 +42,15 @@ def monitor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler=
     docs/session-format.md, "Forecasts"). `min_scale`: the loss scale's floor (default 2**-24): the
     loop's GradScaler is never let below it (at 0 it would apply NaN updates), with an alert when it
     binds. `fp8_every`: the fp8 what-if of a step (as `ctl RUN fp8`) every N steps, or "auto" (at most
-    a quarter of `probe_budget`); None: only when asked (docs/fp8.md)."""
+    a quarter of `probe_budget`); None: only when asked (docs/fp8.md). `wandb`: also log the run to
+    W&B, into the active run (`wandb.run`) or a new one in this project (True: $WANDB_PROJECT or
+    "amp-tui"; pip install 'amp-tui[wandb]'). `mlflow`: the same to MLflow, at this tracking URI
+    (True: MLflow's own), into the active run there or a new one (pip install 'amp-tui[mlflow]');
+    see docs/trackers.md."""
     options = MonitorOptions.of(
         dtype=dtype, run_dir=run_dir, probe_every=probe_every, probe_budget=probe_budget,
         probe_alert_bits=probe_alert_bits, underflow_every=underflow_every, checkpoint_every=checkpoint_every,
         control=control, announce=announce, tensorboard_dir=tensorboard_dir, on_nonfinite=on_nonfinite,
-        forecast_horizon=forecast_horizon, min_scale=min_scale, fp32_modules=fp32_modules, fp8_every=fp8_every)
+        forecast_horizon=forecast_horizon, min_scale=min_scale, fp32_modules=fp32_modules, fp8_every=fp8_every,
+        wandb=wandb, mlflow=mlflow)
     return Monitor(model, optimizer, options, scaler=scaler, scheduler=scheduler)

@@ -27,9 +27,17 @@ class MonitorOptions:
     forecast_horizon: int = 500
     min_scale: float | None = None
     fp32_modules: str | list[str] | tuple[str, ...] = ()
+    wandb: str | bool | None = None       # a W&B project, or True (amp_tui.recording.trackers)
+    mlflow: str | bool | None = None      # an MLflow tracking URI, or True
+    mlflow_run_id: str | None = None      # the MLflow run to log into (Lightning's MLFlowLogger's)
 
     def __post_init__(self) -> None:
         checked("on_nonfinite", self.on_nonfinite, MONITOR_POLICIES)
+        for name in ("wandb", "mlflow"):
+            value = getattr(self, name)
+            if not (value is None or isinstance(value, (bool, str, Path))) or value == "":
+                raise ValueError(f"{name}={value!r}: " + ("a W&B project name, or True" if name == "wandb"
+                                                          else "an MLflow tracking URI, or True"))
         if self.min_scale is not None and not (isinstance(self.min_scale, (int, float))
                                                and 0 < self.min_scale < math.inf):
             raise ValueError(f"min_scale={self.min_scale!r}: the loss scale's floor must be a positive finite number")

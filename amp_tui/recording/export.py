@@ -1,4 +1,4 @@
-"""`amp-tui export`: a recording to TensorBoard event files and CSV files, in one pass.
+"""`amp-tui export`: a recording to TensorBoard event files, CSV files, W&B and MLflow, in one pass.
 
 The recording is read through the replay's index (amp_tui.recording.stream), so what the index
 skips (a torn last line, damaged lines) is skipped here too and counted in the result, and a run
@@ -21,18 +21,21 @@ class ExportResult:
     events: int
     ended: bool                          # it has an end record (else: still running, or killed)
     skipped: str | None                  # what the reader skipped, in words (None: nothing)
-    written: dict[str, Path] = field(default_factory=dict)   # what was written where
+    written: dict[str, Path | str] = field(default_factory=dict)   # what was written where
 
 
 def export(target, *, tensorboard: str | Path | None = None, csv: str | Path | None = None,
            layers_csv: str | Path | None = None, forecasts_csv: str | Path | None = None,
+           wandb: str | bool | None = None, mlflow: str | bool | None = None,
            notify: Callable[[str], None] = lambda _text: None) -> ExportResult:
     """Write the recording at `target` (a run directory or a session file) to the outputs given.
     Raises SessionFormatError for a file that is not a session, MissingExtra when TensorBoard
     is asked for without its package, ValueError for outputs that would overwrite the session or
     each other, OSError when an output can't be written (a CSV file is then not left half
-    written). `notify` hears, before the records are written, what makes the export slower
-    than it could be (TensorBoard's checksums without google-crc32c)."""
+    written). `wandb` (a project, or True) and `mlflow` (a tracking URI, or True) each get a run
+    of their own (amp_tui.recording.trackers; TrackerError when one can't be opened). `notify`
+    hears, before the records are written, what makes the export slower than it could be
+    (TensorBoard's checksums without google-crc32c)."""
     from amp_tui.recording.csv_export import LayersCsv, StepsCsv
     from amp_tui.recording.forecast_csv import ForecastsCsv
 
@@ -60,6 +63,13 @@ def export(target, *, tensorboard: str | Path | None = None, csv: str | Path | N
             if forecasts_csv is not None:
                 sinks.append(ForecastsCsv(forecasts_csv))
                 result.written["forecasts_csv"] = Path(forecasts_csv)
+            if wandb is not None or mlflow is not None:
+                from amp_tui.recording.trackers import open_writers
+
+                for writer in open_writers(wandb=wandb, mlflow=mlflow, run_name=index.path.parent.name,
+                                           session=index.path, live=False):
+                    sinks.append(writer)
+                    result.written[writer.backend.name] = _tracker_run(writer.backend)
             for record, line in entries(index):
                 for sink in sinks:
                     sink.write(record, line)
@@ -70,6 +80,14 @@ def export(target, *, tensorboard: str | Path | None = None, csv: str | Path | N
         for sink in sinks:
             sink.finish()
     return result
+
+
+def _tracker_run(backend) -> str:
+    """Where a tracker's run is, in words."""
+    if backend.name == "MLflow":
+        return f"run {backend.run_id} at {backend.tracking_uri}"
+    run = backend.run
+    return f"run {run.id} in project {run.project}" + (f" ({run.dir})" if getattr(run, "offline", False) else "")
 
 
 def _refuse_overwriting(session: Path, *outputs) -> None:

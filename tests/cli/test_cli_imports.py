@@ -42,6 +42,7 @@ def run_probe(*argv: str, cwd) -> subprocess.CompletedProcess:
     (["ls", "{runs}"], "overflowing"),
     (["export", "{run}", "--tensorboard", "{tmp}/tb", "--csv", "{tmp}/steps.csv", "--layers-csv",
       "{tmp}/layers.csv"], "exported 4 steps"),
+    (["export", "{run}", "--mlflow", "sqlite:///{tmp}/mlflow.db"], "exported 4 steps"),
     (["plot", "{run}", "-o", "{tmp}/run.png"], "4 steps"),
 ])
 def test_a_read_side_command_runs_without_importing_torch(recorded_run, tmp_path, command, shows):
