@@ -151,8 +151,9 @@ class TrackingWriter:
                 self._new_events.append(row)
                 self.flush()
         elif kind == "end":
-            self._status = "FINISHED" if not record.get("unwritten") and record.get("status") in (
-                None, "finished", "completed", "stopped") else "FAILED"
+            # A run stopped on request ended as it should; one that failed, or lost records, did not.
+            self._status = ("FINISHED" if record.get("status") in ("finished", "stopped")
+                            and not record.get("unwritten") else "FAILED")
             self.finish()
             return
         if self._rows and (len(self._rows) >= self._batch_steps
@@ -256,6 +257,7 @@ class TrackingObserver:
     def __init__(self, writer: TrackingWriter):
         self.writer = writer
         self.error: str | None = None
+        self.busy_s = 0.0          # CPU time the observer's thread has spent on the records
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._work, name=f"amp-tui {writer.backend.name}", daemon=True)
@@ -285,12 +287,17 @@ class TrackingObserver:
                 try:
                     record = self._queue.get(timeout=FLUSH_INTERVAL_S)
                 except queue.Empty:
-                    writer.flush()
-                    continue
-                if record is None:
-                    writer.finish()
-                    return
-                writer.write(record)
+                    record = False
+                started = time.thread_time()
+                try:
+                    if record is False:
+                        writer.flush()
+                    elif record is None:
+                        writer.finish()
+                    else:
+                        writer.write(record)
+                finally:
+                    self.busy_s += time.thread_time() - started
                 if writer.finished:
                     return
         except Exception as exc:  # noqa: BLE001 - the tracker's library, whatever it raises

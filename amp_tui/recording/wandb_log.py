@@ -116,6 +116,7 @@ def wandb_backend(project: str | None = None, *, run_name: str | None = None,
     wandb = _wandb()
     if reuse_active and wandb.run is not None:
         return WandbBackend(wandb.run, owned=False, run_name=run_name)
+    # WANDB_DIR as it is now: wandb reads it once a process, at its first run.
     run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or PROJECT, name=run_name,
-                     reinit="create_new")
+                     dir=os.environ.get("WANDB_DIR") or None, reinit="create_new")
     return WandbBackend(run, owned=True, run_name=run_name)

@@ -38,7 +38,9 @@ from amp_tui.cli import main
 
 from support import DEMOS, MLP_SCRIPT, monitored_loop, train_ranks
 
-FUZZ_FILES = int(os.environ.get("AMP_TUI_FUZZ_FILES", "300"))
+# The suite's run: every mutation lands on each base session several times (checked below); a
+# long run of its own, AMP_TUI_FUZZ_FILES=5000, draws many more.
+FUZZ_FILES = int(os.environ.get("AMP_TUI_FUZZ_FILES", "160"))
 FUZZ_SEED = int(os.environ.get("AMP_TUI_FUZZ_SEED", "0"))
 # Drawing a figure costs far more than reading the file: in the short run every PLOT_EVERY-th
 # damaged file is drawn too (every file in a long run of its own, AMP_TUI_FUZZ_PLOT_EVERY=1).
@@ -286,8 +288,11 @@ def test_every_reader_reads_or_refuses_every_damaged_session(base_sessions, tmp_
             warnings.warn(f"{reader} is not fuzzed: the {package} package is not installed", stacklevel=1)
     started = time.monotonic()
     failures = []
+    drawn: dict[tuple[str, str], int] = {}
     for seed in range(FUZZ_SEED, FUZZ_SEED + FUZZ_FILES):
         base, mutations, data = damaged(base_sessions, seed)
+        for name in mutations:
+            drawn[base, name] = drawn.get((base, name), 0) + 1
         case = tmp_path / "case"
         run_dir = case / "runs" / "run"
         run_dir.mkdir(parents=True)
@@ -304,6 +309,9 @@ def test_every_reader_reads_or_refuses_every_damaged_session(base_sessions, tmp_
     print(f"reader fuzz: {FUZZ_FILES} damaged files from seed {FUZZ_SEED}, {len(failures)} failures, "
           f"{elapsed:.1f} s")
     assert not failures, f"{len(failures)} failures; the first ones:\n\n" + "\n\n".join(failures[:5])
+    if FUZZ_FILES >= 160:
+        rare = [(b, m.__name__) for b in base_sessions for m in MUTATIONS if drawn.get((b, m.__name__), 0) < 3]
+        assert not rare, f"mutations drawn fewer than 3 times on a base: {rare}"
 
 
 def test_the_mutations_are_the_same_for_a_seed_and_damage_the_file(base_sessions):

@@ -241,6 +241,7 @@ def test_lightnings_mlflow_logger_run_gets_the_figures_not_a_second_run(tmp_path
     from lightning.pytorch.loggers import MLFlowLogger
 
     from amp_tui.integrations import lightning as lightning_integration
+
     from frameworks import lightning_module_class, pl_trainer, regression_loader
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
